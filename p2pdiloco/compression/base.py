@@ -1,0 +1,83 @@
+"""The codec interface: how a flat fp32 vector becomes bytes on the wire and back.
+
+A codec is stateless and deterministic: ``decode(encode(x))`` is a pure function of ``x``, so the
+owner of a shard can encode the mean once and every peer that decodes those bytes holds bitwise
+identical values. ``encoded_size(n)`` is exact: the receiving side checks the byte length against it
+*before* decoding or allocating anything, which is how malformed parts are rejected.
+
+Codec ids are part of the wire protocol (one byte in every part header): never renumber them.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Dict, Type
+
+import torch
+
+from ..errors import WireError
+
+__all__ = ["Codec", "register_codec", "get_codec", "codec_by_id", "CODECS"]
+
+
+class Codec(abc.ABC):
+    #: short name used in configs, e.g. "fp32", "fp16", "e3m0", "nf4", "fp4"
+    name: str = ""
+    #: stable wire id (0..255)
+    codec_id: int = -1
+    #: bound on |decode(encode(x)) - x| relative to a block's absmax, documented per codec (0 = lossless)
+    relative_error_bound: float = 0.0
+
+    @abc.abstractmethod
+    def encoded_size(self, numel: int) -> int:
+        """Exact number of bytes ``encode`` produces for ``numel`` fp32 values."""
+
+    @abc.abstractmethod
+    def encode(self, x: torch.Tensor) -> bytes:
+        """Encode a 1-D fp32 tensor (any device) to bytes."""
+
+    @abc.abstractmethod
+    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
+        """Decode bytes of exactly ``encoded_size(numel)`` bytes to a 1-D fp32 CPU tensor."""
+
+    def decode(self, data: bytes, numel: int, sender: str | None = None) -> torch.Tensor:
+        """Validate then decode; raises :class:`WireError` naming ``sender`` on any mismatch."""
+        expected = self.encoded_size(numel)
+        if len(data) != expected:
+            raise WireError(f"{self.name} part has {len(data)} bytes, expected {expected} for {numel} values", sender)
+        out = self._decode(data, numel)
+        if not torch.isfinite(out).all():
+            raise WireError(f"{self.name} part decodes to non-finite values", sender)
+        return out
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """What a peer sees after ``x`` crossed the wire (used to treat one's own part like others')."""
+        return self._decode(self.encode(x), x.numel())
+
+
+CODECS: Dict[str, Codec] = {}
+_BY_ID: Dict[int, Codec] = {}
+
+
+def register_codec(cls: Type[Codec]) -> Type[Codec]:
+    inst = cls()
+    if inst.name in CODECS or inst.codec_id in _BY_ID:
+        raise RuntimeError(f"codec {inst.name}/{inst.codec_id} registered twice")
+    CODECS[inst.name] = inst
+    _BY_ID[inst.codec_id] = inst
+    return cls
+
+
+def get_codec(name: str) -> Codec:
+    from ..errors import ConfigError
+
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ConfigError(f"unknown codec {name!r}; choose one of {sorted(CODECS)}") from None
+
+
+def codec_by_id(codec_id: int, sender: str | None = None) -> Codec:
+    try:
+        return _BY_ID[codec_id]
+    except KeyError:
+        raise WireError(f"unknown codec id {codec_id}", sender) from None
