@@ -1,0 +1,357 @@
+"""Configuration: typed dataclasses are the single source of truth.
+
+A peer's configuration is built in three layers, later ones winning:
+  1. the dataclass defaults below,
+  2. a TOML file (``--config peers/tiny-cpu.toml``), one table per section,
+  3. ``--set section.key=value`` overrides from the command line.
+Unknown sections or keys, and values of the wrong type, raise :class:`ConfigError` naming the key.
+``RunConfig.validate()`` then checks every invariant up front with an actionable message.
+
+``RunConfig.fingerprint_fields()`` is the part that every peer of a run must agree on (model
+architecture, vocabulary, H, outer optimizer, fragments, compression); it is published in the DHT
+by the first peer and compared by every later one (see :mod:`p2pdiloco.swarm.records`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from .data import DataConfig
+from .errors import ConfigError
+from .model import ModelConfig
+
+__all__ = [
+    "RunConfig",
+    "InnerConfig",
+    "OuterConfig",
+    "SwarmConfig",
+    "TrainConfig",
+    "StreamingConfig",
+    "CompressionConfig",
+    "load_config",
+]
+
+
+@dataclass
+class InnerConfig:
+    """Local (inner) optimisation: AdamW on each peer; its state is never averaged (DiLoCo §1)."""
+
+    #: inner steps between two syncs of a fragment (DiLoCo's H)
+    sync_every: int = 50
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    #: linear warm-up of the inner learning rate, in inner steps; constant afterwards
+    warmup_steps: int = 20
+    #: sequences per inner step on this peer (the sample weight of a peer is batch_size * steps)
+    batch_size: int = 8
+    #: gradient-norm clip (0 disables)
+    grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        _positive(self, "inner", "sync_every", "batch_size")
+        _positive_float(self, "inner", "lr")
+        if not 0 <= self.weight_decay < 1:
+            raise ConfigError(f"inner.weight_decay ({self.weight_decay}) must be in [0, 1)")
+        for b in ("beta1", "beta2"):
+            if not 0 <= getattr(self, b) < 1:
+                raise ConfigError(f"inner.{b} ({getattr(self, b)}) must be in [0, 1)")
+        if self.warmup_steps < 0 or self.grad_clip < 0:
+            raise ConfigError("inner.warmup_steps and inner.grad_clip must be >= 0")
+
+
+@dataclass
+class OuterConfig:
+    """Outer optimiser: SGD with Nesterov momentum applied to the averaged pseudo-gradient."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def validate(self) -> None:
+        _positive_float(self, "outer", "lr")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"outer.momentum ({self.momentum}) must be in [0, 1)")
+
+
+@dataclass
+class StreamingConfig:
+    """Fragments (Streaming DiLoCo). ``fragments = 1`` is plain DiLoCo."""
+
+    fragments: int = 1
+    #: "strided" (block i -> fragment i mod P) or "sequential"
+    pattern: str = "strided"
+
+    def validate(self) -> None:
+        _positive(self, "streaming", "fragments")
+        if self.pattern not in ("strided", "sequential"):
+            raise ConfigError(f"streaming.pattern ({self.pattern!r}) must be 'strided' or 'sequential'")
+
+
+@dataclass
+class CompressionConfig:
+    """What goes on the wire: the codec applied to every part of the all-reduce."""
+
+    codec: str = "fp32"
+
+    def validate(self) -> None:
+        from .compression import get_codec
+
+        get_codec(self.codec)  # raises ConfigError naming the valid choices
+
+
+@dataclass
+class SwarmConfig:
+    """Discovery and networking. Listens on loopback unless told otherwise."""
+
+    run_id: str = "p2pdiloco-demo"
+    initial_peers: List[str] = field(default_factory=list)
+    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: List[str] = field(default_factory=list)
+    #: private key file giving this peer a stable identity ("" = fresh identity every start)
+    identity_path: str = ""
+    #: how long to wait for an initial peer before giving up (seconds)
+    bootstrap_timeout: float = 20.0
+    #: smallest group an outer step may be taken with (1 = a lone peer keeps training)
+    min_group_size: int = 1
+    #: how long to wait for the other live peers to become ready for a sync (seconds)
+    matchmaking_timeout: float = 30.0
+    #: how long one all-reduce may take before the round is abandoned everywhere (seconds)
+    allreduce_timeout: float = 60.0
+    #: how often progress is published to the DHT (seconds)
+    progress_period: float = 2.0
+
+    def validate(self) -> None:
+        if not self.run_id or any(c in self.run_id for c in " /:\t\n"):
+            raise ConfigError(f"swarm.run_id ({self.run_id!r}) must be non-empty without spaces, '/' or ':'")
+        _positive(self, "swarm", "min_group_size")
+        _positive_float(self, "swarm", "bootstrap_timeout", "matchmaking_timeout", "allreduce_timeout",
+                        "progress_period")
+        from .addresses import parse_maddrs
+
+        parse_maddrs(self.initial_peers, "swarm.initial_peers", require_peer_id=True)
+        parse_maddrs(self.host_maddrs, "swarm.host_maddrs")
+        parse_maddrs(self.announce_maddrs, "swarm.announce_maddrs")
+
+
+@dataclass
+class TrainConfig:
+    """Budget, devices, bookkeeping."""
+
+    #: stop after this many outer steps of fragment 0 (0 = no limit)
+    max_outer_steps: int = 0
+    #: stop after this many seconds of training (0 = no limit)
+    max_seconds: float = 0.0
+    #: where metrics.jsonl and checkpoints go ("" = runs/<run_id>/<short peer id>)
+    run_dir: str = ""
+    #: "auto" picks cuda when available, else cpu; or any torch device string
+    device: str = "auto"
+    #: seed of the model initialisation; part of the fingerprint so every peer starts from one θ
+    seed: int = 0
+    #: torch intra-op threads (0 = torch's default)
+    threads: int = 0
+    #: validation batches measured at every sync
+    eval_batches: int = 4
+    #: show a progress bar on stderr
+    progress_bar: bool = True
+
+    def validate(self) -> None:
+        if self.max_outer_steps < 0 or self.max_seconds < 0 or self.threads < 0:
+            raise ConfigError("train.max_outer_steps, train.max_seconds and train.threads must be >= 0")
+        _positive(self, "train", "eval_batches")
+        if self.device != "auto":
+            import torch
+
+            try:
+                dev = torch.device(self.device)
+            except RuntimeError:
+                raise ConfigError(f"train.device ({self.device!r}) is not a torch device; use auto, cpu or cuda") from None
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise ConfigError("train.device is cuda but no CUDA GPU is available; use train.device=auto or cpu")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "inner": InnerConfig,
+    "outer": OuterConfig,
+    "streaming": StreamingConfig,
+    "compression": CompressionConfig,
+    "swarm": SwarmConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> "RunConfig":
+        for name in _SECTIONS:
+            getattr(self, name).validate()
+        if self.streaming.fragments > self.model.n_layers:
+            raise ConfigError(
+                f"streaming.fragments ({self.streaming.fragments}) exceeds model.n_layers ({self.model.n_layers}); "
+                "a fragment holds whole layers: use at most n_layers fragments"
+            )
+        return self
+
+    def to_dict(self) -> Dict[str, Dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
+
+    def fingerprint_fields(self) -> Dict[str, Any]:
+        """Everything that must be equal on every peer of a run, flattened to ``section.key``."""
+        d = self.to_dict()
+        out: Dict[str, Any] = {}
+        for k, v in d["model"].items():
+            out[f"model.{k}"] = v
+        out["data.vocab"] = "bytes-256"
+        out["train.seed"] = self.train.seed
+        out["inner.sync_every"] = self.inner.sync_every
+        for k, v in d["outer"].items():
+            out[f"outer.{k}"] = v
+        for k, v in d["streaming"].items():
+            out[f"streaming.{k}"] = v
+        for k, v in d["compression"].items():
+            out[f"compression.{k}"] = v
+        from .swarm.protocol import PROTOCOL_VERSION
+
+        out["protocol.version"] = PROTOCOL_VERSION
+        return out
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.fingerprint_fields(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _positive(obj: Any, section: str, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{section}.{n} ({v!r}) must be a positive integer")
+
+
+def _positive_float(obj: Any, section: str, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if not v > 0:
+            raise ConfigError(f"{section}.{n} ({v!r}) must be > 0")
+
+
+def _coerce(section: str, f: dataclasses.Field, value: Any, from_string: bool) -> Any:
+    """Convert ``value`` to the field's declared type, or raise ConfigError naming the key."""
+    key = f"{section}.{f.name}"
+    typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    typ = typ.replace("typing.", "")
+    try:
+        if typ == "bool":
+            if isinstance(value, bool):
+                return value
+            if from_string and str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if from_string and str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, int):
+                return value
+            if from_string:
+                return int(str(value))
+            raise ValueError
+        if typ == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, (int, float)):
+                return float(value)
+            if from_string:
+                return float(str(value))
+            raise ValueError
+        if typ == "str":
+            if isinstance(value, str):
+                return value
+            raise ValueError
+        if typ.startswith("List[") or typ.startswith("list["):
+            if isinstance(value, list) and all(isinstance(x, str) for x in value):
+                return list(value)
+            if from_string:
+                return [x for x in str(value).split(",") if x]
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"{key}: {value!r} is not a valid {typ}") from None
+    raise ConfigError(f"{key}: unsupported field type {typ}")  # pragma: no cover
+
+
+def _apply(cfg: RunConfig, section: str, key: str, value: Any, from_string: bool) -> None:
+    if section not in _SECTIONS:
+        raise ConfigError(f"unknown config section [{section}]; known sections: {', '.join(_SECTIONS)}")
+    obj = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    if key not in fields:
+        raise ConfigError(f"unknown config key {section}.{key}; known keys in [{section}]: {', '.join(fields)}")
+    setattr(obj, key, _coerce(section, fields[key], value, from_string))
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), validate: bool = True) -> RunConfig:
+    """Build a RunConfig from defaults, an optional TOML file and ``section.key=value`` overrides."""
+    cfg = RunConfig()
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path} not found; pass an existing file, e.g. --config peers/tiny-cpu.toml")
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        preset = data.pop("preset", None)
+        if preset is not None:
+            _apply_model_preset(cfg, preset)
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+            for key, value in table.items():
+                _apply(cfg, section, key, value, from_string=False)
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set inner.sync_every=20")
+        lhs, value = item.split("=", 1)
+        section, key = lhs.strip().split(".", 1)
+        if section == "model" and key == "preset":
+            _apply_model_preset(cfg, value)
+            continue
+        _apply(cfg, section, key.strip(), value.strip(), from_string=True)
+    return cfg.validate() if validate else cfg
+
+
+def _apply_model_preset(cfg: RunConfig, name: str) -> None:
+    from .model import PRESETS
+
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    cfg.model = dataclasses.replace(PRESETS[name])

@@ -1,0 +1,1 @@
+"""The DiLoCo training algorithm: fragments, outer optimizer, the training loop."""

@@ -1,0 +1,1 @@
+"""Discovery, matchmaking and the all-reduce: everything that talks to other peers."""

@@ -1,0 +1,217 @@
+"""Group formation for one (fragment, round): the DHT says who is ready, a leader makes it final.
+
+1. A peer ready to sync fragment ``f`` of round ``r`` stores a *ready* record under
+   ``<run>:mm:<f>:<r>`` (subkey: its peer id) and polls that key until as many peers are ready as
+   the caller expects (the live peers at this round) or ``matchmaking_timeout`` passes.
+2. The ready peer with the smallest id is the *leader*. Every other peer sends it a ``join``
+   request. The leader admits joiners until everyone it saw ready has joined (or a short grace
+   period ends), then finalizes: ``members`` = itself + admitted peers, sorted, and replies to every
+   joiner with the same ``(gid, members)``. A group is therefore decided by exactly one peer and
+   every member gets the same answer.
+3. A peer that is asked to lead but follows someone else refuses with a *hint* (its leader); a
+   peer whose leader is unreachable drops it and tries the next smallest id. A leader that has
+   already finalized refuses late joiners with ``closed``: the late peer raises
+   :class:`MatchmakingFailed` and must catch up (download state) instead of syncing alone.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Set, Tuple
+
+from ..errors import MatchmakingFailed, WireError
+from .allreduce import Group, make_group_id
+from .protocol import PROTOCOL_VERSION, check_version, read_frame, read_header, write_frame
+
+__all__ = ["Matchmaker"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    """This peer's matchmaking state for one (fragment, round)."""
+
+    decided: asyncio.Event = field(default_factory=asyncio.Event)
+    leader: Optional[str] = None           # whom we follow (None while undecided or when leading)
+    leading: bool = False
+    joiners: Dict[str, asyncio.Future] = field(default_factory=dict)
+    joined_event: asyncio.Event = field(default_factory=asyncio.Event)
+    final: Optional[Group] = None
+    closed: bool = False
+
+
+class Matchmaker:
+    def __init__(self, node, run_id: str, *, matchmaking_timeout: float, min_group_size: int = 1,
+                 join_grace: float = 3.0):
+        self.node = node
+        self.run_id = run_id
+        self.matchmaking_timeout = matchmaking_timeout
+        self.min_group_size = min_group_size
+        self.join_grace = join_grace
+        self.handler_name = f"p2pdiloco.{run_id}.join"
+        self._slots: Dict[Tuple[int, int], _Slot] = {}
+        node.add_handler(self.handler_name, self._handle_join)
+
+    def _key(self, frag: int, round_: int) -> str:
+        return f"{self.run_id}:mm:{frag}:{round_}"
+
+    def _slot(self, frag: int, round_: int) -> _Slot:
+        for key in [k for k in self._slots if k[1] < round_ - 2]:
+            del self._slots[key]  # forget rounds long gone
+        return self._slots.setdefault((frag, round_), _Slot())
+
+    async def form_group(self, frag: int, round_: int, expected: int) -> Group:
+        """Return the final group for (frag, round_), or raise MatchmakingFailed."""
+        me = self.node.peer_id_str
+        slot = self._slot(frag, round_)
+        key = self._key(frag, round_)
+        ttl = self.matchmaking_timeout * 3
+        await self.node.astore(key, {"t": time.time()}, ttl=ttl, subkey=me)
+        deadline = time.monotonic() + self.matchmaking_timeout
+        ready: Set[str] = {me}
+        while True:
+            ready |= set((await self.node.aget_subkeys(key)).keys())
+            if len(ready) >= expected or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.1)
+        candidates = sorted(ready)
+        tried: Set[str] = set()
+        while candidates:
+            leader = candidates[0]
+            if leader == me:
+                return await self._lead(slot, frag, round_, set(candidates) - {me})
+            tried.add(leader)
+            slot.leader = leader
+            slot.decided.set()
+            try:
+                group, hint = await self._join(leader, frag, round_)
+            except MatchmakingFailed:
+                slot.closed = True
+                raise
+            if group is not None:
+                slot.final = group
+                return group
+            candidates.remove(leader)
+            if hint and hint not in tried and hint in ready:
+                candidates.remove(hint) if hint in candidates else None
+                candidates.insert(0, hint)
+            slot.leader = None
+            slot.decided.clear()
+        raise MatchmakingFailed(f"no group could be formed for fragment {frag}, round {round_}")  # pragma: no cover
+
+    async def _lead(self, slot: _Slot, frag: int, round_: int, expected_joiners: Set[str]) -> Group:
+        me = self.node.peer_id_str
+        slot.leading = True
+        slot.decided.set()
+        grace_end = time.monotonic() + self.join_grace
+        while not expected_joiners <= set(slot.joiners) and time.monotonic() < grace_end:
+            slot.joined_event.clear()
+            try:
+                await asyncio.wait_for(slot.joined_event.wait(), timeout=max(0.01, grace_end - time.monotonic()))
+            except asyncio.TimeoutError:
+                break
+        slot.closed = True
+        members = tuple(sorted({me, *slot.joiners}))
+        if len(members) < self.min_group_size:
+            for fut in slot.joiners.values():
+                if not fut.done():
+                    fut.set_result(None)
+            raise MatchmakingFailed(f"only {len(members)} peer(s) ready, swarm.min_group_size is {self.min_group_size}")
+        gid = make_group_id(self.run_id, frag, round_, members)
+        group = Group(gid=gid, members=members, my_index=members.index(me), frag=frag, round=round_)
+        slot.final = group
+        for fut in slot.joiners.values():
+            if not fut.done():
+                fut.set_result(group)
+        missing = expected_joiners - set(slot.joiners)
+        if missing:
+            logger.info(f"[{self.node.short_id}] group for fragment {frag} round {round_} formed without "
+                        f"{len(missing)} ready peer(s) that did not join in time")
+        return group
+
+    async def _join(self, leader: str, frag: int, round_: int) -> Tuple[Optional[Group], Optional[str]]:
+        """Ask ``leader`` to admit us. (group, None) when admitted, (None, hint) when refused."""
+        from hivemind.p2p import PeerID
+
+        me = self.node.peer_id_str
+        traffic = self.node.traffic
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                self.node.p2p.call_binary_stream_handler(PeerID.from_base58(leader), self.handler_name), timeout=10)
+        except Exception as e:
+            logger.info(f"[{self.node.short_id}] leader {leader[-6:]} unreachable ({type(e).__name__}); trying the next")
+            return None, None
+        try:
+            await write_frame(writer, {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_},
+                              traffic=traffic)
+            reply, _ = await asyncio.wait_for(read_frame(reader, 0, traffic, leader),
+                                              timeout=self.matchmaking_timeout + self.join_grace + 10)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, WireError) as e:
+            logger.info(f"[{self.node.short_id}] join with {leader[-6:]} failed ({type(e).__name__}); trying the next")
+            return None, None
+        finally:
+            writer.close()
+        if reply.get("t") == "group":
+            members = reply.get("members")
+            if (not isinstance(members, list) or me not in members or leader not in members
+                    or not all(isinstance(m, str) for m in members) or members != sorted(set(members))):
+                return None, None
+            gid = make_group_id(self.run_id, frag, round_, members)
+            if reply.get("gid") != gid:
+                return None, None
+            return Group(gid=gid, members=tuple(members), my_index=members.index(me), frag=frag, round=round_), None
+        reason = reply.get("reason")
+        if reason == "closed":
+            raise MatchmakingFailed(f"missed the group for fragment {frag}, round {round_} (it closed before we joined)")
+        hint = reply.get("hint")
+        return None, hint if isinstance(hint, str) else None
+
+    async def _handle_join(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = info.peer_id.to_base58()
+        traffic = self.node.traffic
+        try:
+            header = await read_header(reader, traffic, sender)
+            refusal = check_version(header)
+            frag, round_ = header.get("frag"), header.get("round")
+            if refusal is None and not (header.get("t") == "join" and isinstance(frag, int) and isinstance(round_, int)):
+                refusal = "malformed join request"
+            if refusal is not None:
+                await write_frame(writer, {"t": "refuse", "reason": refusal}, traffic=traffic)
+                return
+            slot = self._slots.get((frag, round_))
+            if slot is None:
+                # we may be about to enter this round; give it the matchmaking window
+                deadline = time.monotonic() + self.matchmaking_timeout
+                while slot is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                    slot = self._slots.get((frag, round_))
+                if slot is None:
+                    await write_frame(writer, {"t": "refuse", "reason": "not ready"}, traffic=traffic)
+                    return
+            try:
+                await asyncio.wait_for(slot.decided.wait(), timeout=self.matchmaking_timeout + 5)
+            except asyncio.TimeoutError:
+                await write_frame(writer, {"t": "refuse", "reason": "undecided"}, traffic=traffic)
+                return
+            if not slot.leading:
+                await write_frame(writer, {"t": "refuse", "reason": "not leader", "hint": slot.leader}, traffic=traffic)
+                return
+            if slot.closed:
+                await write_frame(writer, {"t": "refuse", "reason": "closed"}, traffic=traffic)
+                return
+            fut = slot.joiners.get(sender) or asyncio.get_running_loop().create_future()
+            slot.joiners[sender] = fut
+            slot.joined_event.set()
+            group = await fut
+            if group is None:
+                await write_frame(writer, {"t": "refuse", "reason": "group too small"}, traffic=traffic)
+            else:
+                await write_frame(writer, {"t": "group", "gid": group.gid, "members": list(group.members)},
+                                  traffic=traffic)
+        except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
+            logger.info(f"[{self.node.short_id}] bad join request from {sender[-6:]}: {e}")
+        finally:
+            writer.close()

@@ -1,0 +1,177 @@
+"""SwarmNode: one peer's presence in the swarm.
+
+It owns hivemind's Kademlia DHT (a forked process with the libp2p daemon), a replica of the P2P
+client in this process, and an asyncio event loop running in a background thread where every
+network coroutine of this peer runs (stream handlers, matchmaking, all-reduce). The training loop
+stays in the main thread and hands coroutines over with :meth:`submit` / :meth:`call`.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Any, Awaitable, Callable, Dict, List, Optional
+
+import msgpack
+
+from ..addresses import parse_maddrs
+from ..errors import BootstrapUnreachable, UserError
+from ..identity import prepare_identity, release_identity
+from .protocol import Traffic
+
+__all__ = ["SwarmNode", "pack", "unpack"]
+
+logger = logging.getLogger(__name__)
+
+
+def pack(value: Dict[str, Any]) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def unpack(blob: Any) -> Optional[Dict[str, Any]]:
+    """Decode a DHT record value written by :func:`pack`; None when it is not a msgpack map."""
+    if not isinstance(blob, (bytes, bytearray)) or len(blob) > 1 << 16:
+        return None
+    try:
+        value = msgpack.unpackb(blob, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+    except Exception:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+class SwarmNode:
+    """Start (or join) the DHT and keep a P2P client with its own event loop thread.
+
+    :param initial_peers: multiaddrs with ``/p2p/<id>``; empty = this peer is the first.
+    :param bootstrap_timeout: keep retrying unreachable initial peers this long, then raise
+        :class:`BootstrapUnreachable`.
+    """
+
+    def __init__(
+        self,
+        initial_peers: List[str],
+        *,
+        host_maddrs: List[str],
+        announce_maddrs: List[str] = (),
+        identity_path: str = "",
+        bootstrap_timeout: float = 20.0,
+        client_mode: bool = False,
+    ):
+        import hivemind
+        from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+        parse_maddrs(initial_peers, "initial peer", require_peer_id=True)
+        parse_maddrs(host_maddrs, "--host-maddrs")
+        parse_maddrs(announce_maddrs, "--announce-maddrs")
+        self.identity_path = prepare_identity(identity_path) if identity_path else None
+        kwargs: Dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=client_mode)
+        if announce_maddrs:
+            kwargs["announce_maddrs"] = list(announce_maddrs)
+        if self.identity_path:
+            kwargs["identity_path"] = self.identity_path
+        deadline = time.monotonic() + bootstrap_timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self.dht = hivemind.DHT(initial_peers=list(initial_peers) or None, start=True, **kwargs)
+                break
+            except P2PDaemonError as e:
+                msg = str(e)
+                if "bootstrap" in msg and time.monotonic() < deadline:
+                    logger.info(f"initial peers not reachable yet (attempt {attempt}); retrying")
+                    time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+                    continue
+                if "bootstrap" in msg:
+                    raise BootstrapUnreachable(
+                        f"none of the initial peers answered within {bootstrap_timeout:.0f} s: "
+                        f"{', '.join(initial_peers)}. Check that the bootstrap peer is running and the address "
+                        "(including /p2p/<peer id>) is the one it printed"
+                    ) from None
+                if "address already in use" in msg.lower() or "bind" in msg.lower():
+                    raise UserError(f"cannot listen on {', '.join(host_maddrs)}: address already in use") from None
+                if "already taken" in msg or "identity" in msg.lower():
+                    raise UserError(f"identity {self.identity_path} is already used by a running peer") from None
+                raise UserError(f"the libp2p daemon failed to start: {msg.splitlines()[0][:300]}") from None
+        self.traffic = Traffic()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="p2pdiloco-net", daemon=True)
+        self._thread.start()
+        self.p2p = self.call(self.dht.replicate_p2p(), timeout=30)
+        self.peer_id = self.p2p.peer_id
+        self.peer_id_str = self.peer_id.to_base58()
+        self.short_id = self.peer_id_str[-6:]
+        self._closed = False
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    # ---- running coroutines on the network thread -------------------------------------------
+    def submit(self, coro: Awaitable[Any]) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Awaitable[Any], timeout: Optional[float] = None) -> Any:
+        return self.submit(coro).result(timeout)
+
+    def add_handler(self, name: str, handler: Callable) -> None:
+        self.call(self.p2p.add_binary_stream_handler(name, handler), timeout=30)
+
+    # ---- addresses ----------------------------------------------------------------------------
+    def visible_maddrs(self) -> List[str]:
+        """Full multiaddrs (with /p2p/<id>) others can use as --initial-peers."""
+        out = []
+        for m in self.dht.get_visible_maddrs():
+            s = str(m)
+            out.append(s if "/p2p/" in s else f"{s}/p2p/{self.peer_id_str}")
+        return out
+
+    # ---- DHT records (values are msgpack maps) -------------------------------------------------
+    def store(self, key: str, value: Dict[str, Any], ttl: float, subkey: Optional[str] = None) -> bool:
+        from hivemind.utils import get_dht_time
+
+        return bool(self.dht.store(key, pack(value), expiration_time=get_dht_time() + ttl, subkey=subkey))
+
+    async def astore(self, key: str, value: Dict[str, Any], ttl: float, subkey: Optional[str] = None) -> bool:
+        from hivemind.utils import get_dht_time
+
+        fut = self.dht.store(key, pack(value), expiration_time=get_dht_time() + ttl, subkey=subkey,
+                             return_future=True)
+        return bool(await fut)
+
+    def get_subkeys(self, key: str) -> Dict[str, Dict[str, Any]]:
+        return _subkey_values(self.dht.get(key, latest=True))
+
+    async def aget_subkeys(self, key: str) -> Dict[str, Dict[str, Any]]:
+        return _subkey_values(await self.dht.get(key, latest=True, return_future=True))
+
+    def get_value(self, key: str) -> Optional[Dict[str, Any]]:
+        found = self.dht.get(key, latest=True)
+        return unpack(found.value) if found is not None else None
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.call(self.p2p.shutdown(), timeout=5)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        self.dht.shutdown()
+        release_identity(self.identity_path)
+
+
+def _subkey_values(found: Any) -> Dict[str, Dict[str, Any]]:
+    """{subkey: decoded value} from a DHT get of a dictionary key; malformed entries are dropped."""
+    out: Dict[str, Dict[str, Any]] = {}
+    if found is None or not isinstance(found.value, dict):
+        return out
+    for subkey, item in found.value.items():
+        value = unpack(getattr(item, "value", None))
+        if isinstance(subkey, str) and value is not None:
+            out[subkey] = value
+    return out
