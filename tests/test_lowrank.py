@@ -1,0 +1,184 @@
+"""Shared-basis low-rank compression, simulated with several peers in one process."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2pdiloco.compression.lowrank import LowRankCompressor, LowRankConfig
+from p2pdiloco.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+SHAPES = [torch.Size([96, 80]), torch.Size([80]), torch.Size([8, 8]), torch.Size([64, 4, 16])]
+
+
+def _mean(vs):
+    return torch.stack(vs).mean(dim=0)
+
+
+def _round(comps, inputs):
+    """One sync round over in-process 'peers'; returns each peer's outputs."""
+    a1 = _mean([c.begin(x) for c, x in zip(comps, inputs)])
+    a2 = _mean([c.middle(a1) for c in comps])
+    return [c.finish(a2) for c in comps]
+
+
+def _orth(n, r, gen):
+    return torch.linalg.qr(torch.randn(n, r, generator=gen, dtype=torch.float64))[0].float()
+
+
+def _inputs(gen, peers, r, shared_u=None, shared_v=None):
+    out = []
+    for _ in range(peers):
+        xs = []
+        for s in SHAPES:
+            if len(s) >= 2 and s.numel() >= 4096:
+                m, n = s[0], s.numel() // s[0]
+                u = shared_u[m] if shared_u else _orth(m, r, gen)
+                v = shared_v[n] if shared_v else _orth(n, r, gen).t()
+                # well-conditioned: orthonormal factors, singular values in [1, 2] (times 10)
+                sv = 10 * (1 + torch.rand(r, generator=gen))
+                xs.append((u @ (sv[:, None] * v)).reshape(s))
+            else:
+                xs.append(torch.randn(s, generator=gen))
+        out.append(xs)
+    return out
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="min_rank"):
+        LowRankConfig(rank=2, min_rank=3).validate()
+    with pytest.raises(ConfigError, match="energy_target"):
+        LowRankConfig(energy_target=1.5).validate()
+    with pytest.raises(ConfigError, match="rank"):
+        LowRankCompressor(SHAPES, LowRankConfig(rank=0))
+
+
+def test_selection_and_wire_numel():
+    c = LowRankCompressor(SHAPES, LowRankConfig(rank=4))
+    assert c.lowrank_indices == [0, 3]
+    assert c.ranks == [4, 4]
+    assert c.wire_numel() == (96 * 4 + 64 * 4 + 80 + 64, 80 * 4 + 64 * 4 + 8)
+    assert c.stats_numel == 8
+
+
+@pytest.mark.parametrize("case", ["same", "shared_columns", "shared_rows"])
+def test_exact_recovery_when_mean_has_rank_r(case):
+    gen = torch.Generator().manual_seed(1)
+    r, peers = 3, 3
+    if case == "same":
+        xs = _inputs(gen, 1, r)
+        inputs = [[t.clone() for t in xs[0]] for _ in range(peers)]
+    elif case == "shared_columns":
+        inputs = _inputs(gen, peers, r, shared_u={96: _orth(96, r, gen), 64: _orth(64, r, gen)})
+    else:
+        inputs = _inputs(gen, peers, r, shared_v={80: _orth(80, r, gen).t(), 64: _orth(64, r, gen).t()})
+    comps = [LowRankCompressor(SHAPES, LowRankConfig(rank=r, adaptive=False)) for _ in range(peers)]
+    outs = _round(comps, inputs)
+    for k in range(len(SHAPES)):
+        true_mean = _mean([x[k] for x in inputs])
+        scale = true_mean.abs().max()
+        assert (outs[0][k] - true_mean).abs().max() <= 1e-4 * scale  # fp32 rounding of M Q, amplified by cond(V^T Q) of the random basis
+        for o in outs[1:]:
+            assert torch.equal(o[k], outs[0][k])  # bitwise identical on all peers
+    # small and 1-D tensors are averaged exactly (they travel whole)
+    assert torch.equal(outs[0][1], _mean([x[1] for x in inputs]))
+    assert torch.equal(outs[0][2], _mean([x[2] for x in inputs]))
+
+
+def test_not_recoverable_when_mean_rank_exceeds_r():
+    gen = torch.Generator().manual_seed(2)
+    inputs = _inputs(gen, 3, 2)  # each rank 2, independent column and row spaces: mean has rank 6
+    comps = [LowRankCompressor(SHAPES, LowRankConfig(rank=2, adaptive=False)) for _ in range(3)]
+    outs = _round(comps, inputs)
+    true_mean = _mean([x[0] for x in inputs])
+    assert (outs[0][0] - true_mean).norm() > 0.1 * true_mean.norm()
+
+
+@pytest.mark.parametrize("peers", [1, 3])
+def test_error_feedback_invariant(peers):
+    gen = torch.Generator().manual_seed(3)
+    comps = [LowRankCompressor(SHAPES, LowRankConfig(rank=2, adaptive=True)) for _ in range(peers)]
+    applied_sum = None
+    true_sum = None
+    for _ in range(6):
+        inputs = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(peers)]
+        outs = _round(comps, inputs)
+        for o in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(o, outs[0]))
+        true_mean = [_mean([x[k] for x in inputs]) for k in range(len(SHAPES))]
+        applied_sum = outs[0] if applied_sum is None else [a + b for a, b in zip(applied_sum, outs[0])]
+        true_sum = true_mean if true_sum is None else [a + b for a, b in zip(true_sum, true_mean)]
+        for j, k in enumerate(comps[0].lowrank_indices):
+            mean_residual = _mean([c.residual(j) for c in comps]).reshape(SHAPES[k])
+            err = (applied_sum[k] + mean_residual - true_sum[k]).abs().max()
+            assert err <= 1e-5 * true_sum[k].abs().max() + 1e-5
+        # the residual is real (random inputs are not low-rank)
+        assert comps[0].residual(0).norm() > 0
+
+
+def test_single_peer_invariant_without_feedback_fails():
+    gen = torch.Generator().manual_seed(4)
+    c = LowRankCompressor(SHAPES, LowRankConfig(rank=2, error_feedback=False))
+    x = [torch.randn(s, generator=gen) for s in SHAPES]
+    (out,) = _round([c], [x])
+    assert c.residual(0) is None
+    assert (out[0] - x[0]).norm() > 0.1 * x[0].norm()
+
+
+def test_adaptive_rank_falls_and_agrees():
+    gen = torch.Generator().manual_seed(5)
+    comps = [LowRankCompressor(SHAPES, LowRankConfig(rank=4, adaptive=True, energy_target=0.9)) for _ in range(3)]
+    u = {96: _orth(96, 1, gen), 64: _orth(64, 1, gen)}
+    for _ in range(3):
+        inputs = _inputs(gen, 3, 1, shared_u=u)
+        outs = _round(comps, inputs)
+        ranks = [c.ranks for c in comps]
+        assert all(r == ranks[0] for r in ranks)
+        assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(o, outs[0]))
+    assert comps[0].ranks == [1, 1]
+    assert comps[0].energies[0] > 0.99
+    # rank 1 still recovers the rank-1 mean exactly
+    true_mean = _mean([x[0] for x in inputs])
+    assert (outs[0][0] - true_mean).abs().max() <= 1e-4 * true_mean.abs().max()
+    assert comps[0].wire_numel() == (96 + 64 + 80 + 64, 80 + 64 + 2)
+
+
+def test_adaptive_rank_grows_back_for_full_rank_signal():
+    gen = torch.Generator().manual_seed(6)
+    cfg = LowRankConfig(rank=3, min_rank=1, adaptive=True, energy_target=0.99)
+    comps = [LowRankCompressor(SHAPES, cfg) for _ in range(2)]
+    state = comps[0].state_dict()
+    state["ranks"] = [1, 1]
+    state["q"] = [q[:, :1] for q in state["q"]]
+    for c in comps:
+        c.load_state_dict(state)
+    inputs = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(2)]
+    _round(comps, inputs)
+    assert comps[0].ranks == comps[1].ranks == [2, 2]
+
+
+def test_state_dict_round_trip():
+    gen = torch.Generator().manual_seed(7)
+    a = LowRankCompressor(SHAPES, LowRankConfig(rank=3))
+    _round([a], [[torch.randn(s, generator=gen) for s in SHAPES]])
+    b = LowRankCompressor(SHAPES, LowRankConfig(rank=3))
+    b.load_state_dict(a.state_dict())
+    x = [torch.randn(s, generator=gen) for s in SHAPES]
+    (oa,) = _round([a], [x])
+    (ob,) = _round([b], [x])
+    assert all(torch.equal(p, q) for p, q in zip(oa, ob))
+    assert a.ranks == b.ranks
+    assert torch.equal(a.residual(0), b.residual(0))
+
+
+def test_phase_order_and_lengths_are_checked():
+    c = LowRankCompressor(SHAPES)
+    with pytest.raises(RuntimeError, match="begin first"):
+        c.middle(torch.zeros(3))
+    v = c.begin([torch.zeros(s) for s in SHAPES])
+    with pytest.raises(ValueError, match="expected"):
+        c.middle(v[:-1])
+    q = c.middle(v)  # all-zero input is fine
+    out = c.finish(q)
+    assert all(bool((o == 0).all()) for o in out)
