@@ -27,6 +27,8 @@ namespace, that copies Ethernet frames between ``p<i>`` and ``q<i>`` through ``A
 sockets and holds uplink frames for their delay. For the relay to see ordinary MTU-sized
 frames with complete checksums, TSO/GSO/GRO and checksum offload are switched off on every
 interface (the same is done on the netem path, so both paths behave alike).
+The netem path is not exercised on kernels without netem (ours); note that netem's jitter
+may reorder packets, the relay's never does.
 
 Teardown (``close``, also from ``__exit__``, ``atexit`` and a SIGTERM handler that then
 re-delivers the signal) kills every process started through ``Host.popen`` (its whole
@@ -292,8 +294,9 @@ class EmulatedWAN:
     """``n_hosts`` namespaces on one shaped bridge; a context manager (see module docstring).
 
     ``link`` is one LinkSpec for every host, or a list with one per host. The subnet
-    ``10.a.b.0/24`` is derived from the owner pid and an instance counter so that two
-    harnesses never hand out the same addresses. Setup failures tear down what was built.
+    ``10.a.b.0/24`` is derived from the owner pid and an instance counter, so concurrent
+    harnesses normally use different subnets (each has its own bridge and namespaces, so even
+    a coincidence cannot mix their traffic). Setup failures tear down what was built.
     """
 
     def __init__(self, n_hosts: int, link: Union[LinkSpec, Sequence[LinkSpec]] = LinkSpec(), *, prefix: Optional[str] = None):
@@ -491,7 +494,7 @@ def _shape(ns: str, dev: str, spec: LinkSpec, *, netem: bool) -> None:
                 args += [f"{spec.jitter_ms}ms"]
         if spec.loss_pct > 0:
             args += ["loss", f"{spec.loss_pct}%"]
-        _sh([*tc, "add", "dev", dev, "parent", "1:", "handle", "10:", *args])
+        _sh([*tc, "add", "dev", dev, "parent", "1:1", "handle", "10:", *args])
     else:
         _sh([*tc, "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", str(burst), "limit", str(limit)])
 
