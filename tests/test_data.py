@@ -315,3 +315,25 @@ def test_evaluate_partial_last_batch_weights_per_token():
 def test_evaluate_rejects_too_short_val():
     with pytest.raises(ConfigError, match="seq_len"):
         evaluate(_tiny_model(), torch.zeros(16, dtype=torch.uint8), batch_size=2, seq_len=16, device="cpu")
+
+
+def _path_hash(rel: str) -> int:
+    return int.from_bytes(hashlib.sha256(rel.encode()).digest(), "big")
+
+
+def test_val_split_is_never_empty_and_train_never_empty(tmp_path):
+    # With val_fraction=0.001 only paths with hash % 1000 == 0 would be held out: pick names that are not.
+    names = [n for n in (f"doc{i}.txt" for i in range(50)) if _path_hash(n) % 1000 >= 1][:4]
+    for n in names:
+        _write(tmp_path / "few" / n, f"contents of {n}\n".encode() * 10)
+    corpus = load_corpus(DataConfig(source=str(tmp_path / "few"), val_fraction=0.001))
+    smallest = min(names, key=_path_hash)
+    assert bytes(corpus.val.numpy()) == f"contents of {smallest}\n".encode() * 10
+    # Two files that would both be held out at 0.5: the larger hash goes back to training.
+    both = [n for n in (f"doc{i}.txt" for i in range(50)) if _path_hash(n) % 1000 < 500][:2]
+    for n in both:
+        _write(tmp_path / "all" / n, f"contents of {n}\n".encode() * 10)
+    corpus = load_corpus(DataConfig(source=str(tmp_path / "all"), val_fraction=0.5))
+    largest = max(both, key=_path_hash)
+    assert bytes(corpus.train.numpy()) == f"contents of {largest}\n".encode() * 10
+    assert corpus.val.numel() > 0

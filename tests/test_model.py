@@ -184,3 +184,19 @@ def test_count_parameters_counts_tied_once():
     tied = count_parameters(_model(SMALL))
     untied = count_parameters(_model(dataclasses.replace(SMALL, tie_embeddings=False)))
     assert untied - tied == SMALL.vocab_size * SMALL.d_model
+
+
+def test_blocks_are_pre_layernorm():
+    m = _model()
+    seen = {}
+    for i, block in enumerate(m.blocks):
+        for name in ("ln_1", "attn", "ln_2", "mlp"):
+            getattr(block, name).register_forward_hook(
+                lambda mod, args, out, key=(i, name): seen.__setitem__(key, (args[0], out))
+            )
+    m(torch.randint(0, 256, (2, 8)))
+    for i in range(len(m.blocks)):
+        torch.testing.assert_close(seen[(i, "attn")][0], seen[(i, "ln_1")][1])
+        torch.testing.assert_close(seen[(i, "mlp")][0], seen[(i, "ln_2")][1])
+        # the residual stream (ln_1's input) bypasses the sublayer: ln_2 sees x + attn(ln_1(x))
+        torch.testing.assert_close(seen[(i, "ln_2")][0], seen[(i, "ln_1")][0] + seen[(i, "attn")][1])
