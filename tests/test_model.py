@@ -194,9 +194,13 @@ def test_blocks_are_pre_layernorm():
             getattr(block, name).register_forward_hook(
                 lambda mod, args, out, key=(i, name): seen.__setitem__(key, (args[0], out))
             )
+    m.ln_f.register_forward_hook(lambda mod, args, out: seen.__setitem__("ln_f", (args[0], out)))
     m(torch.randint(0, 256, (2, 8)))
-    for i in range(len(m.blocks)):
+    n = len(m.blocks)
+    for i in range(n):
         torch.testing.assert_close(seen[(i, "attn")][0], seen[(i, "ln_1")][1])
         torch.testing.assert_close(seen[(i, "mlp")][0], seen[(i, "ln_2")][1])
         # the residual stream (ln_1's input) bypasses the sublayer: ln_2 sees x + attn(ln_1(x))
         torch.testing.assert_close(seen[(i, "ln_2")][0], seen[(i, "ln_1")][0] + seen[(i, "attn")][1])
+        block_out = seen[(i + 1, "ln_1")][0] if i + 1 < n else seen["ln_f"][0]
+        torch.testing.assert_close(block_out, seen[(i, "ln_2")][0] + seen[(i, "mlp")][1])
