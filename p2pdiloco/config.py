@@ -355,3 +355,50 @@ def _apply_model_preset(cfg: RunConfig, name: str) -> None:
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
     cfg.model = dataclasses.replace(PRESETS[name])
+
+
+@dataclass
+class BootstrapConfig:
+    """``p2pdiloco bootstrap``: a DHT peer with a stable identity; it trains nothing."""
+
+    identity: str = "bootstrap.key"
+    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: List[str] = field(default_factory=list)
+    initial_peers: List[str] = field(default_factory=list)
+    bootstrap_timeout: float = 20.0
+
+    def validate(self) -> "BootstrapConfig":
+        from .addresses import parse_maddrs
+
+        if not self.identity:
+            raise ConfigError("bootstrap.identity must name a key file")
+        parse_maddrs(self.host_maddrs, "--host-maddrs")
+        parse_maddrs(self.announce_maddrs, "--announce-maddrs")
+        parse_maddrs(self.initial_peers, "--initial-peers", require_peer_id=True)
+        _positive_float(self, "bootstrap", "bootstrap_timeout")
+        return self
+
+
+def load_bootstrap_config(path: Optional[str] = None, **cli: Any) -> BootstrapConfig:
+    """Defaults, then the ``[bootstrap]`` table of ``path``, then command-line values that were given."""
+    cfg = BootstrapConfig()
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path} not found; see bootstrap/bootstrap.toml for an example")
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if section != "bootstrap" or not isinstance(table, dict):
+                raise ConfigError(f"{path}: unknown section [{section}]; a bootstrap config has only [bootstrap]")
+            for key, value in table.items():
+                if key not in fields:
+                    raise ConfigError(f"unknown config key bootstrap.{key}; known keys: {', '.join(fields)}")
+                setattr(cfg, key, _coerce("bootstrap", fields[key], value, from_string=False))
+    for key, value in cli.items():
+        if value is not None:
+            setattr(cfg, key, value)
+    return cfg.validate()

@@ -1,0 +1,171 @@
+"""The ``p2pdiloco`` command: bootstrap, join, status, demo.
+
+Every user error (bad address, unreachable bootstrap peer, missing config file, unknown key,
+impossible value, mismatched run configuration, corrupt checkpoint) is printed as one line
+``error: ...`` and exits with status 2; no traceback. Set P2PDILOCO_LOG=DEBUG for details.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import List, Optional, Sequence
+
+from .errors import UserError
+
+__all__ = ["main"]
+
+logger = logging.getLogger("p2pdiloco")
+
+
+def _setup_logging() -> None:
+    level = os.environ.get("P2PDILOCO_LOG", "INFO").upper()
+    logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # hivemind is chatty at INFO and installs its own handler; keep its warnings only
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    for name in ("hivemind",):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _add_swarm_args(p: argparse.ArgumentParser, peers_required: bool) -> None:
+    p.add_argument("--initial-peers", nargs="+", default=[], required=peers_required, metavar="MULTIADDR",
+                   help="multiaddr(s) of any live peer, with /p2p/<peer id> (the bootstrap peer prints them)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="p2pdiloco", description="Peer-to-peer DiLoCo training of language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bootstrap", help="run a long-lived DHT peer that helps others find each other")
+    b.add_argument("--identity", default=None,
+                   help="private key file giving a stable peer id (default bootstrap.key; created 0600 if missing)")
+    b.add_argument("--host-maddrs", nargs="+", default=None, metavar="MULTIADDR",
+                   help="addresses to listen on (default: /ip4/127.0.0.1/tcp/0, loopback only)")
+    b.add_argument("--announce-maddrs", nargs="+", default=None, metavar="MULTIADDR",
+                   help="public addresses to announce (behind NAT / port forwarding)")
+    b.add_argument("--config", help="bootstrap TOML config (see bootstrap/bootstrap.toml)")
+    b.add_argument("--initial-peers", nargs="+", default=None, metavar="MULTIADDR",
+                   help="other bootstrap peers to connect to (optional)")
+
+    j = sub.add_parser("join", help="join a swarm and train until stopped or a budget is reached")
+    _add_swarm_args(j, peers_required=False)
+    j.add_argument("--config", help="peer TOML config, e.g. peers/tiny-cpu.toml")
+    j.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, e.g. --set inner.sync_every=20 (repeatable)")
+    j.add_argument("--summary-json", help="also write the final summary to this JSON file")
+
+    s = sub.add_parser("status", help="list the live peers of a run, read from the DHT")
+    _add_swarm_args(s, peers_required=True)
+    s.add_argument("--run-id", default="p2pdiloco-demo")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    d = sub.add_parser("demo", help="a bootstrap peer plus volunteers on 127.0.0.1 training together")
+    d.add_argument("--peers", type=int, default=3)
+    d.add_argument("--config", default=None, help="peer config (default: peers/tiny-cpu.toml settings)")
+    d.add_argument("--outer-steps", type=int, default=8)
+    d.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    d.add_argument("--out", default="runs/demo", help="directory for run dirs, logs and the plot")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    _setup_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "bootstrap":
+            return _cmd_bootstrap(args)
+        if args.command == "join":
+            return _cmd_join(args)
+        if args.command == "status":
+            return _cmd_status(args)
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 1  # pragma: no cover
+
+
+def _cmd_bootstrap(args: argparse.Namespace) -> int:
+    from .config import load_bootstrap_config
+    from .swarm.node import SwarmNode
+
+    cfg = load_bootstrap_config(args.config, identity=args.identity, host_maddrs=args.host_maddrs,
+                                announce_maddrs=args.announce_maddrs, initial_peers=args.initial_peers)
+    node = SwarmNode(cfg.initial_peers, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
+                     identity_path=cfg.identity, bootstrap_timeout=cfg.bootstrap_timeout)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        print(f"bootstrap peer {node.peer_id_str} is up; give volunteers one of these addresses:", file=sys.stderr)
+        for maddr in node.visible_maddrs():
+            print(maddr, flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("shutting down", file=sys.stderr, flush=True)
+    finally:
+        node.shutdown()
+    return 0
+
+
+def _cmd_join(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .diloco.loop import run_peer
+
+    overrides = list(args.set)
+    if args.initial_peers:
+        overrides.append("swarm.initial_peers=" + ",".join(args.initial_peers))
+    cfg = load_config(args.config, overrides)
+    summary = run_peer(cfg)
+    print(json.dumps(summary), flush=True)
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from .swarm.node import SwarmNode
+    from .metrics import format_bytes
+
+    node = SwarmNode(args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], bootstrap_timeout=10,
+                     client_mode=True)
+    try:
+        peers = node.get_subkeys(f"{args.run_id}:progress")
+    finally:
+        node.shutdown()
+    peers = {pid: v for pid, v in peers.items() if not v.get("gone")}
+    if args.json:
+        print(json.dumps(peers, indent=1))
+        return 0
+    if not peers:
+        print(f"no live peers in run {args.run_id!r}")
+        return 0
+    now = time.time()
+    cols = f"{'peer':<8} {'outer':>5} {'step':>7} {'steps/s':>7} {'samples':>9} {'sent':>9} {'recv':>9} {'last sync':>9} {'loss':>7} {'val':>7}"
+    print(cols)
+    for pid, v in sorted(peers.items(), key=lambda kv: kv[0]):
+        last = v.get("last_sync")
+        ago = f"{now - last:.0f}s ago" if isinstance(last, (int, float)) else "never"
+        loss = v.get("loss")
+        val = v.get("val_loss")
+        print(f"{pid[-6:]:<8} {v.get('round', 0):>5} {v.get('step', 0):>7} {v.get('sps', 0.0):>7.2f} "
+              f"{v.get('samples', 0):>9} {format_bytes(v.get('sent', 0)):>9} {format_bytes(v.get('recv', 0)):>9} "
+              f"{ago:>9} {loss if loss is None else f'{loss:.3f}':>7} {val if val is None else f'{val:.3f}':>7}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

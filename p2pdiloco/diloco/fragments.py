@@ -1,0 +1,86 @@
+"""Which parameters sync together: the fragment layout (Streaming DiLoCo, arXiv 2501.18512 §2).
+
+Rule for a model with transformer blocks under ``blocks.<i>.`` (our GPT, or any module whose
+parameter names follow that pattern):
+
+* block ``i`` goes to fragment ``i mod P`` (*strided*, the paper's default) or to fragment
+  ``i // ceil(L / P)`` (*sequential*, consecutive blocks);
+* parameters outside the blocks: the input side (token/positional embeddings, anything named before
+  the first block) joins fragment 0, the output side (final norm, LM head, anything after the
+  blocks) joins fragment P-1. A tied head is one parameter and is counted once, in fragment 0.
+
+A module without ``blocks.<i>`` parameters can only be trained with ``P = 1`` (one fragment holding
+everything), which is plain DiLoCo.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+__all__ = ["FragmentLayout", "split_fragments"]
+
+_BLOCK = re.compile(r"^(?:.*\.)?blocks\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class FragmentLayout:
+    """``names[p]``: parameter names of fragment p, in the module's own parameter order."""
+
+    names: Tuple[Tuple[str, ...], ...]
+    numels: Tuple[int, ...]
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.names)
+
+    def describe(self) -> str:
+        lines = []
+        for p, (names, n) in enumerate(zip(self.names, self.numels)):
+            blocks = sorted({int(m.group(1)) for m in map(_BLOCK.match, names) if m})
+            other = [x for x in names if not _BLOCK.match(x)]
+            lines.append(f"fragment {p}: {n:,} params; blocks {blocks or '-'}; other {other or '-'}")
+        return "\n".join(lines)
+
+    def fingerprint(self) -> List[List[str]]:
+        return [list(n) for n in self.names]
+
+
+def split_fragments(model: nn.Module, fragments: int, pattern: str = "strided") -> FragmentLayout:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    block_of: Dict[str, int] = {}
+    for name, _ in named:
+        m = _BLOCK.match(name)
+        if m:
+            block_of[name] = int(m.group(1))
+    if fragments == 1:
+        return FragmentLayout((tuple(n for n, _ in named),), (sum(p.numel() for _, p in named),))
+    n_blocks = len(set(block_of.values()))
+    if n_blocks == 0:
+        raise ConfigError("streaming.fragments > 1 needs a model with parameters under blocks.<i>.; "
+                          "this model has none: use streaming.fragments=1")
+    if fragments > n_blocks:
+        raise ConfigError(f"streaming.fragments ({fragments}) exceeds the model's {n_blocks} blocks; "
+                          f"use at most {n_blocks}")
+    per = math.ceil(n_blocks / fragments)
+    if pattern == "sequential" and math.ceil(n_blocks / per) < fragments:
+        raise ConfigError(f"sequential fragments: {n_blocks} blocks cannot fill {fragments} fragments of "
+                          f"{per} blocks; choose a number of fragments that divides {n_blocks}")
+    first_block_pos = min(i for i, (n, _) in enumerate(named) if n in block_of)
+    groups: List[List[str]] = [[] for _ in range(fragments)]
+    numels = [0] * fragments
+    for pos, (name, p) in enumerate(named):
+        if name in block_of:
+            b = block_of[name]
+            frag = b % fragments if pattern == "strided" else b // per
+        else:
+            frag = 0 if pos < first_block_pos else fragments - 1
+        groups[frag].append(name)
+        numels[frag] += p.numel()
+    return FragmentLayout(tuple(tuple(g) for g in groups), tuple(numels))

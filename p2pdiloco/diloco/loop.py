@@ -1,0 +1,239 @@
+"""The training loop behind ``p2pdiloco join``: read it top to bottom.
+
+    join the swarm → check the run fingerprint → build the model from the run's seed (so every peer
+    starts from the same θ) → inner AdamW steps on this peer's data shard → every H steps the
+    fragment syncs (DiLoCo.after_inner_step) → metrics, validation loss, checkpoint → repeat until
+    a budget is reached or SIGINT/SIGTERM → say goodbye → print a summary.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from ..config import RunConfig
+from ..data import BatchStream, evaluate, load_corpus
+from ..metrics import MetricsWriter, format_bytes
+from ..model import build_model, count_parameters
+from .core import DiLoCo, SyncReport
+
+__all__ = ["run_peer"]
+
+logger = logging.getLogger(__name__)
+
+
+def _inner_lr(cfg: RunConfig, step: int) -> float:
+    """Linear warm-up over inner.warmup_steps, then constant."""
+    w = cfg.inner.warmup_steps
+    return cfg.inner.lr * min(1.0, (step + 1) / w) if w else cfg.inner.lr
+
+
+def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, Any]:
+    from ..swarm.node import SwarmNode
+    from ..swarm.swarm import Swarm
+
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = cfg.train.resolved_device()
+    node = SwarmNode(cfg.swarm.initial_peers, host_maddrs=cfg.swarm.host_maddrs,
+                     announce_maddrs=cfg.swarm.announce_maddrs, identity_path=cfg.swarm.identity_path,
+                     bootstrap_timeout=cfg.swarm.bootstrap_timeout)
+    swarm = None
+    metrics = None
+    try:
+        swarm = Swarm(node, cfg.swarm.run_id, matchmaking_timeout=cfg.swarm.matchmaking_timeout,
+                      allreduce_timeout=cfg.swarm.allreduce_timeout, min_group_size=cfg.swarm.min_group_size,
+                      progress_period=cfg.swarm.progress_period)
+        swarm.check_fingerprint(cfg.fingerprint(), cfg.fingerprint_fields())
+        me = node.short_id
+        run_dir = cfg.train.run_dir or os.path.join("runs", cfg.swarm.run_id, me)
+        os.makedirs(run_dir, exist_ok=True)
+        metrics = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))
+
+        # Same seed on every peer: everyone starts from the same global parameters without a download.
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model).to(device)
+        corpus = load_corpus(cfg.data)
+        shard = cfg.data.shard_for(node.peer_id_str)
+        stream = BatchStream(corpus.train, shard=shard, num_shards=cfg.data.num_shards,
+                             batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
+        inner_opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
+                                      betas=(cfg.inner.beta1, cfg.inner.beta2))
+        diloco = DiLoCo(model, cfg, swarm)
+        logger.info(f"[{me}] peer {node.peer_id_str} joined run {cfg.swarm.run_id} (fingerprint {cfg.fingerprint()}); "
+                    f"model {count_parameters(model):,} params on {device}; data shard {shard}/{cfg.data.num_shards} "
+                    f"of {corpus.description}")
+        for line in diloco.layout.describe().splitlines():
+            logger.info(f"[{me}] {line}")
+
+        ckpt_path = os.path.join(run_dir, CHECKPOINT_NAME)
+        if os.path.exists(ckpt_path):
+            _restore(load_checkpoint(ckpt_path), model, inner_opt, diloco, stream)
+            logger.info(f"[{me}] resumed from {ckpt_path} at inner step {diloco.inner_step}")
+
+        def val_loss() -> float:
+            return evaluate(model, corpus.val, batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
+                            max_batches=cfg.train.eval_batches, device=device)
+
+        val0 = val_loss()
+        metrics.write("start", peer=node.peer_id_str, shard=shard, params=count_parameters(model), val_loss=val0,
+                      fingerprint=cfg.fingerprint(), digest=diloco.digest(), step=diloco.inner_step)
+        swarm.update_progress(step=diloco.inner_step, round=diloco.outer_round(), samples=0, sent=0, recv=0,
+                              loss=None, val_loss=val0, digest=diloco.digest(), last_sync=None, sps=0.0,
+                              target=[0, 0])
+        swarm.publish_progress()
+        swarm.start_publishing()
+
+        stop = stop_flag if stop_flag is not None else []
+        _install_signal_handlers(stop)
+        state = {"losses": [], "val": val0, "syncs": 0, "failed": 0, "samples": 0}
+        t_start = time.time()
+        bar = _ProgressLine(cfg, me)
+
+        def on_sync(rep: SyncReport) -> None:
+            sent, recv = node.traffic.snapshot()
+            train_loss = sum(state["losses"]) / max(1, len(state["losses"]))
+            state["losses"].clear()
+            if rep.ok:
+                state["syncs"] += 1
+                state["val"] = val_loss()
+            else:
+                state["failed"] += 1
+            metrics.write("sync", step=rep.step, fragment=rep.fragment, outer_step=rep.round + 1, ok=rep.ok,
+                          loss=train_loss, val_loss=state["val"], group_size=rep.group_size,
+                          sync_seconds=round(rep.seconds, 4), samples=rep.samples, bytes_sent=sent, bytes_received=recv,
+                          sync_bytes_sent=rep.bytes_sent, sync_bytes_received=rep.bytes_received,
+                          digest=rep.digest, error=rep.error or None)
+            swarm.update_progress(round=diloco.outer_round(), digest=diloco.digest(), last_sync=time.time(),
+                                  val_loss=state["val"], loss=train_loss,
+                                  target=_next_target(diloco))
+            logger.info(f"[{me}] sync frag {rep.fragment} round {rep.round} {'ok' if rep.ok else 'FAILED'} "
+                        f"group {rep.group_size} {rep.seconds:.2f}s val_loss {state['val']:.4f} digest {rep.digest}")
+            if rep.ok and rep.fragment == diloco.num_fragments - 1:
+                save_checkpoint(run_dir, _snapshot(model, inner_opt, diloco, stream))
+
+        diloco.on_sync = on_sync
+        swarm.update_progress(target=_next_target(diloco))
+        model.train()
+        while not stop:
+            if cfg.train.max_outer_steps and diloco.outer_round() >= cfg.train.max_outer_steps:
+                break
+            if cfg.train.max_seconds and time.time() - t_start >= cfg.train.max_seconds:
+                break
+            for group in inner_opt.param_groups:
+                group["lr"] = _inner_lr(cfg, diloco.inner_step)
+            x, y = stream.next_batch(device)
+            _, loss = model(x, y)
+            inner_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.inner.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+            inner_opt.step()
+            state["losses"].append(loss.item())
+            state["samples"] += x.shape[0]
+            diloco.after_inner_step(x.shape[0])
+            elapsed = time.time() - t_start
+            sent, recv = node.traffic.snapshot()
+            swarm.update_progress(step=diloco.inner_step, samples=state["samples"], sent=sent, recv=recv,
+                                  sps=diloco.inner_step / max(elapsed, 1e-9))
+            bar.update(diloco, loss.item(), state["val"], sent, recv)
+        bar.close()
+        sent, recv = node.traffic.snapshot()
+        summary = {"peer": node.peer_id_str, "short_id": me, "val_loss_start": val0, "val_loss_end": state["val"],
+                   "outer_steps": diloco.outer_round(), "inner_steps": diloco.inner_step, "syncs": state["syncs"],
+                   "failed_syncs": state["failed"], "bytes_sent": sent, "bytes_received": recv,
+                   "seconds": round(time.time() - t_start, 2), "digest": diloco.digest(), "run_dir": run_dir}
+        metrics.write("summary", **summary)
+        return summary
+    finally:
+        if metrics is not None:
+            metrics.close()
+        if swarm is not None:
+            swarm.shutdown()
+        node.shutdown()
+
+
+def _next_target(diloco: DiLoCo) -> list:
+    """(fragment, round) of the next sync this peer will take part in."""
+    t = diloco.inner_step + 1
+    while not diloco.due(t):
+        t += 1
+    p = diloco.due(t)[0]
+    return [p, diloco.round_of(p, t)]
+
+
+def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> Dict[str, Any]:
+    return {"format": 1, "model": model.state_dict(), "inner_opt": inner_opt.state_dict(),
+            "outer": [o.state_dict() for o in diloco.outer], "inner_step": diloco.inner_step,
+            "samples_since": list(diloco.samples_since), "stream": stream.state_dict(),
+            "torch_rng": torch.get_rng_state()}
+
+
+def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> None:
+    from ..errors import CheckpointError
+
+    try:
+        model.load_state_dict(state["model"])
+        inner_opt.load_state_dict(state["inner_opt"])
+        for o, s in zip(diloco.outer, state["outer"], strict=True):
+            o.load_state_dict(s)
+        diloco.inner_step = int(state["inner_step"])
+        diloco.samples_since = [int(x) for x in state["samples_since"]]
+        stream.load_state_dict(state["stream"])
+        torch.set_rng_state(state["torch_rng"])
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise CheckpointError(f"checkpoint does not match this configuration ({e}); "
+                              "use the configuration it was written with, or delete it to start fresh") from None
+
+
+def _install_signal_handlers(stop: list) -> None:
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+        logger.info("stopping after the current step (signal again to stop immediately)")
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+class _ProgressLine:
+    """A tqdm bar when stderr is a terminal (or asked for), else a status line every 10 s."""
+
+    def __init__(self, cfg: RunConfig, me: str):
+        self.me = me
+        self.total = cfg.train.max_outer_steps * cfg.inner.sync_every or None
+        self.last = 0.0
+        self.bar = None
+        if cfg.train.progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, desc=f"peer {me}", unit="step", dynamic_ncols=True)
+
+    def update(self, diloco: DiLoCo, loss: float, val: float, sent: int, recv: int) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(outer=diloco.outer_round(), loss=f"{loss:.3f}", val=f"{val:.3f}",
+                                 sent=format_bytes(sent), refresh=False)
+            return
+        now = time.time()
+        if now - self.last >= 10:
+            self.last = now
+            print(f"[{self.me}] step {diloco.inner_step}{'/' + str(self.total) if self.total else ''} "
+                  f"outer {diloco.outer_round()} loss {loss:.3f} val {val:.3f} sent {format_bytes(sent)} "
+                  f"recv {format_bytes(recv)}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,127 @@
+"""Swarm: what a training peer needs from the network, behind one small interface.
+
+Records in the DHT (values are msgpack maps, keys prefixed with the run id):
+
+    <run>:fingerprint            {fp, fields}      the configuration every peer must share
+    <run>:progress  [peer id]    {step, round, target, sps, samples, sent, recv, loss, val_loss,
+                                  digest, last_sync, t}          refreshed every progress_period
+    <run>:mm:<frag>:<round> [peer id]                            matchmaking (see matchmaking.py)
+
+``sync()`` forms the group for (fragment, round) and all-reduces the pseudo-gradient in it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..compression import Codec
+from ..errors import FingerprintMismatch, SyncFailed
+from .allreduce import AllReducer, Group
+from .matchmaking import Matchmaker
+from .node import SwarmNode
+
+__all__ = ["Swarm"]
+
+logger = logging.getLogger(__name__)
+
+FINGERPRINT_TTL = 3600.0
+
+
+class Swarm:
+    def __init__(self, node: SwarmNode, run_id: str, *, matchmaking_timeout: float, allreduce_timeout: float,
+                 min_group_size: int = 1, progress_period: float = 2.0):
+        self.node = node
+        self.run_id = run_id
+        self.progress_period = progress_period
+        self.matchmaker = Matchmaker(node, run_id, matchmaking_timeout=matchmaking_timeout,
+                                     min_group_size=min_group_size)
+        self.allreducer = AllReducer(node, run_id, timeout=allreduce_timeout)
+        self._progress: Dict[str, Any] = {}
+        self._progress_lock = threading.Lock()
+        self._fingerprint: Optional[Dict[str, Any]] = None
+        self._stop = threading.Event()
+        self._publisher: Optional[threading.Thread] = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.node.peer_id_str
+
+    # ---- fingerprint ------------------------------------------------------------------------------
+    def check_fingerprint(self, fp: str, fields: Dict[str, Any]) -> None:
+        """Publish our fingerprint if the run has none; refuse to join a run configured differently."""
+        key = f"{self.run_id}:fingerprint"
+        mine = {"fp": fp, "fields": fields}
+        existing = self.node.get_value(key)
+        if existing is None:
+            self.node.store(key, mine, ttl=FINGERPRINT_TTL)
+            time.sleep(0.2)  # two first peers racing: the DHT keeps one record; read back which
+            existing = self.node.get_value(key) or mine
+        if existing.get("fp") != fp:
+            theirs = existing.get("fields") if isinstance(existing.get("fields"), dict) else {}
+            diff = sorted(k for k in set(theirs) | set(fields) if theirs.get(k) != fields.get(k))
+            details = "; ".join(f"{k}: run has {theirs.get(k)!r}, you have {fields.get(k)!r}" for k in diff[:12])
+            raise FingerprintMismatch(
+                f"this peer's configuration differs from run {self.run_id!r} in {len(diff)} field(s): {details}. "
+                "Use the run's configuration (same --config and --set values) or choose another swarm.run_id"
+            )
+        self._fingerprint = mine
+
+    # ---- progress -----------------------------------------------------------------------------------
+    def update_progress(self, **fields: Any) -> None:
+        with self._progress_lock:
+            self._progress.update(fields)
+
+    def publish_progress(self) -> None:
+        with self._progress_lock:
+            value = dict(self._progress, t=time.time())
+        self.node.store(f"{self.run_id}:progress", value, ttl=3 * self.progress_period + 2, subkey=self.peer_id)
+        if self._fingerprint is not None:
+            self.node.store(f"{self.run_id}:fingerprint", self._fingerprint, ttl=FINGERPRINT_TTL)
+
+    def start_publishing(self) -> None:
+        def loop() -> None:
+            while not self._stop.wait(self.progress_period):
+                try:
+                    self.publish_progress()
+                except Exception as e:  # the DHT may be shutting down
+                    logger.debug(f"progress publish failed: {e}")
+
+        self._publisher = threading.Thread(target=loop, name="p2pdiloco-progress", daemon=True)
+        self._publisher.start()
+
+    def live_peers(self) -> Dict[str, Dict[str, Any]]:
+        peers = self.node.get_subkeys(f"{self.run_id}:progress")
+        return {pid: v for pid, v in peers.items() if not v.get("gone")}
+
+    def expected_group(self, frag: int, round_: int) -> int:
+        """Live peers (ourselves included) whose next sync is this (fragment, round)."""
+        peers = self.live_peers()
+        others = sum(1 for pid, v in peers.items() if pid != self.peer_id and v.get("target") == [frag, round_])
+        return 1 + others
+
+    # ---- sync -----------------------------------------------------------------------------------------
+    def sync(self, frag: int, round_: int, vec: torch.Tensor, weight: float, codec: Codec) -> Tuple[torch.Tensor, Group]:
+        """Weighted mean of ``vec`` over the group formed for (frag, round_). Raises SyncFailed."""
+        self.update_progress(target=[frag, round_])
+        self.publish_progress()
+        expected = self.expected_group(frag, round_)
+        group = self.node.call(self.matchmaker.form_group(frag, round_, expected))
+        if group.size == 1:
+            return vec.detach().to("cpu", torch.float32).clone(), group
+        avg = self.node.call(self.allreducer.allreduce(group, f"d{frag}", vec, weight, codec))
+        return avg, group
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._publisher is not None:
+            self._publisher.join(timeout=2)
+        try:  # say goodbye: drop our progress record so nobody waits for us
+            # a record only replaces one that expires earlier, so the goodbye gets the usual lifetime
+            self.node.store(f"{self.run_id}:progress", {"gone": True, "t": time.time()},
+                            ttl=3 * self.progress_period + 3, subkey=self.peer_id)
+        except Exception:
+            pass
