@@ -252,3 +252,18 @@ def test_fast_encoder_equals_bucketize(name):
     ]).clamp(-1, 1)
     expected = c._sorted_codes[torch.bucketize(x, mids)]
     assert torch.equal(c._codes(x), expected)
+
+
+@pytest.mark.parametrize("name", QUANT4)
+def test_chunked_path_gives_identical_bytes(name, monkeypatch):
+    import p2pdiloco.compression.quant4 as q4
+
+    c = get_codec(name)
+    for n in [1000, 1001, 4096, 4097]:
+        x = _inputs("student2", n, seed=n)
+        monkeypatch.setattr(q4, "_CPU_CHUNK", 1 << 40)
+        whole = c.encode(x)
+        whole_dec = c.decode(whole, n)
+        monkeypatch.setattr(q4, "_CPU_CHUNK", 128)
+        assert c.encode(x) == whole
+        assert torch.equal(c.decode(whole, n), whole_dec)

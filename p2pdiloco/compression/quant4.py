@@ -52,6 +52,8 @@ BLOCK_SIZE = 64
 _ROUNDING_SLACK = 2.0**-20
 #: the fast encoder cuts [-1, 1] into 2 * _BINS + 1 bins of width 1 / _BINS (see _bin_tables)
 _BINS = 512
+#: values per chunk on CPU (a multiple of BLOCK_SIZE)
+_CPU_CHUNK = 1 << 20
 
 _E3M0_CODEBOOK = [0.0] + [2.0 ** (e - 7) for e in range(1, 8)] + [0.0] + [-(2.0 ** (e - 7)) for e in range(1, 8)]
 
@@ -90,6 +92,12 @@ def _bin_tables(midpoints: torch.Tensor, sorted_codes: torch.Tensor) -> Optional
     top = len(sorted_codes) - 1
     codes = torch.stack([sorted_codes[below], sorted_codes[(below + 1).clamp(max=top)]], dim=1).reshape(-1)
     return thresholds, codes.contiguous()
+
+
+def _chunk(device: torch.device, numel: int) -> int:
+    """Values per step: on CPU, 2^20 (multiple of the block size) keeps temporaries in cache and
+    avoids page-faulting fresh buffers (about 10x faster at 16M values); elsewhere, all at once."""
+    return _CPU_CHUNK if device.type == "cpu" else max(numel, 1)
 
 
 class Blockwise4BitCodec(Codec):
@@ -156,6 +164,19 @@ class Blockwise4BitCodec(Codec):
     def quantize(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Return ``(scales fp32 [nblocks], packed uint8 [ceil(n/2)])`` on ``x``'s device."""
         x = x.detach().reshape(-1)
+        n = x.numel()
+        step = _chunk(x.device, n)
+        if step >= n:
+            return self._quantize_chunk(x)
+        scales = torch.empty(-(-n // BLOCK_SIZE), dtype=torch.float32, device=x.device)
+        packed = torch.empty((n + 1) // 2, dtype=torch.uint8, device=x.device)
+        for start in range(0, n, step):
+            s, p = self._quantize_chunk(x[start : start + step])
+            scales[start // BLOCK_SIZE : start // BLOCK_SIZE + s.numel()] = s
+            packed[start // 2 : start // 2 + p.numel()] = p
+        return scales, packed
+
+    def _quantize_chunk(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if x.dtype != torch.float32:
             x = x.float()
         n = x.numel()
@@ -180,6 +201,20 @@ class Blockwise4BitCodec(Codec):
     # -- decode ------------------------------------------------------------------------------
     def dequantize(self, scales: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
         """Inverse of :meth:`quantize` (on the tensors' device); returns fp32 ``[numel]``."""
+        step = _chunk(packed.device, numel)
+        if step >= numel:
+            return self._dequantize_chunk(scales, packed, numel)
+        out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+        for start in range(0, numel, step):
+            k = min(step, numel - start)
+            out[start : start + k] = self._dequantize_chunk(
+                scales[start // BLOCK_SIZE : start // BLOCK_SIZE + -(-k // BLOCK_SIZE)],
+                packed[start // 2 : start // 2 + (k + 1) // 2],
+                k,
+            )
+        return out
+
+    def _dequantize_chunk(self, scales: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
         nb = scales.numel()
         lut = self._pair_lut.to(packed.device)
         vals = lut.index_select(0, packed.to(torch.int32)).view(-1)
