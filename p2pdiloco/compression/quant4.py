@@ -224,11 +224,22 @@ class Blockwise4BitCodec(Codec):
         out = (vals.view(nb, BLOCK_SIZE) * scales.view(nb, 1)).view(-1)
         return out[:numel]
 
-    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
+    def decode(self, data: bytes, numel: int, sender: Optional[str] = None) -> torch.Tensor:
+        """Validate then decode; raises :class:`WireError` naming ``sender`` on any mismatch.
+
+        Same contract as :meth:`Codec.decode`, cheaper: the output is finite exactly when every
+        block scale is finite (codebook values lie in [-1, 1]), so only the scales are checked.
+        """
+        expected = self.encoded_size(numel)
+        if len(data) != expected:
+            raise WireError(f"{self.name} part has {len(data)} bytes, expected {expected} for {numel} values", sender)
+        return self._decode(data, numel, sender)
+
+    def _decode(self, data: bytes, numel: int, sender: Optional[str] = None) -> torch.Tensor:
         nb = -(-numel // BLOCK_SIZE)
         scales = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32))
-        if not bool((scales >= 0).all()):  # NaN fails this too
-            raise WireError(f"{self.name} part has a negative or NaN block scale")
+        if not bool(((scales >= 0) & (scales < float("inf"))).all()):  # NaN fails this too
+            raise WireError(f"{self.name} part has a negative or non-finite block scale", sender)
         packed = torch.frombuffer(bytearray(data[4 * nb :]), dtype=torch.uint8) if numel else torch.zeros(0, dtype=torch.uint8)
         return self.dequantize(scales, packed, numel)
 
