@@ -125,6 +125,10 @@ class SwarmConfig:
     bootstrap_timeout: float = 20.0
     #: smallest group an outer step may be taken with (1 = a lone peer keeps training)
     min_group_size: int = 1
+    #: wait until this many peers (this one included) are live before the first inner step
+    min_peers_to_start: int = 1
+    #: how long to wait for them (seconds); training then starts with whoever is there
+    start_timeout: float = 60.0
     #: how long to wait for the other live peers to become ready for a sync (seconds)
     matchmaking_timeout: float = 30.0
     #: how long one all-reduce may take before the round is abandoned everywhere (seconds)
@@ -135,9 +139,9 @@ class SwarmConfig:
     def validate(self) -> None:
         if not self.run_id or any(c in self.run_id for c in " /:\t\n"):
             raise ConfigError(f"swarm.run_id ({self.run_id!r}) must be non-empty without spaces, '/' or ':'")
-        _positive(self, "swarm", "min_group_size")
+        _positive(self, "swarm", "min_group_size", "min_peers_to_start")
         _positive_float(self, "swarm", "bootstrap_timeout", "matchmaking_timeout", "allreduce_timeout",
-                        "progress_period")
+                        "progress_period", "start_timeout")
         from .addresses import parse_maddrs
 
         parse_maddrs(self.initial_peers, "swarm.initial_peers", require_peer_id=True)

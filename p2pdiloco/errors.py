@@ -14,6 +14,7 @@
     └── SyncFailed                  a sync round could not complete (timeout, peer lost);
         │                           the round is discarded on every peer, nothing partial is applied
         └── MatchmakingFailed       no group could be formed in time
+            └── RoundMissed         the round's one group closed without us: catch up (download state)
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ __all__ = [
     "WireError",
     "SyncFailed",
     "MatchmakingFailed",
+    "RoundMissed",
 ]
 
 
@@ -79,4 +81,8 @@ class SyncFailed(P2PDilocoError):
 
 
 class MatchmakingFailed(SyncFailed):
+    pass
+
+
+class RoundMissed(MatchmakingFailed):
     pass

@@ -21,6 +21,8 @@ class Float32Codec(Codec):
         return x.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
 
     def _decode(self, data: bytes, numel: int) -> torch.Tensor:
+        if numel == 0:
+            return torch.empty(0, dtype=torch.float32)
         return torch.frombuffer(bytearray(data), dtype=torch.float32, count=numel)
 
 
@@ -38,4 +40,6 @@ class Float16Codec(Codec):
         return x.to(torch.float16).contiguous().numpy().tobytes()
 
     def _decode(self, data: bytes, numel: int) -> torch.Tensor:
+        if numel == 0:
+            return torch.empty(0, dtype=torch.float32)
         return torch.frombuffer(bytearray(data), dtype=torch.float16, count=numel).float()

@@ -13,18 +13,20 @@ round's pseudo-gradient, so no inner step is lost.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..compression import Codec, get_codec
 from ..config import RunConfig
-from ..errors import ConfigError, SyncFailed
+from ..errors import ConfigError, RoundMissed, SyncFailed
 from .fragments import FragmentLayout, split_fragments
 from .outer import OuterState
+from .reducers import Reducer, make_reducer
 
 __all__ = ["DiLoCo", "SyncReport"]
 
@@ -46,6 +48,7 @@ class SyncReport:
     bytes_received: int = 0
     digest: str = ""          # of the fragment's θ and momentum after the sync
     error: str = ""
+    missed: bool = False      # the round's group closed without us: the caller must catch up
     extra: Dict[str, object] = field(default_factory=dict)
 
 
@@ -75,9 +78,15 @@ class DiLoCo:
             for ps in self.local
         ]
         self.codec: Codec = get_codec(cfg.compression.codec)
+        #: one reducer per fragment: how its pseudo-gradient is averaged (plain, or compressed)
+        self.reducers: List[Reducer] = [make_reducer(cfg, ps) for ps in self.local]
         self.inner_step = 0
+        #: inner step of the last successful sync (the schedule position the digest belongs to)
+        self.synced_step = 0
         self.samples_since = [0] * P
         self.on_sync: Optional[Callable[[SyncReport], None]] = None
+        #: held while the global state changes, so snapshots served to joiners are consistent
+        self.state_lock = threading.Lock()
 
     @property
     def num_fragments(self) -> int:
@@ -93,6 +102,13 @@ class DiLoCo:
 
     def round_of(self, p: int, t: int) -> int:
         return (t - self.offset(p)) // self.H - 1
+
+    def next_sync_step(self) -> int:
+        """Inner step after which this peer's next fragment sync happens."""
+        t = self.inner_step + 1
+        while not self.due(t):
+            t += 1
+        return t
 
     def outer_round(self) -> int:
         """Completed rounds of fragment 0: the run's outer step counter."""
@@ -111,18 +127,27 @@ class DiLoCo:
         outer = self.outer[p]
         delta = outer.pseudo_gradient(self.local[p])
         report = SyncReport(step=self.inner_step, fragment=p, round=round_, ok=False, samples=self.samples_since[p])
+        weight = float(self.samples_since[p])
         try:
             if self.swarm is None:
-                avg, group_size = delta, 1
+                allreduce, group_size = self._solo_allreduce, 1
             else:
-                avg, group = self.swarm.sync(p, round_, delta, float(self.samples_since[p]), self.codec)
+                group = self.swarm.form_group(p, round_, self.inner_step)
                 group_size = group.size
+
+                def allreduce(vec: torch.Tensor, phase: str, codec: Optional[Codec] = None) -> torch.Tensor:
+                    return self.swarm.allreduce(group, f"f{p}.{phase}", vec, weight, codec or self.codec)
+
+            avg = self.reducers[p].reduce(delta, allreduce)
         except SyncFailed as e:
             report.error = str(e)
+            report.missed = isinstance(e, RoundMissed)
             logger.warning(f"sync of fragment {p} round {round_} failed, keeping local progress: {e}")
         else:
-            outer.step(avg)
-            outer.copy_to(self.local[p])
+            with self.state_lock:
+                outer.step(avg)
+                outer.copy_to(self.local[p])
+                self.synced_step = self.inner_step
             self.samples_since[p] = 0
             report.ok, report.group_size, report.digest = True, group_size, outer.digest()
         sent1, recv1 = self.swarm.node.traffic.snapshot() if self.swarm else (0, 0)
@@ -132,6 +157,38 @@ class DiLoCo:
             self.on_sync(report)
         return report
 
+    def _solo_allreduce(self, vec: torch.Tensor, phase: str, codec: Optional[Codec] = None) -> torch.Tensor:
+        """A group of one: what crossed the wire is what a lone peer applies too."""
+        codec = codec or self.codec
+        return codec.roundtrip(vec) if codec.relative_error_bound else vec.clone()
+
     def digest(self) -> str:
         """Digest of every fragment's global state, joined."""
         return "-".join(o.digest() for o in self.outer)
+
+    # ---- state transfer to and from joining peers -------------------------------------------------
+    def snapshot(self) -> Tuple[Dict[str, object], bytes]:
+        """(meta, payload): every fragment's θ then momentum as fp32 bytes, taken under the lock."""
+        with self.state_lock:
+            chunks = []
+            for o in self.outer:
+                chunks += [t.detach().cpu().contiguous().view(-1) for t in (*o.params, *o.buffers)]
+            payload = torch.cat(chunks).numpy().tobytes()
+            meta = {"step": self.synced_step, "outer_steps": [o.steps for o in self.outer],
+                    "numels": [o.numel for o in self.outer], "digest": self.digest()}
+        return meta, payload
+
+    def load_snapshot(self, meta: Dict[str, object], payload: bytes) -> None:
+        """Adopt a verified snapshot: global state, local parameters and schedule position."""
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.float32)
+        with self.state_lock:
+            off = 0
+            for o, steps in zip(self.outer, meta["outer_steps"]):
+                for t in (*o.params, *o.buffers):
+                    t.copy_(flat[off: off + t.numel()].view_as(t))
+                    off += t.numel()
+                o.steps = int(steps)
+            for o, local in zip(self.outer, self.local):
+                o.copy_to(local)
+            self.inner_step = self.synced_step = int(meta["step"])
+            self.samples_since = [0] * self.num_fragments

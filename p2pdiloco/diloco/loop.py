@@ -21,6 +21,7 @@ from ..config import RunConfig
 from ..data import BatchStream, evaluate, load_corpus
 from ..metrics import MetricsWriter, format_bytes
 from ..model import build_model, count_parameters
+from ..swarm.state_sync import StateServer, download_state, in_minority
 from .core import DiLoCo, SyncReport
 
 __all__ = ["run_peer"]
@@ -66,6 +67,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
         inner_opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
                                       betas=(cfg.inner.beta1, cfg.inner.beta2))
         diloco = DiLoCo(model, cfg, swarm)
+        StateServer(node, cfg.swarm.run_id, diloco.snapshot)
         logger.info(f"[{me}] peer {node.peer_id_str} joined run {cfg.swarm.run_id} (fingerprint {cfg.fingerprint()}); "
                     f"model {count_parameters(model):,} params on {device}; data shard {shard}/{cfg.data.num_shards} "
                     f"of {corpus.description}")
@@ -77,24 +79,48 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             _restore(load_checkpoint(ckpt_path), model, inner_opt, diloco, stream)
             logger.info(f"[{me}] resumed from {ckpt_path} at inner step {diloco.inner_step}")
 
+        def catch_up(wait: float, min_step: Optional[int] = None) -> bool:
+            """Adopt the swarm's verified state if it is ahead of ours; poll up to ``wait`` seconds."""
+            deadline = time.time() + wait
+            while True:
+                got = download_state(node, cfg.swarm.run_id, swarm.live_peers(), [o.numel for o in diloco.outer],
+                                     timeout=cfg.swarm.allreduce_timeout,
+                                     min_step=diloco.synced_step if min_step is None else min_step)
+                if got is not None:
+                    diloco.load_snapshot(*got)
+                    logger.info(f"[{me}] caught up with the swarm: step {diloco.inner_step}, digest {diloco.digest()}")
+                    metrics.write("catch_up", step=diloco.inner_step, digest=diloco.digest(),
+                                  outer_step=diloco.outer_round())
+                    swarm.update_progress(step=diloco.inner_step, synced_step=diloco.synced_step,
+                                          round=diloco.outer_round(), digest=diloco.digest(),
+                                          next_sync=diloco.next_sync_step())
+                    swarm.publish_progress()
+                    return True
+                if time.time() >= deadline:
+                    return False
+                time.sleep(0.5)
+
         def val_loss() -> float:
             return evaluate(model, corpus.val, batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
                             max_batches=cfg.train.eval_batches, device=device)
 
+        catch_up(wait=0)  # joining a run in progress: start from the swarm's state, not from scratch
         val0 = val_loss()
         metrics.write("start", peer=node.peer_id_str, shard=shard, params=count_parameters(model), val_loss=val0,
                       fingerprint=cfg.fingerprint(), digest=diloco.digest(), step=diloco.inner_step)
         swarm.update_progress(step=diloco.inner_step, round=diloco.outer_round(), samples=0, sent=0, recv=0,
                               loss=None, val_loss=val0, digest=diloco.digest(), last_sync=None, sps=0.0,
-                              target=[0, 0])
+                              next_sync=diloco.next_sync_step(), synced_step=diloco.synced_step)
         swarm.publish_progress()
         swarm.start_publishing()
+        _wait_for_peers(swarm, cfg, me)
 
         stop = stop_flag if stop_flag is not None else []
         _install_signal_handlers(stop)
         state = {"losses": [], "val": val0, "syncs": 0, "failed": 0, "samples": 0}
         t_start = time.time()
         bar = _ProgressLine(cfg, me)
+        last_check = time.time()
 
         def on_sync(rep: SyncReport) -> None:
             sent, recv = node.traffic.snapshot()
@@ -111,15 +137,15 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                           sync_bytes_sent=rep.bytes_sent, sync_bytes_received=rep.bytes_received,
                           digest=rep.digest, error=rep.error or None)
             swarm.update_progress(round=diloco.outer_round(), digest=diloco.digest(), last_sync=time.time(),
-                                  val_loss=state["val"], loss=train_loss,
-                                  target=_next_target(diloco))
+                                  synced_step=diloco.synced_step,
+                                  val_loss=state["val"], loss=train_loss, next_sync=diloco.next_sync_step())
+            swarm.publish_progress()  # at once: peers matchmaking for our next sync count on it
             logger.info(f"[{me}] sync frag {rep.fragment} round {rep.round} {'ok' if rep.ok else 'FAILED'} "
                         f"group {rep.group_size} {rep.seconds:.2f}s val_loss {state['val']:.4f} digest {rep.digest}")
             if rep.ok and rep.fragment == diloco.num_fragments - 1:
                 save_checkpoint(run_dir, _snapshot(model, inner_opt, diloco, stream))
 
         diloco.on_sync = on_sync
-        swarm.update_progress(target=_next_target(diloco))
         model.train()
         while not stop:
             if cfg.train.max_outer_steps and diloco.outer_round() >= cfg.train.max_outer_steps:
@@ -137,7 +163,17 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             inner_opt.step()
             state["losses"].append(loss.item())
             state["samples"] += x.shape[0]
-            diloco.after_inner_step(x.shape[0])
+            reports = diloco.after_inner_step(x.shape[0])
+            if any(r.missed for r in reports) and not catch_up(wait=cfg.swarm.allreduce_timeout):
+                logger.warning(f"[{me}] missed a round and found no verified state to catch up to yet")
+            if time.time() - last_check >= cfg.swarm.progress_period and diloco.synced_step:
+                # Diverged from the majority at the same step (a group-formation race, a healed
+                # partition)? Give way and adopt their verified state.
+                last_check = time.time()
+                if in_minority(swarm.live_peers(), node.peer_id_str, diloco.synced_step, diloco.digest()):
+                    logger.warning(f"[{me}] our state at step {diloco.synced_step} differs from the majority's; "
+                                   "adopting theirs")
+                    catch_up(wait=0, min_step=diloco.synced_step - 1)
             elapsed = time.time() - t_start
             sent, recv = node.traffic.snapshot()
             swarm.update_progress(step=diloco.inner_step, samples=state["samples"], sent=sent, recv=recv,
@@ -159,13 +195,20 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
         node.shutdown()
 
 
-def _next_target(diloco: DiLoCo) -> list:
-    """(fragment, round) of the next sync this peer will take part in."""
-    t = diloco.inner_step + 1
-    while not diloco.due(t):
-        t += 1
-    p = diloco.due(t)[0]
-    return [p, diloco.round_of(p, t)]
+def _wait_for_peers(swarm, cfg: RunConfig, me: str) -> None:
+    """Hold the first step until swarm.min_peers_to_start peers are live (or start_timeout passes)."""
+    want = cfg.swarm.min_peers_to_start
+    if want <= 1:
+        return
+    deadline = time.time() + cfg.swarm.start_timeout
+    while time.time() < deadline:
+        n = len(swarm.live_peers())
+        if n >= want:
+            logger.info(f"[{me}] {n} peers live; starting")
+            return
+        time.sleep(0.5)
+    logger.warning(f"[{me}] only {len(swarm.live_peers())} of {want} peers after {cfg.swarm.start_timeout:.0f} s; "
+                   "starting anyway")
 
 
 def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> Dict[str, Any]:

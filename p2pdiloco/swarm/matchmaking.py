@@ -9,9 +9,11 @@
    joiner with the same ``(gid, members)``. A group is therefore decided by exactly one peer and
    every member gets the same answer.
 3. A peer that is asked to lead but follows someone else refuses with a *hint* (its leader); a
-   peer whose leader is unreachable drops it and tries the next smallest id. A leader that has
-   already finalized refuses late joiners with ``closed``: the late peer raises
-   :class:`MatchmakingFailed` and must catch up (download state) instead of syncing alone.
+   peer whose leader is unreachable drops it and tries the next smallest id.
+4. There is one group per (fragment, round), because all peers share one global state. The leader
+   records the final members under ``<run>:group:<f>:<r>``. A peer that finds a closed group
+   without itself (or is refused with ``closed``) raises :class:`MatchmakingFailed`: it missed
+   the round and must catch up (download state), never sync alone.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Set, Tuple
 
-from ..errors import MatchmakingFailed, WireError
+from ..errors import MatchmakingFailed, RoundMissed, WireError
 from .allreduce import Group, make_group_id
 from .protocol import PROTOCOL_VERSION, check_version, read_frame, read_header, write_frame
 
@@ -69,6 +71,7 @@ class Matchmaker:
         slot = self._slot(frag, round_)
         key = self._key(frag, round_)
         ttl = self.matchmaking_timeout * 3
+        await self._check_not_missed(frag, round_)
         await self.node.astore(key, {"t": time.time()}, ttl=ttl, subkey=me)
         deadline = time.monotonic() + self.matchmaking_timeout
         ready: Set[str] = {me}
@@ -76,7 +79,9 @@ class Matchmaker:
             ready |= set((await self.node.aget_subkeys(key)).keys())
             if len(ready) >= expected or time.monotonic() >= deadline:
                 break
+            await self._check_not_missed(frag, round_)
             await asyncio.sleep(0.1)
+        await self._check_not_missed(frag, round_)
         candidates = sorted(ready)
         tried: Set[str] = set()
         while candidates:
@@ -114,6 +119,13 @@ class Matchmaker:
             except asyncio.TimeoutError:
                 break
         slot.closed = True
+        try:
+            await self._check_not_missed(frag, round_)
+        except RoundMissed:
+            for fut in slot.joiners.values():
+                if not fut.done():
+                    fut.set_result(None)
+            raise
         members = tuple(sorted({me, *slot.joiners}))
         if len(members) < self.min_group_size:
             for fut in slot.joiners.values():
@@ -123,6 +135,9 @@ class Matchmaker:
         gid = make_group_id(self.run_id, frag, round_, members)
         group = Group(gid=gid, members=members, my_index=members.index(me), frag=frag, round=round_)
         slot.final = group
+        # One group per (fragment, round): announce it so a late peer knows it missed the round
+        await self.node.astore(self._group_key(frag, round_), {"members": list(members)},
+                               ttl=self.matchmaking_timeout * 10, subkey=me)
         for fut in slot.joiners.values():
             if not fut.done():
                 fut.set_result(group)
@@ -131,6 +146,18 @@ class Matchmaker:
             logger.info(f"[{self.node.short_id}] group for fragment {frag} round {round_} formed without "
                         f"{len(missing)} ready peer(s) that did not join in time")
         return group
+
+    def _group_key(self, frag: int, round_: int) -> str:
+        return f"{self.run_id}:group:{frag}:{round_}"
+
+    async def _check_not_missed(self, frag: int, round_: int) -> None:
+        """Raise MatchmakingFailed when a group for this round already closed without us."""
+        me = self.node.peer_id_str
+        for leader, value in (await self.node.aget_subkeys(self._group_key(frag, round_))).items():
+            members = value.get("members")
+            if isinstance(members, list) and me not in members:
+                raise RoundMissed(f"missed the group for fragment {frag}, round {round_}: "
+                                        f"{len(members)} peer(s) synced it without us")
 
     async def _join(self, leader: str, frag: int, round_: int) -> Tuple[Optional[Group], Optional[str]]:
         """Ask ``leader`` to admit us. (group, None) when admitted, (None, hint) when refused."""
@@ -165,7 +192,7 @@ class Matchmaker:
             return Group(gid=gid, members=tuple(members), my_index=members.index(me), frag=frag, round=round_), None
         reason = reply.get("reason")
         if reason == "closed":
-            raise MatchmakingFailed(f"missed the group for fragment {frag}, round {round_} (it closed before we joined)")
+            raise RoundMissed(f"missed the group for fragment {frag}, round {round_} (it closed before we joined)")
         hint = reply.get("hint")
         return None, hint if isinstance(hint, str) else None
 

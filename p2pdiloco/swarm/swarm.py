@@ -3,11 +3,13 @@
 Records in the DHT (values are msgpack maps, keys prefixed with the run id):
 
     <run>:fingerprint            {fp, fields}      the configuration every peer must share
-    <run>:progress  [peer id]    {step, round, target, sps, samples, sent, recv, loss, val_loss,
+    <run>:progress  [peer id]    {step, round, next_sync, sps, samples, sent, recv, loss, val_loss,
                                   digest, last_sync, t}          refreshed every progress_period
     <run>:mm:<frag>:<round> [peer id]                            matchmaking (see matchmaking.py)
+    <run>:group:<frag>:<round> [leader id]  {members}            the one group of that round
 
-``sync()`` forms the group for (fragment, round) and all-reduces the pseudo-gradient in it.
+``form_group()`` forms the one group for (fragment, round); ``allreduce()`` averages a vector in it
+(a compressor may call it several times per sync, one *phase* each).
 """
 from __future__ import annotations
 
@@ -97,23 +99,29 @@ class Swarm:
         peers = self.node.get_subkeys(f"{self.run_id}:progress")
         return {pid: v for pid, v in peers.items() if not v.get("gone")}
 
-    def expected_group(self, frag: int, round_: int) -> int:
-        """Live peers (ourselves included) whose next sync is this (fragment, round)."""
+    def expected_group(self, sync_step: int) -> int:
+        """Live peers (ourselves included) that will take part in the sync at inner step ``sync_step``:
+        those whose next sync is at this step or earlier (they are on their way). Counting the ones
+        behind us makes the group wait for slower peers rather than close without them."""
         peers = self.live_peers()
-        others = sum(1 for pid, v in peers.items() if pid != self.peer_id and v.get("target") == [frag, round_])
+        others = sum(1 for pid, v in peers.items()
+                     if pid != self.peer_id and isinstance(v.get("next_sync"), int) and v["next_sync"] <= sync_step)
         return 1 + others
 
     # ---- sync -----------------------------------------------------------------------------------------
-    def sync(self, frag: int, round_: int, vec: torch.Tensor, weight: float, codec: Codec) -> Tuple[torch.Tensor, Group]:
-        """Weighted mean of ``vec`` over the group formed for (frag, round_). Raises SyncFailed."""
-        self.update_progress(target=[frag, round_])
+    def form_group(self, frag: int, round_: int, sync_step: int) -> Group:
+        """The one group for (frag, round_): waits for the live peers due at ``sync_step``. Raises SyncFailed."""
+        self.update_progress(next_sync=sync_step)
         self.publish_progress()
-        expected = self.expected_group(frag, round_)
-        group = self.node.call(self.matchmaker.form_group(frag, round_, expected))
+        expected = self.expected_group(sync_step)
+        return self.node.call(self.matchmaker.form_group(frag, round_, expected))
+
+    def allreduce(self, group: Group, phase: str, vec: torch.Tensor, weight: float, codec: Codec) -> torch.Tensor:
+        """Weighted mean of ``vec`` over ``group`` (bitwise identical on every member). Raises SyncFailed."""
         if group.size == 1:
-            return vec.detach().to("cpu", torch.float32).clone(), group
-        avg = self.node.call(self.allreducer.allreduce(group, f"d{frag}", vec, weight, codec))
-        return avg, group
+            return codec.roundtrip(vec.detach().to("cpu", torch.float32)) if codec.relative_error_bound \
+                else vec.detach().to("cpu", torch.float32).clone()
+        return self.node.call(self.allreducer.allreduce(group, phase, vec, weight, codec))
 
     def shutdown(self) -> None:
         self._stop.set()
