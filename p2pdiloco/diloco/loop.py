@@ -166,6 +166,10 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             reports = diloco.after_inner_step(x.shape[0])
             if any(r.missed for r in reports) and not catch_up(wait=cfg.swarm.allreduce_timeout):
                 logger.warning(f"[{me}] missed a round and found no verified state to catch up to yet")
+            elif any(not r.ok and not r.missed for r in reports):
+                # A failed round may have completed for the others (a reply lost on its way to us only).
+                # Then our θ is stale: adopt theirs rather than contribute against an old base.
+                catch_up(wait=3 * cfg.swarm.progress_period)
             if time.time() - last_check >= cfg.swarm.progress_period and diloco.synced_step:
                 # Diverged from the majority at the same step (a group-formation race, a healed
                 # partition)? Give way and adopt their verified state.

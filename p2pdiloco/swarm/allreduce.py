@@ -28,7 +28,7 @@ import torch
 
 from ..compression import Codec, codec_by_id
 from ..errors import SyncFailed, WireError
-from .protocol import PROTOCOL_VERSION, Traffic, check_version, read_frame, read_header, read_payload, write_frame
+from .protocol import PROTOCOL_VERSION, close_after_reply, Traffic, check_version, read_frame, read_header, read_payload, write_frame
 
 __all__ = ["Group", "AllReducer", "make_group_id", "shard_bounds"]
 
@@ -159,7 +159,7 @@ class AllReducer:
         except (asyncio.IncompleteReadError, ConnectionError):
             logger.warning(f"[{self.node.short_id}] connection from {sender[-6:]} dropped during a part")
         finally:
-            writer.close()
+            await close_after_reply(reader, writer)
 
     def _maybe_reduce(self, rnd: _Round) -> None:
         if rnd.done.done() or len(rnd.parts) < rnd.group.size:

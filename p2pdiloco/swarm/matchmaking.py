@@ -25,7 +25,7 @@ from typing import Dict, Optional, Set, Tuple
 
 from ..errors import MatchmakingFailed, RoundMissed, WireError
 from .allreduce import Group, make_group_id
-from .protocol import PROTOCOL_VERSION, check_version, read_frame, read_header, write_frame
+from .protocol import PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header, write_frame
 
 __all__ = ["Matchmaker"]
 
@@ -241,4 +241,4 @@ class Matchmaker:
         except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.info(f"[{self.node.short_id}] bad join request from {sender[-6:]}: {e}")
         finally:
-            writer.close()
+            await close_after_reply(reader, writer)

@@ -38,6 +38,7 @@ import msgpack
 from ..errors import WireError
 
 __all__ = [
+    "close_after_reply",
     "PROTOCOL_VERSION",
     "MAX_HEADER",
     "Traffic",
@@ -126,6 +127,21 @@ async def read_frame(reader: asyncio.StreamReader, max_payload: int, traffic: Op
     if not isinstance(declared, int) or not 0 <= declared <= max_payload:
         raise WireError(f"payload of {declared!r} bytes declared, limit {max_payload}", sender)
     return header, await read_payload(reader, header, declared, traffic, sender)
+
+
+async def close_after_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float = 10.0) -> None:
+    """Close a handler's stream only after the caller has closed its end (EOF), bounded by ``timeout``.
+
+    Closing right after the last write lets the p2p daemon reset the stream with the reply's tail
+    still in flight (seen here: a 1.1 MB reply cut at 1 MB). The caller closes once it has read
+    everything, so waiting for its EOF guarantees delivery.
+    """
+    try:
+        await asyncio.wait_for(reader.read(), timeout=timeout)
+    except Exception:
+        pass
+    finally:
+        writer.close()
 
 
 def check_version(header: Dict[str, Any]) -> Optional[str]:

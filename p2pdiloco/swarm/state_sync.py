@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import SyncFailed, WireError
-from .protocol import PROTOCOL_VERSION, check_version, read_frame, read_header, write_frame
+from .protocol import PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header, write_frame
 
 __all__ = ["StateServer", "download_state", "state_digest", "pick_target", "in_minority"]
 
@@ -73,7 +73,7 @@ class StateServer:
         except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.info(f"[{self.node.short_id}] state request from {sender[-6:]} failed: {e}")
         finally:
-            writer.close()
+            await close_after_reply(reader, writer)
 
 
 def pick_target(peers: Dict[str, Dict[str, Any]], me: str, min_step: int = 0) -> Optional[Tuple[int, str, List[str]]]:
