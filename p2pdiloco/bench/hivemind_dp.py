@@ -7,19 +7,25 @@ benchmark compares like with like::
     python -m p2pdiloco.bench.hivemind_dp --initial-peers <maddr> --config peers/tiny-cpu.toml \
         --peers 4 --steps 200 --set data.shard=0 --set data.num_shards=4 --summary-json s.json
 
-hivemind.Optimizer is configured as plain data parallelism (the "vanilla all-reduce" reference of
-the DiLoCo papers): ``use_local_updates=False`` and ``target_batch_size = peers * batch_size``, so
-every global step (hivemind "epoch") all-reduces the gradients of one batch per peer and applies
-one AdamW step, with the same hyper-parameters, warm-up and gradient clipping as our inner
+hivemind.Optimizer is configured as plain synchronous data parallelism (the "vanilla all-reduce"
+reference of the DiLoCo papers): ``use_local_updates=False`` and ``target_batch_size = peers *
+batch_size``, and the loop runs in lockstep, so every global step (hivemind "epoch") all-reduces
+the gradients of exactly one batch per peer and applies one AdamW step. (Left alone, hivemind keeps
+accumulating batches until its progress tracker, which polls the DHT, notices that the target was
+reached: on 2 cores that was 2-3 batches per peer per step, a different algorithm with a larger
+batch. So after its batch a peer waits until ``tracker.ready_to_update_epoch`` and then calls
+``step(batch_size=0)``, with a gradient averager whose zero-sample accumulation is a no-op.) Each
+step uses the same hyper-parameters, warm-up and gradient clipping as our inner
 optimiser (clipping applies to the averaged gradient, as in ordinary DDP). Parameter/state
 averaging is switched off (``average_state_every`` huge): with identical averaged gradients the
 replicas stay equal. Matchmaking uses ``target_group_size = peers`` (without it hivemind always
 waits the full matchmaking time; hivemind-notes trap 6). hivemind 1.1.12 forwards ``averager_opts``
 to the state averager only, not to the gradient averager (despite its docstring), so the group size
-reaches the gradient averager through ``grad_averager_factory``. Before the first batch every peer
-waits until all ``--peers`` are in the DHT and in hivemind's progress tracker: a peer that believes
-it is alone takes local optimiser steps without averaging, and with parameter averaging off its
-replica would never rejoin the others. Gradients go uncompressed (fp32) or as
+reaches the gradient averager through ``grad_averager_factory``. Every peer waits before its first
+batch until all ``--peers`` have announced themselves in the DHT, and after it until hivemind's
+progress tracker sees them all (a peer is only visible there once it has accumulated samples): a
+peer that believes it is alone takes optimiser steps on its local gradients, and with parameter
+averaging off its replica would never rejoin the others. Gradients go uncompressed (fp32) or as
 fp16 (``--grad-compression fp16``); hivemind's 8-bit codecs are avoided (trap 1).
 
 It writes ``<train.run_dir>/metrics.jsonl`` in the format of ``p2pdiloco join``:
@@ -31,7 +37,8 @@ It writes ``<train.run_dir>/metrics.jsonl`` in the format of ``p2pdiloco join``:
   at the end, ``null`` in between), ``sync_seconds`` = time blocked in ``opt.step()`` since the
   previous event (accumulation, matchmaking, all-reduce, the optimiser step), ``compute_seconds``
   = forward/backward time, ``eval_seconds``, ``group_size`` = peers in hivemind's progress
-  tracker. ``bytes_sent``/``bytes_received`` are **interface** bytes (``/proc/net/dev`` of
+  tracker when the step began, ``ok`` = false when hivemind fell back to local gradients
+  (failed or skipped all-reduce; counted as ``failed_syncs``). ``bytes_sent``/``bytes_received`` are **interface** bytes (``/proc/net/dev`` of
   ``--iface`` in this process's network namespace, everything: gradients, DHT, framing, TCP/IP
   and Ethernet headers) since the start event; hivemind has no counter of its own. The same values
   are also under ``iface_bytes_sent``/``iface_bytes_received``; ``null`` when the interface is missing.
@@ -94,10 +101,34 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-compression", choices=("none", "fp16"), default="none")
     p.add_argument("--matchmaking-time", type=float, default=5.0, help="hivemind matchmaking_time, s")
     p.add_argument("--averaging-timeout", type=float, default=120.0, help="hivemind averaging_timeout, s")
+    p.add_argument("--refresh-period", type=float, default=0.2,
+                   help="hivemind progress tracker min_refresh_period, s (its default 0.5 adds latency to every step)")
     p.add_argument("--iface", default="eth0", help="interface whose counters are the byte counts")
     p.add_argument("--linger", type=float, default=30.0, help="at most this long wait for the others at the end, s")
     p.add_argument("--summary-json", help="also write the summary to this JSON file")
     return p
+
+
+def _lockstep_averager_class() -> type:
+    from hivemind.optim.grad_averager import GradientAverager
+
+    class LockstepGradientAverager(GradientAverager):
+        """hivemind's GradientAverager where ``accumulate_grads_(0)`` is a no-op.
+
+        The stock one counts a zero-sample accumulation as one more batch in the mean it divides
+        by, so ``Optimizer.step(batch_size=0)`` (used to finish a step without a new batch)
+        would shrink the gradient.
+        """
+
+        def accumulate_grads_(self, batch_size: int) -> None:
+            if batch_size > 0:
+                super().accumulate_grads_(batch_size)
+
+    return LockstepGradientAverager
+
+
+def _LockstepGradientAverager(*args: Any, **kwargs: Any) -> Any:
+    return _lockstep_averager_class()(*args, **kwargs)
 
 
 class _ClippedAdamW:
@@ -125,7 +156,6 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
     import hivemind
     import torch
     from hivemind.compression import Float16Compression, NoCompression
-    from hivemind.optim.grad_averager import GradientAverager
 
     from ..data import BatchStream, evaluate, load_corpus
     from ..metrics import MetricsWriter
@@ -174,7 +204,8 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
             matchmaking_time=args.matchmaking_time,
             averaging_timeout=args.averaging_timeout,
             grad_compression=compression,
-            grad_averager_factory=functools.partial(GradientAverager, target_group_size=args.peers),
+            grad_averager_factory=functools.partial(_LockstepGradientAverager, target_group_size=args.peers),
+            tracker_opts=dict(min_refresh_period=args.refresh_period),
             averager_opts=dict(target_group_size=args.peers),
             verbose=False,
         )
@@ -191,9 +222,16 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
 
         val0 = val_loss()
         _barrier(dht, f"{run_id}_ready", args.peers, args.averaging_timeout, stop)
-        deadline = time.monotonic() + args.averaging_timeout
-        while opt.tracker.global_progress.num_peers < args.peers and time.monotonic() < deadline and not stop:
-            time.sleep(0.1)  # the tracker refreshes itself in its own thread
+        # hivemind falls back to local gradients when an all-reduce fails or it sees no other peer;
+        # count those steps (they are failed syncs for a data-parallel baseline)
+        fallbacks = [0]
+        load_local = opt._load_local_gradients_into_optimizer
+
+        def counting_fallback() -> None:
+            fallbacks[0] += 1
+            load_local()
+
+        opt._load_local_gradients_into_optimizer = counting_fallback
         base = read_iface_bytes(args.iface)
         params = count_parameters(model)
         metrics.write("start", peer=str(dht.peer_id), shard=shard, params=params, val_loss=val0, step=0,
@@ -202,7 +240,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
                     f"target batch {args.peers}x{cfg.inner.batch_size}, {steps} steps")
         t_start = time.time()
         last_status = t_start
-        batches = 0
+        batches = failed = 0
         totals = {"compute": 0.0, "sync": 0.0, "eval": 0.0}
         window = {"compute": 0.0, "sync": 0.0, "losses": [], "samples": 0}
         val = val0
@@ -213,9 +251,19 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
             _, loss = model(x, y)
             loss.backward()
             t1 = time.perf_counter()
-            epoch_before = opt.local_epoch
+            epoch_before, fallbacks_before = opt.local_epoch, fallbacks[0]
+            group_size = opt.tracker.global_progress.num_peers
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if batches == 0:
+                _await_tracker(opt, args.peers, args.averaging_timeout, stop)
+            # lockstep: one batch per peer per step. Wait until hivemind says the global batch is
+            # complete, then let it average and step without accumulating anything new (batch_size=0).
+            while opt.local_epoch == epoch_before and not stop:
+                if opt.tracker.ready_to_update_epoch:
+                    opt.step(batch_size=0)
+                else:
+                    time.sleep(0.01)
             t2 = time.perf_counter()
             batches += 1
             window["compute"] += t1 - t0
@@ -232,9 +280,11 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
                 val = val_loss()
             eval_s = time.perf_counter() - t_eval
             sent, recv = iface()
-            metrics.write("sync", step=batches, fragment=0, outer_step=epoch, ok=True,
+            ok = fallbacks[0] == fallbacks_before
+            failed += not ok
+            metrics.write("sync", step=batches, fragment=0, outer_step=epoch, ok=ok,
                           loss=sum(window["losses"]) / len(window["losses"]), val_loss=val if fresh else None,
-                          group_size=opt.tracker.global_progress.num_peers, sync_seconds=round(window["sync"], 4),
+                          group_size=group_size, sync_seconds=round(window["sync"], 4),
                           compute_seconds=round(window["compute"], 4), eval_seconds=round(eval_s, 4),
                           samples=window["samples"], bytes_sent=sent, bytes_received=recv,
                           iface_bytes_sent=sent, iface_bytes_received=recv, digest=None, error=None)
@@ -250,7 +300,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
         sent, recv = iface()
         summary = {"peer": str(dht.peer_id), "short_id": me, "mode": "hivemind-dp", "val_loss_start": val0,
                    "val_loss_end": val, "outer_steps": opt.local_epoch, "inner_steps": batches,
-                   "syncs": opt.local_epoch, "failed_syncs": 0, "bytes_sent": sent, "bytes_received": recv,
+                   "syncs": opt.local_epoch - failed, "failed_syncs": failed, "bytes_sent": sent, "bytes_received": recv,
                    "iface_bytes_sent": sent, "iface_bytes_received": recv, "seconds": round(seconds, 2),
                    "compute_seconds": round(totals["compute"], 2), "sync_seconds": round(totals["sync"], 2),
                    "eval_seconds": round(totals["eval"], 2), "digest": None, "run_dir": run_dir}
@@ -267,6 +317,19 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
             except Exception as e:  # shutting down: report, do not mask the real outcome
                 logger.warning(f"hivemind.Optimizer shutdown failed: {e!r}")
         dht.shutdown()
+
+
+def _await_tracker(opt: Any, peers: int, timeout: float, stop: List[int]) -> None:
+    """Wait until hivemind's progress tracker sees ``peers`` peers (after the first batch is accumulated).
+
+    A peer reports its progress only once it has accumulated samples, so this cannot be done before
+    the first batch; without it, a peer that thinks it is alone takes its first steps unaveraged.
+    """
+    deadline = time.monotonic() + timeout
+    while opt.tracker.global_progress.num_peers < peers and time.monotonic() < deadline and not stop:
+        if opt.local_epoch > 0:
+            return  # the swarm already moved on: nothing to wait for
+        time.sleep(0.1)  # the tracker refreshes itself in its own thread
 
 
 def _barrier(dht: Any, key: str, peers: int, timeout: float, stop: List[int]) -> bool:
