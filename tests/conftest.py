@@ -30,10 +30,16 @@ class Procs:
         self.procs: List[subprocess.Popen] = []
 
     def start(self, *args: str, name: str, env: Optional[dict] = None) -> subprocess.Popen:
+        return self.start_argv(cli_argv(*args), name=name, env=env)
+
+    def start_script(self, script: str, *args: str, name: str, env: Optional[dict] = None) -> subprocess.Popen:
+        return self.start_argv([sys.executable, script, *args], name=name, env=env)
+
+    def start_argv(self, argv: List[str], *, name: str, env: Optional[dict] = None) -> subprocess.Popen:
         out = open(self.tmp / f"{name}.out", "w")
         err = open(self.tmp / f"{name}.err", "w")
         e = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        p = subprocess.Popen(cli_argv(*args), stdout=out, stderr=err, cwd=str(self.tmp), env=e,
+        p = subprocess.Popen(argv, stdout=out, stderr=err, cwd=str(self.tmp), env=e,
                              start_new_session=True)
         p.name = name  # type: ignore[attr-defined]
         self.procs.append(p)

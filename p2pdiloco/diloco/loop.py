@@ -202,17 +202,12 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
 def _wait_for_peers(swarm, cfg: RunConfig, me: str) -> None:
     """Hold the first step until swarm.min_peers_to_start peers are live (or start_timeout passes)."""
     want = cfg.swarm.min_peers_to_start
-    if want <= 1:
-        return
-    deadline = time.time() + cfg.swarm.start_timeout
-    while time.time() < deadline:
-        n = len(swarm.live_peers())
+    if want > 1:
+        n = swarm.wait_for_peers(want, cfg.swarm.start_timeout)
         if n >= want:
             logger.info(f"[{me}] {n} peers live; starting")
-            return
-        time.sleep(0.5)
-    logger.warning(f"[{me}] only {len(swarm.live_peers())} of {want} peers after {cfg.swarm.start_timeout:.0f} s; "
-                   "starting anyway")
+        else:
+            logger.warning(f"[{me}] only {n} of {want} peers after {cfg.swarm.start_timeout:.0f} s; starting anyway")
 
 
 def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> Dict[str, Any]:

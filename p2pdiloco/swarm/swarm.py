@@ -99,6 +99,15 @@ class Swarm:
         peers = self.node.get_subkeys(f"{self.run_id}:progress")
         return {pid: v for pid, v in peers.items() if not v.get("gone")}
 
+    def wait_for_peers(self, n: int, timeout: float) -> int:
+        """Block until ``n`` peers (this one included) are live or ``timeout`` passes; returns the count."""
+        deadline = time.monotonic() + timeout
+        while True:
+            count = len(self.live_peers() | {self.peer_id: {}})
+            if count >= n or time.monotonic() >= deadline:
+                return count
+            time.sleep(0.5)
+
     def expected_group(self, sync_step: int) -> int:
         """Live peers (ourselves included) that will take part in the sync at inner step ``sync_step``:
         those whose next sync is at this step or earlier (they are on their way). Counting the ones
