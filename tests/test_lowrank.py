@@ -16,8 +16,17 @@ def _mean(vs):
     return torch.stack(vs).mean(dim=0)
 
 
+def _agree(comps):
+    """The header phase: every peer adopts the ranks the all-reduced votes and stats decide."""
+    ah = _mean([c.header() for c in comps])
+    for c in comps:
+        c.agree(ah)
+
+
 def _round(comps, inputs):
     """One sync round over in-process 'peers'; returns each peer's outputs."""
+    if comps[0].cfg.adaptive:
+        _agree(comps)
     a1 = _mean([c.begin(x) for c, x in zip(comps, inputs)])
     a2 = _mean([c.middle(a1) for c in comps])
     return [c.finish(a2) for c in comps]
@@ -58,8 +67,10 @@ def test_selection_and_wire_numel():
     c = LowRankCompressor(SHAPES, LowRankConfig(rank=4))
     assert c.lowrank_indices == [0, 3]
     assert c.ranks == [4, 4]
-    assert c.wire_numel() == (96 * 4 + 64 * 4 + 80 + 64, 80 * 4 + 64 * 4 + 8)
-    assert c.stats_numel == 8
+    assert c.wire_numel() == (96 * 4 + 64 * 4 + 80 + 64, 80 * 4 + 64 * 4)
+    assert c.header_numel == 2 * (4 + 2)
+    assert c.small_indices == [1, 2]
+    assert LowRankCompressor(SHAPES, LowRankConfig(rank=4, adaptive=False)).header_numel == 0
 
 
 @pytest.mark.parametrize("case", ["same", "shared_columns", "shared_rows"])
@@ -141,7 +152,7 @@ def test_adaptive_rank_falls_and_agrees():
     # rank 1 still recovers the rank-1 mean exactly
     true_mean = _mean([x[0] for x in inputs])
     assert (outs[0][0] - true_mean).abs().max() <= 1e-4 * true_mean.abs().max()
-    assert comps[0].wire_numel() == (96 + 64 + 80 + 64, 80 + 64 + 2)
+    assert comps[0].wire_numel() == (96 + 64 + 80 + 64, 80 + 64)
 
 
 def test_adaptive_rank_grows_back_for_full_rank_signal():
@@ -154,8 +165,11 @@ def test_adaptive_rank_grows_back_for_full_rank_signal():
     for c in comps:
         c.load_state_dict(state)
     inputs = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(2)]
-    _round(comps, inputs)
+    _round(comps, inputs)  # at rank 1: captures too little of a full-rank signal
+    assert comps[0].ranks == comps[1].ranks == [1, 1]
+    _agree(comps)  # the next round grows by one column
     assert comps[0].ranks == comps[1].ranks == [2, 2]
+    assert comps[0].energies[0] < 0.99
 
 
 def test_state_dict_round_trip():
@@ -176,9 +190,68 @@ def test_phase_order_and_lengths_are_checked():
     c = LowRankCompressor(SHAPES)
     with pytest.raises(RuntimeError, match="begin first"):
         c.middle(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="agree first"):
+        c.begin([torch.zeros(s) for s in SHAPES])
+    with pytest.raises(ValueError, match="header"):
+        c.agree(torch.zeros(c.header_numel + 1))
+    c.agree(c.header())
     v = c.begin([torch.zeros(s) for s in SHAPES])
     with pytest.raises(ValueError, match="expected"):
         c.middle(v[:-1])
     q = c.middle(v)  # all-zero input is fine
     out = c.finish(q)
     assert all(bool((o == 0).all()) for o in out)
+
+
+def test_rank_vote_heals_a_stale_peer():
+    """Two peers that shared earlier rounds (rank 1, with stats) and a newcomer with fresh state
+    (rank 4, no stats): one header phase gives all three the same ranks, and the round is exact."""
+    gen = torch.Generator().manual_seed(8)
+    cfg = LowRankConfig(rank=4, adaptive=True, energy_target=0.9)
+    u = {96: _orth(96, 1, gen), 64: _orth(64, 1, gen)}
+    old = [LowRankCompressor(SHAPES, cfg) for _ in range(2)]
+    for _ in range(2):
+        _round(old, _inputs(gen, 2, 1, shared_u=u))
+    assert old[0].ranks == [1, 1]
+    newcomer = LowRankCompressor(SHAPES, cfg)
+    comps = old + [newcomer]
+    assert newcomer.ranks == [4, 4]
+    inputs = _inputs(gen, 3, 1, shared_u=u)
+    outs = _round(comps, inputs)
+    assert all(c.ranks == [1, 1] for c in comps)
+    assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(o, outs[0]))
+    true_mean = _mean([x[0] for x in inputs])
+    assert (outs[0][0] - true_mean).abs().max() <= 1e-4 * true_mean.abs().max()
+
+
+def test_abort_keeps_residuals_and_allows_the_next_round():
+    gen = torch.Generator().manual_seed(9)
+    comps = [LowRankCompressor(SHAPES, LowRankConfig(rank=2)) for _ in range(2)]
+    _round(comps, [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(2)])
+    before = [c.residual(0).clone() for c in comps]
+    _agree(comps)
+    for c in comps:
+        c.begin([torch.randn(s, generator=gen) for s in SHAPES])
+        c.abort()  # the all-reduce failed
+    assert all(torch.equal(c.residual(0), b) for c, b in zip(comps, before))
+    outs = _round(comps, [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(2)])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+
+
+def test_contributed_q_puts_wire_error_into_the_residual():
+    """With ``contributed`` (what owners decoded), per peer: P·Q^_m^T + residual_m == M_m exactly."""
+    from p2pdiloco.compression import get_codec
+
+    codec = get_codec("e3m0")
+    gen = torch.Generator().manual_seed(10)
+    c = LowRankCompressor(SHAPES, LowRankConfig(rank=2, adaptive=False))
+    x = [torch.randn(s, generator=gen) for s in SHAPES]
+    a1 = codec.roundtrip(c.begin(x))
+    v2 = c.middle(a1)
+    sent = codec.roundtrip(v2)
+    p = c._p[0].clone()
+    c.finish(codec.roundtrip(sent), contributed=sent)
+    rows, cols = 96, 80
+    contrib = (p @ sent[: cols * 2].reshape(cols, 2).double().t()).float()
+    assert torch.allclose(contrib + c.residual(0), x[0], atol=1e-5)
+    assert not torch.equal(sent, v2)  # the codec really was lossy

@@ -26,6 +26,10 @@ class Codec(abc.ABC):
     codec_id: int = -1
     #: bound on |decode(encode(x)) - x| relative to a block's absmax, documented per codec (0 = lossless)
     relative_error_bound: float = 0.0
+    #: values per independently encoded block (1 = element-wise). The all-reduce starts every shard
+    #: at a multiple of this, so ``roundtrip(x)`` of a whole vector equals what the shards' owners
+    #: decode: a compressor can then compute its own contribution exactly (error feedback).
+    block_size: int = 1
 
     @abc.abstractmethod
     def encoded_size(self, numel: int) -> int:

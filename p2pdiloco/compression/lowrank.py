@@ -4,22 +4,34 @@ PowerSGD: Vogels, Karimireddy, Jaggi 2019, arXiv:1905.13648; adaptive, diminishi
 manner of DiLoCoX (arXiv:2506.21263), whose exact rule is not public: ours is documented below.
 
 Each peer holds a :class:`LowRankCompressor` built from the same shapes and config. One sync round
-is three local phases with two all-reduce-means between them, done by the caller::
+is local phases with all-reduce-means between them, done by the caller::
 
+    h  = comp.header()              # adaptive only: rank vote + last round's energy stats, fp32
+    ah = allreduce_mean(h)          #   (send it losslessly: a few numbers per matrix)
+    comp.agree(ah)                  #   this round's ranks and warm-start bases, identical everywhere
     v1 = comp.begin(tensors)        # [P_m for each low-rank matrix] + [small tensors], fp32
     a1 = allreduce_mean(v1)         # identical on every peer
-    v2 = comp.middle(a1)            # [Q_m for each low-rank matrix] + [energy stats], fp32
+    v2 = comp.middle(a1)            # [Q_m for each low-rank matrix], fp32
     a2 = allreduce_mean(v2)         # identical on every peer
     out = comp.finish(a2)           # averaged tensors, original shapes, fp32
 
+If an all-reduce fails, call :meth:`abort`: the round is dropped, residuals are kept.
+
 For a low-rank matrix (``M_m`` = this peer's tensor reshaped to ``(shape[0], rest)`` plus its
-error-feedback residual; ``Q`` is shared, ``n x r``):
+error-feedback residual; ``Q`` is the warm-start basis, ``n x r``):
 
 1. ``begin``:  ``P_m = M_m Q``.
 2. ``middle``: ``P = orth(mean P_m)`` (QR in fp64, signs fixed so ``diag(R) >= 0``: a unique
    function of the identical mean, so identical on every peer); ``Q_m = M_m^T P``.
 3. ``finish``: applied update ``P (mean Q_m)^T = P P^T mean(M_m)`` -- the same on every peer because
-   it is computed only from all-reduced values (fp64, then rounded to fp32).
+   it is computed only from all-reduced values (fp64, then rounded to fp32). Bitwise identity
+   therefore assumes peers whose QR and matmul round alike (same library and thread count); peers
+   on different hardware may differ in the last bit, which the swarm's digest check repairs.
+
+``Q`` itself need not be identical on all peers: it only steers which subspace ``P`` finds, and
+``P``, the applied update and the residuals are functions of all-reduced values and local data. A
+peer that joined late or missed rounds (fresh ``Q``) therefore takes part correctly at once. The
+*ranks* must agree (they fix the vector sizes); the header phase makes them agree every round.
 
 Exactness: ``mean P_m = mean(M_m) Q``, so when ``rank(mean M_m) <= r`` (and the random ``Q`` is
 generic) ``P`` spans the column space of the mean and the applied update equals ``mean M_m`` exactly
@@ -34,34 +46,42 @@ Error feedback (``cfg.error_feedback``) uses this peer's *local* reconstruction:
 ``P Q_m^T`` is the applied update), so per peer ``sum_t P Q_{m,t}^T + residual_m == sum_t g_{m,t}``
 and, averaged over peers, ``sum_t applied_t + mean_m residual_m == sum_t mean_m g_{m,t}``. With one
 peer ``P Q_m^T`` *is* the applied update. (torch's DDP PowerSGD hook subtracts ``P mean(Q)^T``
-instead, which feeds other peers' disagreement into each residual.) Error introduced by a lossy
-codec inside the all-reduce is not covered here; wrap the wire with
-:class:`~p2pdiloco.compression.feedback.ErrorFeedback` for that.
+instead, which feeds other peers' disagreement into each residual.) When ``Q_m`` crosses the wire
+through a lossy codec, pass what the owners decoded as ``finish(a2, contributed=...)``: the residual
+is then ``M_m - P Q^_m^T`` and covers that quantization error too. The owner's one re-quantization
+of the *mean* is not fed back (no peer knows the exact mean); it is bounded by the codec.
 
-Adaptive rank (``cfg.adaptive``): in ``middle`` each peer appends, per matrix and per column ``j`` of
-``P``, its captured energy fraction ``rho_j = ||Q_m[:, j]||^2 / ||M_m||_F^2`` (these add up to
+Adaptive rank (``cfg.adaptive``): in ``middle`` each peer measures, per matrix and per column ``j``
+of ``P``, its captured energy fraction ``rho_j = ||Q_m[:, j]||^2 / ||M_m||_F^2`` (these add up to
 ``||P P^T M_m||^2 / ||M_m||^2 <= 1`` because ``P`` is orthonormal; a zero matrix reports
-``rho = (1, 0, ...)``). After the second all-reduce every peer holds the same mean ``rho``; with the
-columns sorted by mean ``rho`` (descending, ties by index), ``energy(k) = sqrt(sum of the top k)``
-estimates ``||P_k P_k^T M||_F / ||M||_F``. Next round's rank per matrix:
+``rho = (1, 0, ...)``). It keeps them, with the averaged ``Q``, until the next round's header::
+
+    header per matrix = [ rank r it used, has stats (0/1), has * rho_1 .. rho_r, 0 .. 0 ]  (max_rank + 2)
+
+From the all-reduced header every peer computes the same: the agreed previous rank
+``r = round(mean rank)`` (all honest peers that shared the last round vote the same integer, so
+this is exact; a newcomer with another rank is outvoted), the mean ``rho = mean(has*rho)/mean(has)``
+and, with the columns sorted by it (descending, ties by index), ``energy(k) = sqrt(sum of the top
+k)`` which estimates ``||P_k P_k^T M||_F / ||M||_F``. This round's rank per matrix:
 
 * ``energy(r) < energy_target`` and ``r < max rank``: grow by one (a fresh seeded random column);
 * otherwise: the smallest ``k >= min_rank`` with ``energy(k) >= energy_target`` ("rank
   diminishment": the rank falls as soon as fewer columns suffice; the top ``k`` columns of the
-  averaged ``Q`` are kept as the warm start).
+  averaged ``Q`` are kept as the warm start);
+* nobody has stats (the first round, or only newcomers): ``r``.
 
-Every decision uses only all-reduced values, so ranks agree on all peers. The stats are the last
-``stats_numel`` elements of the second vector, values in [0, 1]; a caller that quantizes that vector
-may prefer to send them (a few numbers) in fp32.
+Every decision uses only all-reduced values, so ranks agree on all peers of the round, including
+peers whose own state was stale (a restart, a missed round): the vote heals them in one round.
 
 Tensors that are 1-D, smaller than ``min_numel``, or whose factors would not be smaller than the
 matrix (``max_rank * (rows + cols) >= rows * cols``) are sent whole, averaged exactly by the first
 all-reduce. Warm start: the next round's ``Q`` is the averaged ``Q`` with unit-norm columns (a zero
 column is replaced by a fresh one); fresh columns come from a CPU ``torch.Generator`` seeded by
-``(cfg.seed, matrix index, round)``, so identical everywhere.
+``(cfg.seed, matrix index, round)``, so they are the same on every peer that saw the same rounds.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -115,7 +135,7 @@ def _fresh_columns(n: int, k: int, seed: int, index: int, round_: int) -> torch.
 
 
 class LowRankCompressor:
-    """One peer's state for shared-basis low-rank compression (phases: begin, middle, finish).
+    """One peer's state for shared-basis low-rank compression (phases: header/agree, begin, middle, finish).
 
     ``shapes``: the shapes of the tensors passed to :meth:`begin`, in order, identical on all peers.
     Outputs are fp32 on the device of the inputs. Calling phases out of order raises ``RuntimeError``;
@@ -142,27 +162,33 @@ class LowRankCompressor:
                     self._min_rank.append(min(self.cfg.min_rank, rmax))
                     continue
             self._small.append(i)
+        L = len(self._lowrank)
         self._ranks = list(self._max_rank)
         self._q = [_fresh_columns(n, r, self.cfg.seed, j, 0) for j, ((_, n), r) in enumerate(zip(self._dims, self._ranks))]
-        self._residual: List[Optional[torch.Tensor]] = [None] * len(self._lowrank)
-        self._energy: List[float] = [float("nan")] * len(self._lowrank)
+        self._residual: List[Optional[torch.Tensor]] = [None] * L
+        self._energy: List[float] = [float("nan")] * L
+        # adaptive: last round's averaged Q (raw) and local energy stats, until the next header
+        self._pending_q: List[Optional[torch.Tensor]] = [None] * L
+        self._pending_rho: List[Optional[List[float]]] = [None] * L
         self._round = 0
         self._phase = "idle"
         # per-round scratch
         self._m: List[torch.Tensor] = []
         self._p: List[torch.Tensor] = []
         self._q_local: List[torch.Tensor] = []
+        self._rho: List[List[float]] = []
         self._small_avg: List[torch.Tensor] = []
 
     # -- introspection -------------------------------------------------------------------------
     @property
     def ranks(self) -> List[int]:
-        """Current rank of each low-rank matrix (the rank the next :meth:`begin` uses)."""
+        """Rank of each low-rank matrix in the current (or, between rounds, the last) round."""
         return list(self._ranks)
 
     @property
     def energies(self) -> List[float]:
-        """Agreed captured energy ``energy(r)`` of each low-rank matrix in the last round (NaN before)."""
+        """Agreed captured energy ``energy(r)`` of each low-rank matrix, as of the last agreed stats
+        (those of the round before the current one); NaN before any."""
         return list(self._energy)
 
     @property
@@ -171,15 +197,20 @@ class LowRankCompressor:
         return list(self._lowrank)
 
     @property
-    def stats_numel(self) -> int:
-        """Number of energy stats at the end of the second vector (0 when not adaptive)."""
-        return sum(self._ranks) if self.cfg.adaptive else 0
+    def small_indices(self) -> List[int]:
+        """Indices (into ``shapes``) of the tensors sent whole, at the end of :meth:`begin`'s vector."""
+        return list(self._small)
+
+    @property
+    def header_numel(self) -> int:
+        """Length of :meth:`header`'s vector (0 when not adaptive or nothing is low-rank)."""
+        return sum(r + 2 for r in self._max_rank) if self.cfg.adaptive else 0
 
     def wire_numel(self) -> Tuple[int, int]:
         """``(numel of begin's vector, numel of middle's vector)`` at the current ranks."""
         first = sum(m * r for (m, _), r in zip(self._dims, self._ranks))
         first += sum(self._shapes[i].numel() for i in self._small)
-        second = sum(n * r for (_, n), r in zip(self._dims, self._ranks)) + self.stats_numel
+        second = sum(n * r for (_, n), r in zip(self._dims, self._ranks))
         return first, second
 
     def dense_numel(self) -> int:
@@ -190,11 +221,89 @@ class LowRankCompressor:
         """Error-feedback residual of low-rank matrix ``j`` (2-D, fp32), ``None`` if none yet."""
         return self._residual[j]
 
+    def residual_norm(self) -> float:
+        """L2 norm over all low-rank residuals (for logging)."""
+        return float(sum(float(r.double().pow(2).sum()) for r in self._residual if r is not None) ** 0.5)
+
     # -- phases --------------------------------------------------------------------------------
+    def header(self) -> torch.Tensor:
+        """This peer's rank vote and last round's local energy stats (see module docstring), fp32."""
+        if self._phase != "idle":
+            raise RuntimeError(f"LowRankCompressor.header called during phase {self._phase!r}; finish or abort first")
+        parts: List[torch.Tensor] = []
+        if self.cfg.adaptive:
+            for j, rmax in enumerate(self._max_rank):
+                h = torch.zeros(rmax + 2, dtype=torch.float32)
+                h[0] = float(self._ranks[j])
+                rho = self._pending_rho[j]
+                if rho is not None:
+                    h[1] = 1.0
+                    h[2: 2 + len(rho)] = torch.tensor(rho, dtype=torch.float32)
+                parts.append(h)
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def agree(self, avg_header: torch.Tensor) -> None:
+        """Adopt this round's ranks and warm-start bases from the all-reduced :meth:`header`."""
+        if self._phase != "idle":
+            raise RuntimeError(f"LowRankCompressor.agree called during phase {self._phase!r}; finish or abort first")
+        avg_header = avg_header.detach().reshape(-1).to("cpu", torch.float64)
+        if avg_header.numel() != self.header_numel:
+            raise ValueError(f"all-reduced header has {avg_header.numel()} values, expected {self.header_numel}")
+        if self.cfg.adaptive:
+            off = 0
+            for j, rmax in enumerate(self._max_rank):
+                h = avg_header[off: off + rmax + 2].tolist()
+                off += rmax + 2
+                self._agree_one(j, h[0], h[1], h[2:])
+            self._phase = "agreed"
+
+    def _agree_one(self, j: int, vote: float, has: float, rho_sum: List[float]) -> None:
+        rmax, rmin = self._max_rank[j], self._min_rank[j]
+        r = min(max(int(round(vote)), rmin), rmax) if math.isfinite(vote) else rmax
+        order = list(range(r))
+        new_r = r
+        if math.isfinite(has) and has > 0:
+            rho = [max(v / has, 0.0) if math.isfinite(v) else 0.0 for v in rho_sum[:r]]
+            order.sort(key=lambda c: (-rho[c], c))
+            cum, energies = 0.0, []
+            for c in order:
+                cum += rho[c]
+                energies.append(min(cum, 1.0) ** 0.5)
+            self._energy[j] = energies[-1]
+            target = self.cfg.energy_target
+            if energies[-1] < target and r < rmax:
+                new_r = r + 1
+            else:
+                new_r = next((k for k in range(rmin, r + 1) if energies[k - 1] >= target), r)
+        mine = self._pending_q[j]
+        if mine is not None and mine.shape[1] == r:
+            base = mine[:, order[: min(new_r, r)]]  # the averaged Q, best columns first
+        else:  # a stale or fresh peer: its own basis, trimmed (it only steers P; see module docstring)
+            base = self._q[j][:, : min(new_r, self._q[j].shape[1])]
+        self._q[j] = self._complete_basis(j, base, new_r)
+        self._ranks[j] = new_r
+        self._pending_q[j] = None
+        self._pending_rho[j] = None
+
+    def _complete_basis(self, j: int, q: torch.Tensor, rank: int) -> torch.Tensor:
+        """Unit-norm columns of ``q``, bad (zero, non-finite) ones replaced and fresh ones appended up to ``rank``."""
+        q = q.double()
+        norms = q.norm(dim=0)
+        good = torch.isfinite(norms) & (norms > 0)
+        q = (q / torch.where(good, norms, torch.ones_like(norms))).float()
+        n_fresh = rank - q.shape[1]
+        if not bool(good.all()) or n_fresh:
+            fresh = _fresh_columns(self._dims[j][1], q.shape[1] + n_fresh, self.cfg.seed, j, self._round + 1).to(q.device)
+            q = torch.where(good, q, fresh[:, : q.shape[1]])
+            q = torch.cat([q, fresh[:, q.shape[1]:]], dim=1)
+        return q
+
     def begin(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Add residuals, project onto the shared ``Q``; return ``[P_m ...] + [small tensors]``."""
-        if self._phase != "idle":
-            raise RuntimeError(f"LowRankCompressor.begin called during phase {self._phase!r}; call finish first")
+        expected = "agreed" if self.cfg.adaptive else "idle"
+        if self._phase != expected:
+            raise RuntimeError(f"LowRankCompressor.begin called during phase {self._phase!r}; "
+                               + ("call header/agree first" if self.cfg.adaptive else "call finish first"))
         if len(tensors) != len(self._shapes):
             raise ValueError(f"expected {len(self._shapes)} tensors, got {len(tensors)}")
         for i, (t, s) in enumerate(zip(tensors, self._shapes)):
@@ -216,7 +325,7 @@ class LowRankCompressor:
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def middle(self, avg_flat: torch.Tensor) -> torch.Tensor:
-        """From the mean of :meth:`begin`'s vectors: orthonormalize ``P``, return ``[Q_m ...] + stats``."""
+        """From the mean of :meth:`begin`'s vectors: orthonormalize ``P``, return ``[Q_m ...]``."""
         if self._phase != "begun":
             raise RuntimeError(f"LowRankCompressor.middle called during phase {self._phase!r}; call begin first")
         first, _ = self.wire_numel()
@@ -224,13 +333,12 @@ class LowRankCompressor:
         if avg_flat.numel() != first:
             raise ValueError(f"first all-reduced vector has {avg_flat.numel()} values, expected {first}")
         offset = 0
-        self._p, self._q_local = [], []
+        self._p, self._q_local, self._rho = [], [], []
         parts: List[torch.Tensor] = []
-        stats: List[torch.Tensor] = []
         for j, m in enumerate(self._m):
             rows, cols = self._dims[j]
             r = self._ranks[j]
-            p_avg = avg_flat[offset : offset + rows * r].reshape(rows, r).to(m.device)
+            p_avg = avg_flat[offset: offset + rows * r].reshape(rows, r).to(m.device)
             offset += rows * r
             p = _orthonormalize(p_avg)
             q_local = m.t() @ p.to(torch.float32)
@@ -244,96 +352,81 @@ class LowRankCompressor:
                 else:
                     rho = torch.zeros(r, dtype=torch.float64, device=m.device)
                     rho[0] = 1.0
-                stats.append(rho.float())
+                self._rho.append([float(v) for v in rho.tolist()])
         self._small_avg = []
         for i in self._small:
             k = self._shapes[i].numel()
-            self._small_avg.append(avg_flat[offset : offset + k].clone())
+            self._small_avg.append(avg_flat[offset: offset + k].clone())
             offset += k
         self._phase = "middle"
-        out = parts + stats
-        return torch.cat(out) if out else torch.zeros(0)
+        return torch.cat(parts) if parts else torch.zeros(0)
 
-    def finish(self, avg_q_flat: torch.Tensor) -> List[torch.Tensor]:
-        """From the mean of :meth:`middle`'s vectors: return averaged tensors (original shapes, fp32)."""
+    def finish(self, avg_q_flat: torch.Tensor, contributed: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+        """From the mean of :meth:`middle`'s vectors: return averaged tensors (original shapes, fp32).
+
+        ``contributed``: :meth:`middle`'s vector as the owners decoded it (``codec.roundtrip``), when
+        it crossed the wire lossily; error feedback then also carries that quantization error.
+        """
         if self._phase != "middle":
             raise RuntimeError(f"LowRankCompressor.finish called during phase {self._phase!r}; call middle first")
         _, second = self.wire_numel()
         avg_q_flat = avg_q_flat.detach().reshape(-1)
         if avg_q_flat.numel() != second:
             raise ValueError(f"second all-reduced vector has {avg_q_flat.numel()} values, expected {second}")
-        q_avgs: List[torch.Tensor] = []
-        offset = 0
-        for j, (_, cols) in enumerate(self._dims):
-            r = self._ranks[j]
-            q_avgs.append(avg_q_flat[offset : offset + cols * r].reshape(cols, r))
-            offset += cols * r
-        rhos: List[List[float]] = []
-        if self.cfg.adaptive:
-            for r in self._ranks:
-                rhos.append([float(v) for v in avg_q_flat[offset : offset + r].tolist()])
-                offset += r
-
+        if contributed is not None and contributed.numel() != second:
+            raise ValueError(f"contributed vector has {contributed.numel()} values, expected {second}")
         results: List[Optional[torch.Tensor]] = [None] * len(self._shapes)
+        offset = 0
         for j, i in enumerate(self._lowrank):
+            cols, r = self._dims[j][1], self._ranks[j]
             p = self._p[j]
-            q_avg = q_avgs[j].to(p.device)
+            q_avg = avg_q_flat[offset: offset + cols * r].reshape(cols, r).to(p.device)
+            q_sent = (self._q_local[j] if contributed is None
+                      else contributed.detach().reshape(-1)[offset: offset + cols * r].reshape(cols, r).to(p.device))
+            offset += cols * r
             results[i] = (p @ q_avg.double().t()).float().reshape(self._shapes[i])
             if self.cfg.error_feedback:
-                self._residual[j] = self._m[j] - (p @ self._q_local[j].double().t()).float()
-            self._next_basis(j, q_avg, rhos[j] if rhos else None)
+                self._residual[j] = self._m[j] - (p @ q_sent.double().t()).float()
+            if self.cfg.adaptive:  # the next header decides the rank and which columns to keep
+                self._pending_q[j] = q_avg.float().clone()
+                self._pending_rho[j] = self._rho[j]
+            else:
+                self._q[j] = self._complete_basis(j, q_avg, r)
         for i, avg in zip(self._small, self._small_avg):
             results[i] = avg.reshape(self._shapes[i])
 
         self._round += 1
-        self._m, self._p, self._q_local, self._small_avg = [], [], [], []
-        self._phase = "idle"
+        self._clear_scratch()
         return [t for t in results if t is not None]
 
-    # -- adaptive rank and warm start ------------------------------------------------------------
-    def _next_basis(self, j: int, q_avg: torch.Tensor, rho: Optional[List[float]]) -> None:
-        """Choose next round's rank of matrix ``j`` and its warm-start ``Q`` from agreed values."""
-        r = self._ranks[j]
-        order = list(range(r))
-        new_r = r
-        if rho is not None:
-            order.sort(key=lambda c: (-rho[c], c))
-            cum, energies = 0.0, []
-            for c in order:
-                cum += max(rho[c], 0.0)
-                energies.append(min(cum, 1.0) ** 0.5)
-            self._energy[j] = energies[-1]
-            target = self.cfg.energy_target
-            if energies[-1] < target and r < self._max_rank[j]:
-                new_r = r + 1
-            else:
-                new_r = next((k for k in range(self._min_rank[j], r + 1) if energies[k - 1] >= target), r)
-        keep = order[: min(new_r, r)]
-        q = q_avg[:, keep].double()
-        norms = q.norm(dim=0)
-        good = torch.isfinite(norms) & (norms > 0)
-        q = (q / torch.where(good, norms, torch.ones_like(norms))).float()
-        n = self._dims[j][1]
-        n_fresh = new_r - len(keep)
-        if not bool(good.all()) or n_fresh:
-            fresh = _fresh_columns(n, len(keep) + n_fresh, self.cfg.seed, j, self._round + 1).to(q.device)
-            q = torch.where(good, q, fresh[:, : len(keep)])
-            q = torch.cat([q, fresh[:, len(keep) :]], dim=1)
-        self._q[j] = q
-        self._ranks[j] = new_r
+    def abort(self) -> None:
+        """Drop the round in progress (an all-reduce failed): residuals and bases stay as they were
+        before :meth:`begin`; ranks agreed by :meth:`agree` stay agreed."""
+        self._clear_scratch()
+
+    def _clear_scratch(self) -> None:
+        self._m, self._p, self._q_local, self._rho, self._small_avg = [], [], [], [], []
+        self._phase = "idle"
+
+    def reset_residuals(self) -> None:
+        """Forget error-feedback residuals (the peer adopted another peer's state)."""
+        self._residual = [None] * len(self._lowrank)
 
     # -- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Ranks, round counter, warm-start bases and residuals (CPU tensors)."""
+        """Ranks, round counter, warm-start bases, pending stats and residuals (CPU tensors)."""
         if self._phase != "idle":
             raise RuntimeError("state_dict during a round; call it between finish and begin")
+        cpu = lambda t: None if t is None else t.detach().cpu().clone()  # noqa: E731
         return {
             "shapes": [list(s) for s in self._shapes],
             "ranks": list(self._ranks),
             "round": self._round,
             "energy": list(self._energy),
-            "q": [q.detach().cpu().clone() for q in self._q],
-            "residual": [None if r is None else r.detach().cpu().clone() for r in self._residual],
+            "q": [cpu(q) for q in self._q],
+            "residual": [cpu(r) for r in self._residual],
+            "pending_q": [cpu(q) for q in self._pending_q],
+            "pending_rho": [None if r is None else list(r) for r in self._pending_rho],
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -347,9 +440,21 @@ class LowRankCompressor:
         for j, q in enumerate(state["q"]):
             if tuple(q.shape) != (self._dims[j][1], ranks[j]):
                 raise ValueError(f"low-rank state: basis {j} has shape {tuple(q.shape)}")
+        L = len(self._lowrank)
+        pending_q = list(state.get("pending_q", [None] * L))
+        pending_rho = list(state.get("pending_rho", [None] * L))
+        for j, (q, rho) in enumerate(zip(pending_q, pending_rho)):
+            if (q is None) != (rho is None) or (q is not None and (tuple(q.shape) != (self._dims[j][1], ranks[j])
+                                                                   or len(rho) != ranks[j])):
+                raise ValueError(f"low-rank state: pending stats of matrix {j} do not match its rank")
+        for j, r in enumerate(state["residual"]):
+            if r is not None and tuple(r.shape) != self._dims[j]:
+                raise ValueError(f"low-rank state: residual {j} has shape {tuple(r.shape)}")
         self._ranks = ranks
         self._round = int(state["round"])
         self._energy = [float(e) for e in state["energy"]]
         self._q = [q.detach().float().clone() for q in state["q"]]
         self._residual = [None if r is None else r.detach().float().clone() for r in state["residual"]]
-        self._phase = "idle"
+        self._pending_q = [None if q is None else q.detach().float().clone() for q in pending_q]
+        self._pending_rho = [None if r is None else [float(v) for v in r] for r in pending_rho]
+        self._clear_scratch()

@@ -108,6 +108,7 @@ class Blockwise4BitCodec(Codec):
     """
 
     codebook: list = []
+    block_size = BLOCK_SIZE
 
     def __init__(self) -> None:
         cb = torch.tensor(self.codebook, dtype=torch.float32)

@@ -55,13 +55,18 @@ class Group:
         return len(self.members)
 
 
-def shard_bounds(numel: int, parts: int) -> List[Tuple[int, int]]:
-    """Contiguous near-equal shards, identical on every peer for the same (numel, parts)."""
-    base, extra = divmod(numel, parts)
+def shard_bounds(numel: int, parts: int, align: int = 1) -> List[Tuple[int, int]]:
+    """Contiguous near-equal shards, identical on every peer for the same (numel, parts, align).
+
+    Every shard starts at a multiple of ``align`` (the codec's ``block_size``), so a blockwise codec's
+    blocks never straddle two shards and ``codec.roundtrip(vec)`` is exactly what the owners decode.
+    """
+    units = -(-numel // align)
+    base, extra = divmod(units, parts)
     bounds, start = [], 0
     for j in range(parts):
         end = start + base + (1 if j < extra else 0)
-        bounds.append((start, end))
+        bounds.append((min(start * align, numel), min(end * align, numel)))
         start = end
     return bounds
 
@@ -184,7 +189,7 @@ class AllReducer:
     async def allreduce(self, group: Group, phase: str, vec: torch.Tensor, weight: float, codec: Codec) -> torch.Tensor:
         """Weighted mean of ``vec`` over the group; identical bytes on every member, or SyncFailed."""
         vec = vec.detach().to("cpu", torch.float32).contiguous().view(-1)
-        bounds = shard_bounds(vec.numel(), group.size)
+        bounds = shard_bounds(vec.numel(), group.size, codec.block_size)
         me = group.my_index
         lo, hi = bounds[me]
         rnd = self._round(group.gid, phase)
