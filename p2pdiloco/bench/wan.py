@@ -22,9 +22,9 @@ Contract of one host link (``LinkSpec``):
 
 Delay, jitter and loss are applied by the kernel's ``netem`` qdisc where the kernel has it.
 Many cloud/VM kernels are built without ``sch_netem`` (this project's CI kernel is one), so
-the fallback is a small user-space relay (``_relay``): one process per host, in the switch
-namespace, that copies Ethernet frames between ``p<i>`` and ``q<i>`` through ``AF_PACKET``
-sockets and holds uplink frames for their delay. For the relay to see ordinary MTU-sized
+the fallback is a small user-space relay (``_relay`` in ``netns_tools.py``): one process per
+host, in the switch namespace, that copies Ethernet frames between ``p<i>`` and ``q<i>`` through
+``AF_PACKET`` sockets and holds uplink frames for their delay. For the relay to see ordinary MTU-sized
 frames with complete checksums, TSO/GSO/GRO and checksum offload are switched off on every
 interface (the same is done on the netem path, so both paths behave alike).
 The netem path is not exercised on kernels without netem (ours); note that netem's jitter
@@ -42,25 +42,17 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import collections
-import ctypes
-import errno
-import fcntl
 import itertools
 import json
 import logging
 import os
-import random
 import re
 import select
 import shutil
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import IO, Any, Optional, Sequence, Union
 
@@ -84,12 +76,9 @@ logger.setLevel(os.environ.get("P2PDILOCO_LOG_LEVEL", "INFO").upper())
 
 DEFAULT_PREFIX = "pdwan-"
 _ROOT_MESSAGE = "the emulated WAN needs root (ip netns, tc): run as root or with sudo"
-_MODULE = "p2pdiloco.bench.wan"
-_ETH_P_ALL = 0x0003
-_PACKET_OUTGOING = 4
-_SIOCETHTOOL = 0x8946
-# legacy ethtool "set" commands (linux/ethtool.h): tx-checksum, scatter-gather, TSO, GSO, GRO
-_ETHTOOL_OFF = (0x17, 0x19, 0x1F, 0x24, 0x2C)
+# The in-namespace tools (relay, prep, throughput/RTT probes) run as a script by file path, so they
+# import only the standard library (``python -m`` would import the p2pdiloco package, i.e. torch).
+_TOOLS = [sys.executable, "-I", os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns_tools.py")]
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -397,7 +386,7 @@ class EmulatedWAN:
             _shape(sw, f"p{i}", LinkSpec(rate_mbit=spec.rate_mbit, delay_ms=spec.delay_ms), netem=False)
             if use_relay:
                 argv = [
-                    "ip", "netns", "exec", sw, sys.executable, "-m", _MODULE, "_relay",
+                    "ip", "netns", "exec", sw, *_TOOLS, "_relay",
                     f"p{i}", f"q{i}", str(spec.delay_ms), str(spec.jitter_ms), str(spec.loss_pct),
                 ]
                 relay = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, text=True)
@@ -467,7 +456,7 @@ def _readline_timeout(proc: subprocess.Popen, timeout: float) -> str:
 
 
 def _prep_netns(ns: str, ifaces: Sequence[str]) -> None:
-    _sh(["ip", "netns", "exec", ns, sys.executable, "-m", _MODULE, "_prep", *ifaces])
+    _sh(["ip", "netns", "exec", ns, *_TOOLS, "_prep", *ifaces])
 
 
 def _shape(ns: str, dev: str, spec: LinkSpec, *, netem: bool) -> None:
@@ -501,7 +490,7 @@ def _shape(ns: str, dev: str, spec: LinkSpec, *, netem: bool) -> None:
 
 # ----------------------------------------------------------------------------- measurements
 def _tool(host: Host, *args: str, stdout: Any = subprocess.PIPE) -> subprocess.Popen:
-    return host.popen([sys.executable, "-m", _MODULE, *args], stdout=stdout, stderr=subprocess.PIPE, text=True)
+    return host.popen([*_TOOLS, *args], stdout=stdout, stderr=subprocess.PIPE, text=True)
 
 
 def _server_port(proc: subprocess.Popen, what: str) -> int:
@@ -538,175 +527,10 @@ def measure_rtt(src: Host, dst: Host, count: int = 5) -> float:
     server = _tool(dst, "_echo", dst.address)
     try:
         port = _server_port(server, "echo")
-        client = src.run([sys.executable, "-m", _MODULE, "_ping", dst.address, str(port), str(count)], timeout=60)
+        client = src.run([*_TOOLS, "_ping", dst.address, str(port), str(count)], timeout=60)
     finally:
         _kill_group(server)
     return float(client.stdout.strip().splitlines()[-1])
-
-
-# ----------------------------------------------------------------------------- in-namespace tools
-# These run as `python -m p2pdiloco.bench.wan _<tool> ...` inside a namespace. They avoid
-# heavy imports and stop by themselves (time limits, and the relay exits with its parent).
-def _tool_prep(ifaces: Sequence[str]) -> None:
-    """Disable IPv6 (no autoconf noise) and TSO/GSO/GRO/checksum offload on ``ifaces``."""
-    for path in ("all", "default", *ifaces):
-        try:
-            with open(f"/proc/sys/net/ipv6/conf/{path}/disable_ipv6", "w") as f:
-                f.write("1")
-        except OSError:
-            pass
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for ifname in ifaces:
-            for cmd in _ETHTOOL_OFF:
-                value = ctypes.create_string_buffer(struct.pack("II", cmd, 0))
-                ifreq = struct.pack("16sP", ifname.encode(), ctypes.addressof(value)).ljust(40, b"\0")
-                try:
-                    fcntl.ioctl(s.fileno(), _SIOCETHTOOL, ifreq)
-                except OSError as e:
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-
-
-def _tool_relay(dev_a: str, dev_b: str, delay_ms: float, jitter_ms: float, loss_pct: float) -> None:
-    """Copy frames a→b after delay/jitter/loss and b→a at once, until the parent dies."""
-    parent = os.getppid()  # polled twice a second: exit when the harness is gone
-    next_check = 0.0
-    socks = {}
-    for dev in (dev_a, dev_b):
-        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ALL))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-        s.bind((dev, 0))
-        s.setblocking(False)
-        socks[dev] = s
-    a, b = socks[dev_a], socks[dev_b]
-    delay, jitter, loss = delay_ms / 1000, jitter_ms / 1000, loss_pct / 100
-    rng = random.Random()
-    queue: collections.deque = collections.deque()  # (deadline, frame), deadlines non-decreasing
-    last_deadline = 0.0
-    print("ready", flush=True)
-
-    def send(sock: socket.socket, frame: bytes) -> None:
-        try:
-            sock.send(frame)
-        except OSError as e:  # a full tbf queue drops, as a router would
-            if e.errno not in (errno.ENOBUFS, errno.EAGAIN, errno.EMSGSIZE, errno.ENETDOWN):
-                raise
-
-    while True:
-        now = time.monotonic()
-        while queue and queue[0][0] <= now:
-            send(b, queue.popleft()[1])
-        timeout = min(0.5, queue[0][0] - now) if queue else 0.5
-        readable, _, _ = select.select([a, b], [], [], max(0.0, timeout))
-        if now >= next_check:
-            if os.getppid() != parent:
-                return
-            next_check = now + 0.5
-        for sock in readable:
-            for _ in range(256):
-                try:
-                    frame, addr = sock.recvfrom(65536)
-                except BlockingIOError:
-                    break
-                if addr[2] == _PACKET_OUTGOING:  # our own transmissions, seen again
-                    continue
-                if sock is b:
-                    send(a, frame)
-                elif loss and rng.random() < loss:
-                    continue
-                elif delay or jitter:
-                    deadline = max(last_deadline, time.monotonic() + delay + rng.uniform(-jitter, jitter))
-                    last_deadline = deadline
-                    queue.append((deadline, frame))
-                else:
-                    send(b, frame)
-
-
-def _tool_recv(address: str, seconds: float) -> None:
-    srv = socket.create_server((address, 0))
-    print(f"PORT {srv.getsockname()[1]}", flush=True)
-    srv.settimeout(30)
-    conn, _ = srv.accept()
-    conn.settimeout(30)
-    warmup = min(0.25, seconds / 4)
-    first = conn.recv(1 << 20)
-    t0 = time.monotonic()
-    start, end = t0 + warmup, t0 + seconds
-    counted = 0
-    while True:
-        data = conn.recv(1 << 20)
-        now = time.monotonic()
-        if not data or now >= end:
-            break
-        if now >= start:
-            counted += len(data)
-    elapsed = min(now, end) - start
-    conn.close()
-    if not first or elapsed <= 0:
-        raise SystemExit("connection closed before the measurement window ended")
-    print(json.dumps({"bytes": counted, "seconds": elapsed}), flush=True)
-
-
-def _tool_send(address: str, port: int, limit: float) -> None:
-    deadline = time.monotonic() + limit
-    sock = socket.create_connection((address, port), timeout=10)
-    chunk = b"\0" * (1 << 16)
-    sock.settimeout(max(0.1, limit))
-    try:
-        while time.monotonic() < deadline:
-            sock.sendall(chunk)
-    except OSError:  # receiver closed: done
-        pass
-    finally:
-        sock.close()
-
-
-def _tool_echo(address: str) -> None:
-    srv = socket.create_server((address, 0))
-    print(f"PORT {srv.getsockname()[1]}", flush=True)
-    srv.settimeout(30)
-    conn, _ = srv.accept()
-    conn.settimeout(30)
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    while True:
-        data = conn.recv(64)
-        if not data:
-            return
-        conn.sendall(data)
-
-
-def _tool_ping(address: str, port: int, count: int) -> None:
-    sock = socket.create_connection((address, port), timeout=10)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    samples = []
-    for _ in range(count + 1):  # the first round trip warms up ARP and the path
-        t = time.perf_counter()
-        sock.sendall(b"x")
-        if sock.recv(1) != b"x":
-            raise SystemExit("echo server closed the connection")
-        samples.append((time.perf_counter() - t) * 1000)
-    sock.close()
-    samples = sorted(samples[1:])
-    print(f"{samples[len(samples) // 2]:.3f}", flush=True)
-
-
-def _run_tool(argv: Sequence[str]) -> None:
-    name, args = argv[0], list(argv[1:])
-    if name == "_prep":
-        _tool_prep(args)
-    elif name == "_relay":
-        _tool_relay(args[0], args[1], float(args[2]), float(args[3]), float(args[4]))
-    elif name == "_recv":
-        _tool_recv(args[0], float(args[1]))
-    elif name == "_send":
-        _tool_send(args[0], int(args[1]), float(args[2]))
-    elif name == "_echo":
-        _tool_echo(args[0])
-    elif name == "_ping":
-        _tool_ping(args[0], int(args[1]), int(args[2]))
-    else:
-        raise SystemExit(f"unknown tool {name}")
 
 
 # ----------------------------------------------------------------------------- command line
@@ -714,7 +538,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m p2pdiloco.bench.wan --hosts 2 --rate 10 --delay 50``: build, measure, tear down."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].startswith("_"):
-        _run_tool(argv)
+        from .netns_tools import run_tool
+
+        run_tool(argv)
         return 0
     parser = argparse.ArgumentParser(prog="python -m p2pdiloco.bench.wan", description=main.__doc__)
     parser.add_argument("--hosts", type=int, default=2, help="number of hosts (namespaces)")
