@@ -1,0 +1,728 @@
+"""The emulated-WAN benchmark: hivemind data parallelism against every p2pdiloco mode, one command.
+
+    sudo python -m p2pdiloco.bench.run --matrix quick --rate 10 --delay 50 --peers 4
+
+builds an :class:`~p2pdiloco.bench.wan.EmulatedWAN` with one namespace per peer plus one for the
+bootstrap peer, and runs the modes of the matrix one after the other on it, each with the same
+model, data shards (peer ``i`` trains on shard ``i`` of ``peers``), inner optimiser and number of
+inner steps per peer (so the same tokens). Each mode gets a fresh bootstrap peer and run id.
+
+Modes are data: :data:`MODES` maps a name to the ``--set`` overrides of ``p2pdiloco join`` (a new
+mode is one line), :data:`BASELINES` maps a name to arguments of
+:mod:`p2pdiloco.bench.hivemind_dp`. A mode whose configuration the CLI rejects (a codec that has
+not landed yet, an impossible fragment count) is skipped with the CLI's message as its note.
+
+Measured per mode (from every peer's ``metrics.jsonl`` and the interface counters):
+
+* validation loss against tokens (all peers) and against wall-clock seconds;
+* bytes sent per peer: interface bytes of the peer's ``eth0`` (everything: payload, DHT, framing,
+  TCP/IP and Ethernet headers), sampled every 0.5 s from ``/proc/<pid>/net/dev`` of a process in
+  the namespace; also our own counted all-reduce bytes for p2pdiloco modes;
+* peak bytes/s per peer: the largest 0.5 s-window send rate;
+* compute utilization: ``1 - sum(sync_seconds) / wall`` per peer (time not blocked in a sync;
+  validation at each sync counts as compute, for every mode alike), averaged over peers;
+* wall time to reach the target validation loss (``--target-loss``, default the worst final
+  loss among the modes, so every mode reaches it): seconds from training start to the first
+  validation at or below it.
+
+The wall-clock origin of a mode is the moment its last peer wrote its ``start`` event (all peers
+have joined and loaded data); process start-up is not counted.
+
+Writes ``<out>/results.json``, ``loss_vs_tokens.png``, ``loss_vs_time.png``, ``bytes_vs_time.png``,
+``table.md`` and per-mode peer logs and metrics, and prints the table. Ctrl-C or SIGTERM tear the
+network and every process down (results of the modes finished so far are still written).
+Needs root (network namespaces).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, IO, List, Optional, Sequence, Tuple
+
+from ..errors import ConfigError, UserError
+from .hivemind_dp import read_iface_bytes
+from .wan import EmulatedWAN, Host, LinkSpec, _kill_group, cleanup_stale, require_root
+
+__all__ = ["MODES", "BASELINES", "MATRICES", "run_benchmark", "summarize_mode", "format_table", "main"]
+
+logger = logging.getLogger(__name__)
+
+#: p2pdiloco modes: name -> ``--set`` overrides for ``p2pdiloco join``. A new mode is one line.
+MODES: Dict[str, Tuple[str, ...]] = {
+    "diloco-fp32": (),
+    "diloco-fp16": ("compression.codec=fp16",),
+    "diloco-nf4": ("compression.codec=nf4",),
+    "diloco-e3m0": ("compression.codec=e3m0",),
+    "diloco-fp4": ("compression.codec=fp4",),
+    "streaming4-fp32": ("streaming.fragments=4",),
+    "streaming4-nf4": ("streaming.fragments=4", "compression.codec=nf4"),
+}
+
+#: baselines: name -> extra arguments of ``python -m p2pdiloco.bench.hivemind_dp``.
+BASELINES: Dict[str, Tuple[str, ...]] = {
+    "hivemind-dp": (),
+    "hivemind-dp-fp16": ("--grad-compression", "fp16"),
+}
+
+#: named matrices: the modes run by ``--matrix``, in order.
+MATRICES: Dict[str, Tuple[str, ...]] = {
+    "smoke": ("diloco-fp32",),
+    "quick": ("hivemind-dp", "diloco-fp32", "streaming4-nf4"),
+    "full": ("hivemind-dp", "diloco-fp32", "diloco-fp16", "diloco-nf4", "streaming4-fp32", "streaming4-nf4"),
+}
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_DEFAULT_CONFIG = os.path.join(_REPO, "peers", "tiny-cpu.toml")
+_SAMPLE_PERIOD = 0.5
+
+
+# ----------------------------------------------------------------------------- interface counters
+class _Sampler(threading.Thread):
+    """Samples (tx, rx) bytes of every host's eth0 every ``period`` seconds.
+
+    Reads ``/proc/<pid>/net/dev`` of an idle anchor process living in each namespace: that file
+    shows the counters of the process's network namespace, so no process is spawned per sample.
+    """
+
+    def __init__(self, anchors: Sequence[int], period: float = _SAMPLE_PERIOD):
+        super().__init__(name="bench-sampler", daemon=True)
+        self.anchors = list(anchors)
+        self.period = period
+        self.samples: List[Tuple[float, List[Tuple[int, int]]]] = []
+        self._lock = threading.Lock()
+        self._stop_event = threading.Event()
+
+    def read(self) -> Tuple[float, List[Tuple[int, int]]]:
+        now = time.time()
+        values = [read_iface_bytes("eth0", f"/proc/{pid}/net/dev") or (0, 0) for pid in self.anchors]
+        return now, values
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            sample = self.read()
+            with self._lock:
+                self.samples.append(sample)
+            self._stop_event.wait(self.period)
+
+    def window(self, t0: float, t1: float) -> List[Tuple[float, List[Tuple[int, int]]]]:
+        with self._lock:
+            return [s for s in self.samples if t0 <= s[0] <= t1]
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+# ----------------------------------------------------------------------------- one mode
+@dataclass
+class _Plan:
+    """Everything every mode shares."""
+
+    config: str
+    peers: int
+    steps: int                       # inner steps (DiLoCo) / global steps (DP) per peer
+    sync_every: int
+    batch_size: int
+    seq_len: int
+    user_sets: List[str]
+    link: LinkSpec
+    out: str
+    mode_timeout: float
+    allreduce_timeout: float
+    matchmaking_timeout: float
+    supports_start_wait: bool
+
+
+@dataclass
+class _ModeRun:
+    name: str
+    kind: str                        # "diloco" or "baseline"
+    argv_extra: Tuple[str, ...]
+    status: str = "pending"          # ok | skipped | failed
+    note: str = ""
+    t_begin: float = 0.0
+    t_end: float = 0.0
+    peer_dirs: List[str] = field(default_factory=list)
+
+
+def _peer_overrides(plan: _Plan, name: str, i: int, host: Optional[Host]) -> List[str]:
+    sets = [
+        f"data.num_shards={plan.peers}",
+        f"data.shard={i}",
+        f"train.run_dir={os.path.join(plan.out, name, f'peer{i}')}",
+        "train.threads=1",
+        "train.progress_bar=false",
+        f"swarm.run_id=bench-{name}-{os.getpid()}",
+        f"swarm.allreduce_timeout={plan.allreduce_timeout:g}",
+        f"swarm.matchmaking_timeout={plan.matchmaking_timeout:g}",
+    ]
+    if plan.supports_start_wait:
+        sets += [f"swarm.min_peers_to_start={plan.peers}", "swarm.start_timeout=120"]
+    if host is not None:
+        sets.append(f"swarm.host_maddrs=/ip4/{host.address}/tcp/0")
+    return sets + list(plan.user_sets)
+
+
+def _diloco_sets(plan: _Plan, mode: _ModeRun, i: int, host: Optional[Host]) -> List[str]:
+    outer = plan.steps // plan.sync_every
+    return [*_peer_overrides(plan, mode.name, i, host), f"train.max_outer_steps={outer}",
+            f"train.max_seconds={plan.mode_timeout:g}", *mode.argv_extra]
+
+
+def _validate_mode(plan: _Plan, mode: _ModeRun) -> Optional[str]:
+    """The CLI's own configuration check, in process: None if accepted, else its message."""
+    from ..config import load_config
+
+    sets = _diloco_sets(plan, mode, 0, None) if mode.kind == "diloco" else _peer_overrides(plan, mode.name, 0, None)
+    try:
+        load_config(plan.config, sets)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _peer_argv(plan: _Plan, mode: _ModeRun, i: int, host: Host, maddr: str) -> List[str]:
+    if mode.kind == "diloco":
+        sets = _diloco_sets(plan, mode, i, host)
+        argv = [sys.executable, "-m", "p2pdiloco.cli", "join", "--initial-peers", maddr, "--config", plan.config]
+    else:
+        sets = _peer_overrides(plan, mode.name, i, host)
+        argv = [sys.executable, "-m", "p2pdiloco.bench.hivemind_dp", "--initial-peers", maddr, "--config",
+                plan.config, "--peers", str(plan.peers), "--steps", str(plan.steps), "--eval-every",
+                str(plan.sync_every), "--averaging-timeout", f"{plan.allreduce_timeout:g}", *mode.argv_extra]
+    for s in sets:
+        argv += ["--set", s]
+    return argv + ["--summary-json", os.path.join(plan.out, mode.name, f"peer{i}.summary.json")]
+
+
+def _start_bootstrap(host: Host, mode_dir: str, files: List[IO[Any]], timeout: float = 90) -> Tuple[subprocess.Popen, str]:
+    err = open(os.path.join(mode_dir, "bootstrap.log"), "w")
+    files.append(err)
+    proc = host.popen([sys.executable, "-m", "p2pdiloco.cli", "bootstrap", "--identity",
+                       os.path.join(mode_dir, "bootstrap.key"), "--host-maddrs", f"/ip4/{host.address}/tcp/0"],
+                      stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
+    import select
+
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if ready:
+            line = proc.stdout.readline()
+            if "/p2p/" in line:
+                return proc, line.strip()
+            if not line:
+                break
+        if proc.poll() is not None:
+            break
+    _kill_group(proc)
+    raise RuntimeError(f"bootstrap peer printed no address (see {err.name})")
+
+
+def _child_env() -> Dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING", P2PDILOCO_LOG="INFO")
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def _last_events(path: str) -> Dict[str, Any]:
+    """The latest sync (with a validation loss) and step seen in one metrics.jsonl, for the status line."""
+    out: Dict[str, Any] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if rec.get("event") == "sync":
+                    out["step"] = rec.get("step")
+                    if rec.get("val_loss") is not None:
+                        out["val"] = rec["val_loss"]
+                elif rec.get("event") == "start":
+                    out.setdefault("val", rec.get("val_loss"))
+    except OSError:
+        pass
+    return out
+
+
+def _run_mode(plan: _Plan, mode: _ModeRun, wan: EmulatedWAN, sampler: _Sampler, label: str) -> None:
+    mode_dir = os.path.join(plan.out, mode.name)
+    os.makedirs(mode_dir, exist_ok=True)
+    mode.peer_dirs = [os.path.join(mode_dir, f"peer{i}") for i in range(plan.peers)]
+    files: List[IO[Any]] = []
+    procs: List[subprocess.Popen] = []
+    boot = None
+    try:
+        mode.t_begin = time.time()
+        boot, maddr = _start_bootstrap(wan.hosts[plan.peers], mode_dir, files)
+        for i in range(plan.peers):
+            log = open(os.path.join(mode_dir, f"peer{i}.log"), "w")
+            files.append(log)
+            argv = _peer_argv(plan, mode, i, wan.hosts[i], maddr)
+            log.write("$ " + shlex.join(argv) + "\n")
+            log.flush()
+            procs.append(wan.hosts[i].popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_child_env(),
+                                            cwd=mode_dir))
+        deadline = time.monotonic() + plan.mode_timeout + 180  # + start-up and shutdown
+        last_status = 0.0
+        first_failure: Optional[float] = None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"peers still running after {plan.mode_timeout + 180:.0f} s")
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes):
+                first_failure = first_failure or now
+                if now - first_failure > 30:  # the others would only wait for their timeouts
+                    break
+            if now - last_status >= 10:
+                last_status = now
+                print(_status_line(plan, mode, sampler, label), flush=True)
+            time.sleep(0.5)
+        codes = [p.poll() for p in procs]
+        mode.t_end = time.time()
+        if all(c == 0 for c in codes):
+            mode.status = "ok"
+            return
+        logs = [os.path.join(mode_dir, f"peer{i}.log") for i in range(plan.peers)]
+        errors = [line for path in logs for line in _tail(path).splitlines() if line.startswith("error: ")]
+        if errors and all(c in (None, 2) for c in codes):
+            mode.status, mode.note = "skipped", f"rejected by the CLI: {errors[0][7:]}"
+        else:
+            bad = next(i for i, c in enumerate(codes) if c != 0)
+            mode.status = "failed"
+            mode.note = f"exit codes {codes}; " + (errors[0] if errors else f"see {logs[bad]}")
+    except TimeoutError as e:
+        mode.t_end = time.time()
+        mode.status, mode.note = "failed", str(e)
+    finally:
+        for p in procs:
+            _kill_group(p, grace=10)
+        if boot is not None:
+            _kill_group(boot)
+        for f in files:
+            f.close()
+
+
+def _status_line(plan: _Plan, mode: _ModeRun, sampler: _Sampler, label: str) -> str:
+    elapsed = time.time() - mode.t_begin
+    evs = [_last_events(os.path.join(d, "metrics.jsonl")) for d in mode.peer_dirs]
+    steps = [e.get("step") or 0 for e in evs]
+    vals = [e["val"] for e in evs if e.get("val") is not None]
+    sent = ""
+    window = sampler.window(mode.t_begin, time.time())
+    if len(window) >= 2:
+        per_peer = [window[-1][1][i][0] - window[0][1][i][0] for i in range(plan.peers)]
+        sent = f", sent/peer {_fmt_bytes(sum(per_peer) / plan.peers)}"
+    val = f", val {min(vals):.3f}" if vals else ""
+    return f"{label} {mode.name}: {elapsed:5.0f} s, step {min(steps)}/{plan.steps}{val}{sent}"
+
+
+# ----------------------------------------------------------------------------- results
+def _read_jsonl(path: str) -> List[Dict[str, Any]]:
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    try:
+                        out.append(json.loads(line))
+                    except ValueError:
+                        pass  # a line cut off by a kill
+    except OSError:
+        pass
+    return out
+
+
+def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tuple[float, List[Tuple[int, int]]]],
+                   *, tokens_per_step: int, baseline: bool) -> Dict[str, Any]:
+    """Metrics of one mode from its peers' metrics.jsonl events and the interface samples.
+
+    ``tokens_per_step`` = batch_size * seq_len (one peer, one inner step). ``samples`` hold
+    (time, [(tx, rx) per host]) with the peers first. Pure function (tested on fixtures).
+    """
+    n = len(events_by_peer)
+    starts = [next((e for e in evs if e.get("event") == "start"), None) for evs in events_by_peer]
+    summaries = [next((e for e in reversed(evs) if e.get("event") == "summary"), None) for evs in events_by_peer]
+    if not all(starts):
+        raise ValueError("a peer wrote no start event")
+    t0 = max(s["time"] for s in starts)  # the last peer is ready: training starts for everyone
+    val0 = sum(s["val_loss"] for s in starts) / n
+
+    # curve: one point per (fragment, outer step) that carries a fresh validation loss
+    points: Dict[Tuple[int, int], Dict[str, list]] = {}
+    for evs in events_by_peer:
+        for e in evs:
+            if e.get("event") != "sync" or not e.get("ok") or e.get("val_loss") is None:
+                continue
+            key = (int(e.get("fragment") or 0), int(e.get("outer_step") or 0))
+            p = points.setdefault(key, {"step": [], "time": [], "val": []})
+            p["step"].append(e["step"])
+            p["time"].append(e["time"])
+            p["val"].append(e["val_loss"])
+    curve = [{"tokens": 0, "seconds": 0.0, "val_loss": val0}]
+    for p in sorted(points.values(), key=lambda p: (max(p["time"]), sum(p["step"]))):
+        mean_step = sum(p["step"]) / len(p["step"])
+        curve.append({"tokens": int(round(mean_step * n * tokens_per_step)),
+                      "seconds": round(max(p["time"]) - t0, 3),
+                      "val_loss": sum(p["val"]) / len(p["val"])})
+    curve.sort(key=lambda c: (c["tokens"], c["seconds"]))
+
+    ends = [s["time"] if s else max(e["time"] for e in evs) for s, evs in zip(summaries, events_by_peer)]
+    wall = max(ends) - t0
+    utilization = []
+    for evs, end in zip(events_by_peer, ends):
+        span = max(end - t0, 1e-9)
+        blocked = sum(float(e.get("sync_seconds") or 0) for e in evs if e.get("event") == "sync" and e["time"] >= t0)
+        utilization.append(max(0.0, 1 - blocked / span))
+    inner_steps = [s.get("inner_steps", 0) if s else 0 for s in summaries]
+
+    # interface bytes per peer over the training window (t0 .. last summary)
+    window = [s for s in samples if s[0] <= max(ends) + _SAMPLE_PERIOD]
+    before = [s for s in window if s[0] <= t0]
+    first = before[-1] if before else (window[0] if window else None)
+    series: List[Dict[str, Any]] = []
+    sent = recv = peak = [0.0] * n
+    if first is not None:
+        used = [s for s in window if s[0] >= first[0]]
+        sent = [used[-1][1][i][0] - first[1][i][0] for i in range(n)]
+        recv = [used[-1][1][i][1] - first[1][i][1] for i in range(n)]
+        peak = [0.0] * n
+        for a, b in zip(used, used[1:]):
+            dt = b[0] - a[0]
+            if dt > 0:
+                for i in range(n):
+                    peak[i] = max(peak[i], (b[1][i][0] - a[1][i][0]) / dt)
+        series = [{"seconds": round(s[0] - t0, 2),
+                   "sent_per_peer": sum(s[1][i][0] - first[1][i][0] for i in range(n)) / n}
+                  for s in used]
+    counted = None
+    if not baseline and all(summaries):
+        counted = sum(int(s.get("bytes_sent") or 0) for s in summaries) / n
+    failed = sum(int(s.get("failed_syncs") or 0) for s in summaries if s)
+    return {
+        "peers": n,
+        "wall_seconds": round(wall, 2),
+        "tokens": int(sum(inner_steps) * tokens_per_step),
+        "inner_steps_per_peer": inner_steps,
+        "val_loss_start": val0,
+        "val_loss_final": curve[-1]["val_loss"],
+        "bytes_sent_per_peer": sum(sent) / n,
+        "bytes_sent_per_peer_max": max(sent),
+        "bytes_received_per_peer": sum(recv) / n,
+        "counted_bytes_sent_per_peer": counted,
+        "peak_bytes_per_s_per_peer": sum(peak) / n,
+        "peak_bytes_per_s_max": max(peak),
+        "mean_bytes_per_s_per_peer": sum(sent) / n / max(wall, 1e-9),
+        "utilization": sum(utilization) / n,
+        "utilization_per_peer": [round(u, 4) for u in utilization],
+        "failed_syncs": failed,
+        "curve": curve,
+        "bytes_series": series,
+    }
+
+
+def _time_to_target(curve: List[Dict[str, Any]], target: float) -> Optional[float]:
+    for c in curve:
+        if c["val_loss"] <= target:
+            return c["seconds"]
+    return None
+
+
+def _fmt_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def format_table(results: Dict[str, Any]) -> str:
+    """A markdown table of the modes in ``results`` (as written to results.json)."""
+    modes = results["modes"]
+    ref = next((m for name, m in modes.items() if name in BASELINES and m.get("status") == "ok"), None)
+    head = ("| mode | status | tokens | final val loss | vs DP | wall s | sent/peer (iface) | DP/mode bytes "
+            "| counted sent/peer | peak B/s/peer | util | time to target s |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, m in modes.items():
+        if m.get("status") != "ok":
+            rows.append(f"| {name} | {m.get('status')} | {m.get('note', '')[:90]} |" + " |" * 9)
+            continue
+        vs = ratio = "-"
+        if ref is not None:
+            vs = f"{100 * (m['val_loss_final'] / ref['val_loss_final'] - 1):+.1f}%"
+            ratio = f"{ref['bytes_sent_per_peer'] / max(m['bytes_sent_per_peer'], 1):.1f}x"
+        ttt = m.get("time_to_target_seconds")
+        rows.append(
+            f"| {name} | ok | {m['tokens']:,} | {m['val_loss_final']:.4f} | {vs} | {m['wall_seconds']:.0f} "
+            f"| {_fmt_bytes(m['bytes_sent_per_peer'])} | {ratio} | {_fmt_bytes(m['counted_bytes_sent_per_peer'])} "
+            f"| {_fmt_bytes(m['peak_bytes_per_s_per_peer'])}/s | {100 * m['utilization']:.1f}% "
+            f"| {'-' if ttt is None else f'{ttt:.0f}'} |"
+        )
+    return "\n".join(rows)
+
+
+def _plot(results: Dict[str, Any], out: str) -> List[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {k: m for k, m in results["modes"].items() if m.get("status") == "ok"}
+    target = results.get("target_loss")
+    paths = []
+    specs = [
+        ("loss_vs_tokens.png", "tokens (all peers)", lambda c: c["tokens"], "val_loss", "validation loss vs tokens"),
+        ("loss_vs_time.png", "wall-clock seconds", lambda c: c["seconds"], "val_loss", "validation loss vs wall time"),
+    ]
+    for fname, xlabel, xf, _, title in specs:
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+        for name, m in ok.items():
+            ax.plot([xf(c) for c in m["curve"]], [c["val_loss"] for c in m["curve"]], marker=".", label=name)
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:.3f}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out, fname)
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    for name, m in ok.items():
+        s = m["bytes_series"]
+        if s:
+            ax.plot([p["seconds"] for p in s], [max(p["sent_per_peer"] / 1e6, 0.01) for p in s], label=name)
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=0.01)
+    ax.set_xlabel("wall-clock seconds")
+    ax.set_ylabel("MB sent per peer (interface, cumulative)")
+    ax.set_title("bytes sent over time", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "bytes_vs_time.png")
+    fig.savefig(path)
+    plt.close(fig)
+    paths.append(path)
+    return paths
+
+
+def _finish(results: Dict[str, Any], modes: List[_ModeRun], plan: _Plan, sampler: Optional[_Sampler],
+            target_flag: Optional[float]) -> None:
+    for mode in modes:
+        entry: Dict[str, Any] = {"status": mode.status, "note": mode.note, "kind": mode.kind,
+                                 "args": list(mode.argv_extra)}
+        if mode.status == "ok":
+            events = [_read_jsonl(os.path.join(d, "metrics.jsonl")) for d in mode.peer_dirs]
+            samples = sampler.window(mode.t_begin, mode.t_end + 2) if sampler else []
+            try:
+                entry.update(summarize_mode(events, samples, tokens_per_step=plan.batch_size * plan.seq_len,
+                                            baseline=mode.kind == "baseline"))
+            except (ValueError, KeyError) as e:
+                entry.update(status="failed", note=f"metrics unreadable: {e!r}")
+        results["modes"][mode.name] = entry
+    finals = [m["val_loss_final"] for m in results["modes"].values() if m.get("status") == "ok"]
+    target = target_flag if target_flag is not None else (max(finals) if finals else None)
+    results["target_loss"] = target
+    results["target_rule"] = "--target-loss" if target_flag is not None else "worst final validation loss among modes"
+    for m in results["modes"].values():
+        if m.get("status") == "ok" and target is not None:
+            m["time_to_target_seconds"] = _time_to_target(m["curve"], target)
+            m["tokens_to_target"] = next((c["tokens"] for c in m["curve"] if c["val_loss"] <= target), None)
+
+
+# ----------------------------------------------------------------------------- driver
+def _machine() -> Dict[str, Any]:
+    import hivemind
+    import torch
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+    except OSError:
+        pass
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            mem = f"{int(f.readline().split()[1]) / 2**20:.1f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"host": platform.node(), "kernel": platform.release(), "cpu": cpu, "cores": os.cpu_count(),
+            "memory": mem, "python": platform.python_version(), "torch": torch.__version__,
+            "hivemind": hivemind.__version__}
+
+
+def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
+    """Run the matrix described by parsed ``args``; write and return the results."""
+    from ..config import SwarmConfig, load_config
+
+    require_root()
+    names = [m for m in args.modes.split(",") if m] if args.modes else list(MATRICES[args.matrix])
+    unknown = [m for m in names if m not in MODES and m not in BASELINES]
+    if unknown:
+        raise ConfigError(f"unknown mode(s) {', '.join(unknown)}; known: {', '.join([*BASELINES, *MODES])}")
+    if args.peers < 2:
+        raise ConfigError(f"--peers ({args.peers}) must be at least 2")
+    link = LinkSpec(args.rate, args.delay, args.jitter, args.loss).validate()
+    base = load_config(args.config, list(args.set))
+    H = base.inner.sync_every
+    tokens_per_round = args.peers * base.inner.batch_size * base.model.seq_len * H
+    if args.tokens:
+        steps = max(1, math.ceil(args.tokens / tokens_per_round)) * H
+    else:
+        steps = args.steps or 10 * H
+    if steps % H:
+        raise ConfigError(f"--steps ({steps}) must be a multiple of inner.sync_every ({H})")
+    params = _count_params(base)
+    # an fp32 all-reduce moves ~2 * params * 4 bytes through each peer's link; allow 3x that plus slack
+    est_allreduce = 2 * params * 4 * 8 / (link.rate_mbit * 1e6) + 4 * link.delay_ms / 1000 * 10
+    allreduce_timeout = args.allreduce_timeout or max(30.0, 3 * est_allreduce + 10)
+    plan = _Plan(
+        config=args.config, peers=args.peers, steps=steps, sync_every=H, batch_size=base.inner.batch_size,
+        seq_len=base.model.seq_len, user_sets=list(args.set), link=link, out=os.path.abspath(args.out),
+        mode_timeout=args.mode_timeout, allreduce_timeout=allreduce_timeout,
+        matchmaking_timeout=max(60.0, allreduce_timeout),
+        supports_start_wait=hasattr(SwarmConfig(), "min_peers_to_start"),
+    )
+    os.makedirs(plan.out, exist_ok=True)
+    modes = [_ModeRun(n, "baseline" if n in BASELINES else "diloco", BASELINES.get(n) or MODES.get(n, ())) for n in names]
+    for mode in modes:
+        problem = _validate_mode(plan, mode)
+        if problem:
+            mode.status, mode.note = "skipped", f"rejected by the CLI: {problem}"
+    results: Dict[str, Any] = {
+        "command": " ".join(["python -m p2pdiloco.bench.run", *map(shlex.quote, args.argv)]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "link": vars(link), "peers": plan.peers, "steps_per_peer": steps, "sync_every": H,
+        "batch_size": plan.batch_size, "seq_len": plan.seq_len, "params": params,
+        "tokens_planned": steps * plan.peers * plan.batch_size * plan.seq_len,
+        "config": os.path.relpath(args.config, _REPO) if args.config.startswith(_REPO) else args.config,
+        "sets": list(args.set), "allreduce_timeout": allreduce_timeout, "modes": {},
+    }
+    todo = [m for m in modes if m.status == "pending"]
+    print(f"benchmark: {plan.peers} peers at {link.rate_mbit:g} Mbit/s, {link.delay_ms:g} ms delay"
+          f"{f', {link.jitter_ms:g} ms jitter' if link.jitter_ms else ''}{f', {link.loss_pct:g}% loss' if link.loss_pct else ''}; "
+          f"{params:,} params, {steps} inner steps/peer (H={H}), {results['tokens_planned']:,} tokens per mode; "
+          f"{len(todo)} mode(s) to run -> {plan.out}", flush=True)
+    for m in modes:
+        if m.status == "skipped":
+            print(f"  skip {m.name}: {m.note}", flush=True)
+    sampler: Optional[_Sampler] = None
+    try:
+        if args.cleanup_stale:
+            cleanup_stale()
+        with EmulatedWAN(plan.peers + 1, link) as wan:
+            results["backend"] = wan.backend
+            anchors = [h.popen(["sleep", "infinity"]).pid for h in wan.hosts]
+            sampler = _Sampler(anchors)
+            sampler.start()
+            for k, mode in enumerate(todo):
+                label = f"[{k + 1}/{len(todo)}]"
+                print(f"{label} {mode.name}: starting", flush=True)
+                _run_mode(plan, mode, wan, sampler, label)
+                done = f"{label} {mode.name}: {mode.status} in {mode.t_end - mode.t_begin:.0f} s"
+                if mode.status == "ok":
+                    evs = [_last_events(os.path.join(d, "metrics.jsonl")) for d in mode.peer_dirs]
+                    vals = [e["val"] for e in evs if e.get("val") is not None]
+                    done += f", final val {sum(vals) / max(1, len(vals)):.4f}"
+                print(done + (f" ({mode.note})" if mode.note else ""), flush=True)
+            sampler.stop()
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        _finish(results, modes, plan, sampler, args.target_loss)
+        with open(os.path.join(plan.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    results["plots"] = _plot(results, plan.out)
+    table = format_table(results)
+    with open(os.path.join(plan.out, "table.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(plan.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print()
+    print(table)
+    print(f"\ntarget validation loss {results['target_loss']} ({results['target_rule']}); results in {plan.out}")
+    return results
+
+
+def _count_params(cfg: Any) -> int:
+    from ..model import build_model, count_parameters
+
+    return count_parameters(build_model(cfg.model))
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m p2pdiloco.bench.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--matrix", choices=sorted(MATRICES), default="quick",
+                   help=", ".join(f"{k}: {' '.join(v)}" for k, v in MATRICES.items()))
+    p.add_argument("--modes", default="", help="comma-separated modes instead of a matrix; known: "
+                   + ", ".join([*BASELINES, *MODES]))
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--rate", type=float, default=10, help="link rate per direction and peer, Mbit/s")
+    p.add_argument("--delay", type=float, default=50, help="one-way delay on each peer's uplink, ms")
+    p.add_argument("--jitter", type=float, default=0, help="uniform jitter, ms")
+    p.add_argument("--loss", type=float, default=0, help="uplink packet loss, percent")
+    p.add_argument("--steps", type=int, default=0, help="inner steps per peer (default 10 * inner.sync_every)")
+    p.add_argument("--tokens", type=int, default=0,
+                   help="tokens per mode, all peers together (rounded up to whole outer steps); overrides --steps")
+    p.add_argument("--config", default=_DEFAULT_CONFIG, help="peer TOML config (default peers/tiny-cpu.toml)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override for every peer of every mode (repeatable)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="validation loss for time-to-target (default: worst final loss among the modes)")
+    p.add_argument("--mode-timeout", type=float, default=1800, help="training budget of one mode, s")
+    p.add_argument("--allreduce-timeout", type=float, default=0,
+                   help="swarm.allreduce_timeout / hivemind averaging_timeout, s (default: sized for the link)")
+    p.add_argument("--out", default=None, help="output directory (default bench_results/<UTC date-time>)")
+    p.add_argument("--cleanup-stale", action="store_true", help="first remove namespaces of dead benchmark runs")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = _build_parser().parse_args(argv)
+    args.argv = argv
+    if args.out is None:
+        args.out = os.path.join("bench_results", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        results = run_benchmark(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: network and processes torn down; partial results in " + args.out, file=sys.stderr)
+        return 130
+    return 0 if all(m.get("status") != "failed" for m in results["modes"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
