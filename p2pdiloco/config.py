@@ -101,14 +101,43 @@ class StreamingConfig:
 
 @dataclass
 class CompressionConfig:
-    """What goes on the wire: the codec applied to every part of the all-reduce."""
+    """What goes on the wire (algorithm.md §4; reducers in diloco/reducers.py, docs/compression.md).
 
+    ``codec`` encodes every part of the all-reduce (the owner reduces in fp32 and encodes the mean
+    once, so all peers decode identical bytes). ``lowrank`` adds PowerSGD-style shared-basis
+    low-rank factors for 2-D blocks (the factors then travel with ``codec``).
+    """
+
+    #: fp32 (lossless), fp16, or a 4-bit blockwise codec: e3m0 (Streaming DiLoCo), nf4, fp4
     codec: str = "fp32"
+    #: carry what a lossy codec / the low-rank projection dropped into the next round (per peer)
+    error_feedback: bool = True
+    #: send 2-D blocks as low-rank factors P (rows x r) and Q (cols x r): 2 all-reduces per sync (+1 tiny)
+    lowrank: bool = False
+    #: initial and largest rank per matrix
+    rank: int = 4
+    #: the adaptive rule never goes below this rank
+    min_rank: int = 1
+    #: adapt each matrix's rank from the energy its factors capture, agreed by the group every round
+    adaptive: bool = True
+    #: target of ||P P^T M||_F / ||M||_F: the smallest rank reaching it is kept (rank diminishment)
+    energy_target: float = 0.9
+    #: matrices with fewer elements (and all 1-D tensors) are sent whole with ``codec``
+    min_numel: int = 4096
 
     def validate(self) -> None:
         from .compression import get_codec
 
         get_codec(self.codec)  # raises ConfigError naming the valid choices
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"compression.rank ({self.rank!r}) must be an integer >= 1")
+        if isinstance(self.min_rank, bool) or not isinstance(self.min_rank, int) or not 1 <= self.min_rank <= self.rank:
+            raise ConfigError(f"compression.min_rank ({self.min_rank!r}) must be an integer in [1, compression.rank "
+                              f"= {self.rank}]")
+        if not 0.0 < self.energy_target <= 1.0:
+            raise ConfigError(f"compression.energy_target ({self.energy_target!r}) must be in (0, 1], e.g. 0.9")
+        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 1:
+            raise ConfigError(f"compression.min_numel ({self.min_numel!r}) must be an integer >= 1")
 
 
 @dataclass

@@ -76,7 +76,11 @@ class ErrorFeedback:
     def __len__(self) -> int:
         return len(self._residual)
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
+    def state_dict(self, copy: bool = True) -> Dict[str, torch.Tensor]:
+        """CPU copies of the residuals; ``copy=False``: the tensors themselves (never modified in
+        place: :meth:`update` replaces them), a cheap consistent view to copy later."""
+        if not copy:
+            return dict(self._residual)
         return {k: v.detach().cpu().clone() for k, v in self._residual.items()}
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:

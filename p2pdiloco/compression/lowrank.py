@@ -413,11 +413,15 @@ class LowRankCompressor:
         self._residual = [None] * len(self._lowrank)
 
     # -- checkpointing -------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        """Ranks, round counter, warm-start bases, pending stats and residuals (CPU tensors)."""
+    def state_dict(self, copy: bool = True) -> Dict[str, Any]:
+        """Ranks, round counter, warm-start bases, pending stats and residuals (CPU tensors).
+
+        ``copy=False`` returns the tensors themselves: the compressor never modifies them in place
+        (every phase assigns new ones), so this is a cheap, consistent view to copy later.
+        """
         if self._phase != "idle":
             raise RuntimeError("state_dict during a round; call it between finish and begin")
-        cpu = lambda t: None if t is None else t.detach().cpu().clone()  # noqa: E731
+        cpu = (lambda t: None if t is None else t.detach().cpu().clone()) if copy else (lambda t: t)  # noqa: E731
         return {
             "shapes": [list(s) for s in self._shapes],
             "ranks": list(self._ranks),
