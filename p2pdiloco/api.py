@@ -44,7 +44,7 @@ def join_swarm(cfg: RunConfig, model: Optional[nn.Module] = None) -> Swarm:
                      identity_path=s.identity_path, bootstrap_timeout=s.bootstrap_timeout)
     try:
         swarm = Swarm(node, s.run_id, matchmaking_timeout=s.matchmaking_timeout, allreduce_timeout=s.allreduce_timeout,
-                      min_group_size=s.min_group_size, progress_period=s.progress_period)
+                      min_group_size=s.min_group_size, progress_period=s.progress_period, robust=cfg.robust)
         fields = cfg.fingerprint_fields()
         if model is not None:
             fields["model.signature"] = model_signature(model)

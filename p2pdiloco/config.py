@@ -26,6 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from .compression.robust import RobustConfig
 from .data import DataConfig
 from .errors import ConfigError
 from .model import ModelConfig
@@ -38,6 +39,7 @@ __all__ = [
     "TrainConfig",
     "StreamingConfig",
     "CompressionConfig",
+    "RobustConfig",
     "load_config",
 ]
 
@@ -228,6 +230,7 @@ _SECTIONS = {
     "outer": OuterConfig,
     "streaming": StreamingConfig,
     "compression": CompressionConfig,
+    "robust": RobustConfig,
     "swarm": SwarmConfig,
     "train": TrainConfig,
 }
@@ -241,6 +244,7 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    robust: RobustConfig = field(default_factory=RobustConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -272,6 +276,8 @@ class RunConfig:
             out[f"streaming.{k}"] = v
         for k, v in d["compression"].items():
             out[f"compression.{k}"] = v
+        for k, v in d["robust"].items():  # every owner applies the same screen and aggregator
+            out[f"robust.{k}"] = v
         from .swarm.protocol import PROTOCOL_VERSION
 
         out["protocol.version"] = PROTOCOL_VERSION

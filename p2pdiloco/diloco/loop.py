@@ -50,7 +50,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
     try:
         swarm = Swarm(node, cfg.swarm.run_id, matchmaking_timeout=cfg.swarm.matchmaking_timeout,
                       allreduce_timeout=cfg.swarm.allreduce_timeout, min_group_size=cfg.swarm.min_group_size,
-                      progress_period=cfg.swarm.progress_period)
+                      progress_period=cfg.swarm.progress_period, robust=cfg.robust)
         swarm.check_fingerprint(cfg.fingerprint(), cfg.fingerprint_fields())
         me = node.short_id
         run_dir = cfg.train.run_dir or os.path.join("runs", cfg.swarm.run_id, me)

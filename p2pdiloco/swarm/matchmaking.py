@@ -25,7 +25,8 @@ from typing import Dict, Optional, Set, Tuple
 
 from ..errors import MatchmakingFailed, RoundMissed, WireError
 from .allreduce import Group, make_group_id
-from .protocol import PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header, write_frame
+from .protocol import (PROTOCOL_VERSION, close_after_reply, check_version, note_offence, read_frame, read_header,
+                       write_frame)
 
 __all__ = ["Matchmaker"]
 
@@ -76,7 +77,7 @@ class Matchmaker:
         deadline = time.monotonic() + self.matchmaking_timeout
         ready: Set[str] = {me}
         while True:
-            ready |= set((await self.node.aget_subkeys(key)).keys())
+            ready |= {p for p in await self.node.aget_subkeys(key) if not self.node.gate.banned(p)}
             if len(ready) >= expected or time.monotonic() >= deadline:
                 break
             await self._check_not_missed(frag, round_)
@@ -240,5 +241,6 @@ class Matchmaker:
                                   traffic=traffic)
         except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.info(f"[{self.node.short_id}] bad join request from {sender[-6:]}: {e}")
+            note_offence(self.node, sender, e)  # malformed requests count toward a ban (protocol.PeerGate)
         finally:
             await close_after_reply(reader, writer)

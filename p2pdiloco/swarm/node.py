@@ -18,8 +18,10 @@ import msgpack
 
 from ..addresses import parse_maddrs
 from ..errors import BootstrapUnreachable, UserError
-from ..identity import prepare_identity, release_identity
-from .protocol import Traffic
+from ..identity import (discard_ephemeral, ephemeral_identity, load_signing_key, prepare_identity,
+                        release_identity)
+from .protocol import PeerGate, Traffic
+from .records import RecordBook
 
 __all__ = ["SwarmNode", "pack", "unpack"]
 
@@ -66,11 +68,19 @@ class SwarmNode:
         parse_maddrs(host_maddrs, "--host-maddrs")
         parse_maddrs(announce_maddrs, "--announce-maddrs")
         self.identity_path = prepare_identity(identity_path) if identity_path else None
-        kwargs: Dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=client_mode)
+        # the identity key also signs our DHT records (records.py); without a key file: an ephemeral key
+        key_path = self.identity_path or ephemeral_identity()
+        try:
+            self.records = RecordBook(load_signing_key(key_path))
+        except BaseException:
+            release_identity(self.identity_path)
+            raise
+        kwargs: Dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=client_mode,
+                                      identity_path=key_path, record_validators=self.records.validators())
+        if not self.identity_path:
+            kwargs["check_if_identity_free"] = False  # a fresh random key cannot be taken
         if announce_maddrs:
             kwargs["announce_maddrs"] = list(announce_maddrs)
-        if self.identity_path:
-            kwargs["identity_path"] = self.identity_path
         deadline = time.monotonic() + bootstrap_timeout
         attempt = 0
         while True:
@@ -95,6 +105,10 @@ class SwarmNode:
                 if "already taken" in msg or "identity" in msg.lower():
                     raise UserError(f"identity {self.identity_path} is already used by a running peer") from None
                 raise UserError(f"the libp2p daemon failed to start: {msg.splitlines()[0][:300]}") from None
+        if not self.identity_path:
+            discard_ephemeral(key_path)  # the daemon has read it; the key now lives only in memory
+        #: offences, bans and request limits of the peers that talk to us (protocol.PeerGate)
+        self.gate = PeerGate()
         self.traffic = Traffic()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="p2pdiloco-net", daemon=True)
@@ -103,6 +117,7 @@ class SwarmNode:
         self.peer_id = self.p2p.peer_id
         self.peer_id_str = self.peer_id.to_base58()
         self.short_id = self.peer_id_str[-6:]
+        self.gate.short_id = self.short_id
         self._closed = False
 
     def _run_loop(self) -> None:
@@ -117,7 +132,8 @@ class SwarmNode:
         return self.submit(coro).result(timeout)
 
     def add_handler(self, name: str, handler: Callable) -> None:
-        self.call(self.p2p.add_binary_stream_handler(name, handler), timeout=30)
+        """Serve ``name``; the handler runs behind :attr:`gate` (bans, request limits, no crash)."""
+        self.call(self.p2p.add_binary_stream_handler(name, self.gate.wrap(handler)), timeout=30)
 
     # ---- addresses ----------------------------------------------------------------------------
     def visible_maddrs(self) -> List[str]:
@@ -128,28 +144,32 @@ class SwarmNode:
             out.append(s if "/p2p/" in s else f"{s}/p2p/{self.peer_id_str}")
         return out
 
-    # ---- DHT records (values are msgpack maps) -------------------------------------------------
-    def store(self, key: str, value: Dict[str, Any], ttl: float, subkey: Optional[str] = None) -> bool:
+    # ---- DHT records: signed by their owner, schema-checked (records.py) ------------------------
+    def _record(self, key: str, value: Dict[str, Any], ttl: float, subkey: Optional[str]) -> Dict[str, Any]:
+        if subkey is not None and subkey != self.peer_id_str:
+            raise ValueError(f"a peer can only write its own records (subkey {subkey!r} is not our peer id)")
         from hivemind.utils import get_dht_time
 
-        return bool(self.dht.store(key, pack(value), expiration_time=get_dht_time() + ttl, subkey=subkey))
+        return dict(key=key, subkey=self.records.owner_subkey, value=self.records.encode(key, value),
+                    expiration_time=get_dht_time() + ttl)
+
+    def store(self, key: str, value: Dict[str, Any], ttl: float, subkey: Optional[str] = None) -> bool:
+        """Publish our record under ``key`` (signed; readers see it under our peer id)."""
+        return bool(self.dht.store(**self._record(key, value, ttl, subkey)))
 
     async def astore(self, key: str, value: Dict[str, Any], ttl: float, subkey: Optional[str] = None) -> bool:
-        from hivemind.utils import get_dht_time
-
-        fut = self.dht.store(key, pack(value), expiration_time=get_dht_time() + ttl, subkey=subkey,
-                             return_future=True)
-        return bool(await fut)
+        return bool(await self.dht.store(**self._record(key, value, ttl, subkey), return_future=True))
 
     def get_subkeys(self, key: str) -> Dict[str, Dict[str, Any]]:
-        return _subkey_values(self.dht.get(key, latest=True))
+        """``{peer id: record}`` of every valid, owner-signed record under ``key`` (newest per owner)."""
+        return self.records.decode(key, self.dht.get(key, latest=True))
 
     async def aget_subkeys(self, key: str) -> Dict[str, Dict[str, Any]]:
-        return _subkey_values(await self.dht.get(key, latest=True, return_future=True))
+        return self.records.decode(key, await self.dht.get(key, latest=True, return_future=True))
 
     def get_value(self, key: str) -> Optional[Dict[str, Any]]:
-        found = self.dht.get(key, latest=True)
-        return unpack(found.value) if found is not None else None
+        """The most recently written valid record under ``key``, whoever wrote it."""
+        return self.records.newest(key, self.dht.get(key, latest=True))
 
     def shutdown(self) -> None:
         if self._closed:
@@ -163,15 +183,3 @@ class SwarmNode:
         self._thread.join(timeout=5)
         self.dht.shutdown()
         release_identity(self.identity_path)
-
-
-def _subkey_values(found: Any) -> Dict[str, Dict[str, Any]]:
-    """{subkey: decoded value} from a DHT get of a dictionary key; malformed entries are dropped."""
-    out: Dict[str, Dict[str, Any]] = {}
-    if found is None or not isinstance(found.value, dict):
-        return out
-    for subkey, item in found.value.items():
-        value = unpack(getattr(item, "value", None))
-        if isinstance(subkey, str) and value is not None:
-            out[subkey] = value
-    return out

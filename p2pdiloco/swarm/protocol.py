@@ -6,7 +6,8 @@ Every message is one *frame*::
 
 The payload is present only when the header has ``"n"`` (its exact byte length, checked against
 what the receiver expects *before* anything is read or allocated). Every request header carries
-``"v"``: PROTOCOL_VERSION; a peer that speaks another version gets a ``refuse`` reply saying so.
+``"v"``: PROTOCOL_VERSION; a peer that speaks another version gets a ``refuse`` (or, on ``part``,
+``abort``) reply whose reason names both versions.
 
 Handlers (the name is prefixed with the run id, so several runs can share one DHT):
 
@@ -18,20 +19,35 @@ Handlers (the name is prefixed with the run id, so several runs can share one DH
     part   all-reduce: a member sends the shard owned by the receiver, gets the averaged shard back
            request  {t: "part", v, gid, phase, idx, w, codec, numel, n} + payload (encoded part)
            reply    {t: "avg", codec, numel, n} + payload              the owner's encoded mean
-                    {t: "abort", reason}                               the round failed; apply nothing
+                    {t: "abort", reason}                               the round failed, or *this
+                                                                        sender's* part was rejected
+                                                                        (the others' round goes on);
+                                                                        apply nothing
     state  state download for joining peers (see state_sync)
            request  {t: "state", v}
            reply    {t: "state", meta, n} + payload | {t: "refuse", reason}
 
-Nothing received is unpickled: headers are msgpack with ``strict_map_key`` and no extension types,
-payloads are raw tensor bytes decoded by a codec that validates length and finiteness.
+    any    {t: "refuse", reason}    sent by :class:`PeerGate` before a handler runs: the sender is
+                                    banned (repeated invalid messages) or has too many requests open
+
+Hostile input (reliability.md rows 8 and 10): nothing received is unpickled; headers are msgpack
+with ``strict_map_key``, no bin or extension types and at most MAX_HEADER bytes, and must arrive
+within HEADER_TIMEOUT; payload sizes are checked before anything is read; a sender may keep at
+most MAX_INFLIGHT_PER_PEER requests open. A message that fails validation is an *offence* of its
+sender (:meth:`PeerGate.offence`); ``ban_after`` offences within ``ban_seconds`` ban the peer for
+``ban_seconds``: every handler refuses it and matchmaking ignores it. Honest failures (a dropped
+connection, a timeout, a version mismatch) are not offences, so a bad network does not get anyone
+banned.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Awaitable, Callable, Deque, Dict, List, Optional, Tuple
 
 import msgpack
 
@@ -41,16 +57,32 @@ __all__ = [
     "close_after_reply",
     "PROTOCOL_VERSION",
     "MAX_HEADER",
+    "HEADER_TIMEOUT",
+    "MAX_INFLIGHT_PER_PEER",
     "Traffic",
+    "PeerGate",
     "read_frame",
+    "read_header",
+    "read_payload",
     "write_frame",
     "check_version",
+    "note_offence",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: bumped whenever a message changes incompatibly
 PROTOCOL_VERSION = 1
 #: largest accepted header (a group of thousands of peer ids fits easily)
 MAX_HEADER = 256 * 1024
+#: a handler waits this long for a request header before dropping the stream (seconds)
+HEADER_TIMEOUT = 10.0
+#: requests one peer may have open at once at one of our handlers; more are refused as "busy"
+MAX_INFLIGHT_PER_PEER = 16
+#: requests all peers together may have open at once
+MAX_INFLIGHT = 1024
+#: what close_after_reply discards at most while it waits for the caller's EOF
+_MAX_DRAIN = 1 << 20
 _LEN = 4
 
 
@@ -90,7 +122,17 @@ async def write_frame(writer: asyncio.StreamWriter, header: Dict[str, Any], payl
 
 
 async def read_header(reader: asyncio.StreamReader, traffic: Optional[Traffic] = None,
-                      sender: Optional[str] = None) -> Dict[str, Any]:
+                      sender: Optional[str] = None, timeout: Optional[float] = HEADER_TIMEOUT) -> Dict[str, Any]:
+    """Read and decode one header. Handlers use the default ``timeout`` (a peer that opens a stream
+    and sends nothing cannot hold a handler); callers reading a reply pass ``None`` and bound the
+    whole exchange themselves. Raises :class:`WireError` on anything malformed or late."""
+    if timeout is not None:
+        try:
+            return await asyncio.wait_for(read_header(reader, traffic, sender, None), timeout)
+        except asyncio.TimeoutError:
+            err = WireError(f"no complete header within {timeout:.0f} s", sender)
+            err.benign = True  # maybe just a slow link: not an offence
+            raise err from None
     raw_len = await reader.readexactly(_LEN)
     n = int.from_bytes(raw_len, "big")
     if n == 0 or n > MAX_HEADER:
@@ -111,8 +153,8 @@ async def read_payload(reader: asyncio.StreamReader, header: Dict[str, Any], exp
                        traffic: Optional[Traffic] = None, sender: Optional[str] = None) -> bytes:
     """Read exactly ``expected`` payload bytes, refusing any other declared length up front."""
     declared = header.get("n", 0)
-    if not isinstance(declared, int) or declared != expected:
-        raise WireError(f"payload of {declared!r} bytes declared, expected {expected}", sender)
+    if type(declared) is not int or declared != expected:
+        raise WireError(f"payload of {_short(declared)} bytes declared, expected {expected}", sender)
     data = await reader.readexactly(expected) if expected else b""
     if traffic is not None:
         traffic.add(received=len(data))
@@ -122,10 +164,10 @@ async def read_payload(reader: asyncio.StreamReader, header: Dict[str, Any], exp
 async def read_frame(reader: asyncio.StreamReader, max_payload: int, traffic: Optional[Traffic] = None,
                      sender: Optional[str] = None) -> Tuple[Dict[str, Any], bytes]:
     """Read a frame whose payload may be any size up to ``max_payload`` (for replies we asked for)."""
-    header = await read_header(reader, traffic, sender)
+    header = await read_header(reader, traffic, sender, timeout=None)
     declared = header.get("n", 0)
-    if not isinstance(declared, int) or not 0 <= declared <= max_payload:
-        raise WireError(f"payload of {declared!r} bytes declared, limit {max_payload}", sender)
+    if type(declared) is not int or not 0 <= declared <= max_payload:
+        raise WireError(f"payload of {_short(declared)} bytes declared, limit {max_payload}", sender)
     return header, await read_payload(reader, header, declared, traffic, sender)
 
 
@@ -134,10 +176,20 @@ async def close_after_reply(reader: asyncio.StreamReader, writer: asyncio.Stream
 
     Closing right after the last write lets the p2p daemon reset the stream with the reply's tail
     still in flight (seen here: a 1.1 MB reply cut at 1 MB). The caller closes once it has read
-    everything, so waiting for its EOF guarantees delivery.
+    everything, so waiting for its EOF guarantees delivery. Whatever the caller still sends is
+    discarded in small chunks, at most ``_MAX_DRAIN`` bytes: a caller cannot make us buffer data.
     """
+
+    async def drain() -> None:
+        seen = 0
+        while seen <= _MAX_DRAIN:
+            chunk = await reader.read(1 << 16)
+            if not chunk:
+                return
+            seen += len(chunk)
+
     try:
-        await asyncio.wait_for(reader.read(), timeout=timeout)
+        await asyncio.wait_for(drain(), timeout=timeout)
     except Exception:
         pass
     finally:
@@ -147,7 +199,159 @@ async def close_after_reply(reader: asyncio.StreamReader, writer: asyncio.Stream
 def check_version(header: Dict[str, Any]) -> Optional[str]:
     """None when the request speaks our version, else the refusal reason to send back."""
     v = header.get("v")
-    if v != PROTOCOL_VERSION:
-        return (f"protocol version {v!r} is not supported by this peer (it speaks version {PROTOCOL_VERSION}); "
+    if type(v) is not int or v != PROTOCOL_VERSION:
+        return (f"protocol version {_short(v)} is not supported by this peer (it speaks version {PROTOCOL_VERSION}); "
                 "upgrade p2pdiloco so all peers run the same version")
     return None
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """repr() of a value received from the network, cut short (never echo a huge field back)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ---- misbehaving peers ---------------------------------------------------------------------------
+class PeerGate:
+    """Offence counting, timed bans and per-peer request limits for one node (thread-safe).
+
+    * :meth:`offence` records that ``peer`` sent something invalid (a malformed message, a part that
+      failed validation, an implausible reply). ``ban_after`` offences within ``ban_seconds`` ban
+      the peer for ``ban_seconds``; ``ban_after = 0`` disables bans (offences are still counted).
+    * :meth:`banned` is what matchmaking and the all-reduce ask before dealing with a peer.
+    * :meth:`wrap` turns a stream handler into one that refuses banned or over-busy senders before
+      the handler runs and never lets an exception escape onto the event loop.
+
+    Counters for tests and operators: ``offences`` (per peer, all time), ``bans`` (bans imposed),
+    ``refused`` (requests refused at the gate), ``errors`` (handler exceptions caught).
+    """
+
+    def __init__(self, ban_after: int = 3, ban_seconds: float = 600.0, short_id: str = ""):
+        self.ban_after = ban_after
+        self.ban_seconds = ban_seconds
+        self.short_id = short_id
+        self.offences: Counter = Counter()
+        self.bans = 0
+        self.refused = 0
+        self.errors = 0
+        self._recent: Dict[str, Deque[float]] = {}
+        self._until: Dict[str, float] = {}
+        self._inflight: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def configure(self, ban_after: int, ban_seconds: float) -> None:
+        with self._lock:
+            self.ban_after, self.ban_seconds = ban_after, ban_seconds
+
+    def offence(self, peer: str, reason: str) -> bool:
+        """Count an offence of ``peer`` (logged with its full id); True when it got the peer banned."""
+        now = time.monotonic()
+        with self._lock:
+            self.offences[peer] += 1
+            recent = self._recent.setdefault(peer, deque())
+            recent.append(now)
+            while recent and recent[0] < now - self.ban_seconds:
+                recent.popleft()
+            newly = bool(self.ban_after) and len(recent) >= self.ban_after and self._until.get(peer, 0) <= now
+            if newly:
+                self._until[peer] = now + self.ban_seconds
+                self.bans += 1
+                recent.clear()
+            self._forget_old(now)
+        logger.warning(f"[{self.short_id}] offence by peer {peer}: {reason}")
+        if newly:
+            logger.warning(f"[{self.short_id}] banned peer {peer} for {self.ban_seconds:.0f} s "
+                           f"({self.ban_after} offences)")
+        return newly
+
+    def forgive(self, peer: Optional[str] = None) -> None:
+        """Lift ``peer``'s ban and forget its offences (every peer's when None)."""
+        with self._lock:
+            for table in (self._recent, self._until, self.offences):
+                if peer is None:
+                    table.clear()
+                else:
+                    table.pop(peer, None)
+
+    def banned(self, peer: str) -> bool:
+        return self.remaining(peer) > 0
+
+    def remaining(self, peer: str) -> float:
+        """Seconds left of ``peer``'s ban (0 when not banned)."""
+        with self._lock:
+            return max(0.0, self._until.get(peer, 0.0) - time.monotonic())
+
+    def banned_peers(self) -> List[str]:
+        now = time.monotonic()
+        with self._lock:
+            return [p for p, until in self._until.items() if until > now]
+
+    def _forget_old(self, now: float) -> None:
+        # bounded memory however many identities misbehave: drop expired bans and idle counters
+        if len(self._recent) + len(self._until) < 4096:
+            return
+        for p in [p for p, until in self._until.items() if until <= now]:
+            del self._until[p]
+        for p in [p for p, q in self._recent.items() if not q or q[-1] < now - self.ban_seconds]:
+            del self._recent[p]
+        if len(self.offences) > 4096:
+            self.offences = Counter(dict(self.offences.most_common(1024)))
+
+    def _enter(self, peer: str) -> Optional[str]:
+        left = self.remaining(peer)
+        if left > 0:
+            return f"peer {peer} is banned here for another {left:.0f} s after repeated invalid messages"
+        with self._lock:
+            if self._inflight[peer] >= MAX_INFLIGHT_PER_PEER or sum(self._inflight.values()) >= MAX_INFLIGHT:
+                return "busy: too many open requests"
+            self._inflight[peer] += 1
+        return None
+
+    def _leave(self, peer: str) -> None:
+        with self._lock:
+            self._inflight[peer] -= 1
+            if self._inflight[peer] <= 0:
+                del self._inflight[peer]
+
+    def inflight(self) -> int:
+        with self._lock:
+            return sum(self._inflight.values())
+
+    def wrap(self, handler: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+        """The handler, behind the gate: banned or over-busy senders get ``refuse``; exceptions are
+        logged (with the sender's id) instead of escaping onto the event loop."""
+
+        async def gated(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sender = info.peer_id.to_base58()
+            refusal = self._enter(sender)
+            if refusal is not None:
+                with self._lock:
+                    self.refused += 1
+                try:
+                    await write_frame(writer, {"t": "refuse", "reason": refusal})
+                except Exception:
+                    pass
+                await close_after_reply(reader, writer, timeout=2.0)
+                return
+            try:
+                await handler(info, reader, writer)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a handler bug must not take the peer down; say who triggered it
+                with self._lock:
+                    self.errors += 1
+                logger.error(f"[{self.short_id}] handler failed on a request from {sender}: "
+                             f"{type(e).__name__}: {e}", exc_info=logger.isEnabledFor(logging.DEBUG))
+                writer.close()
+            finally:
+                self._leave(sender)
+
+        return gated
+
+
+def note_offence(node: Any, sender: str, exc: BaseException) -> None:
+    """Count ``exc`` as an offence of ``sender`` when it is a validation failure (:class:`WireError`);
+    connection drops and timeouts are not offences (a bad network must not get anyone banned)."""
+    gate = getattr(node, "gate", None)
+    if gate is not None and isinstance(exc, WireError) and not getattr(exc, "benign", False):
+        gate.offence(sender, str(exc)[:300])

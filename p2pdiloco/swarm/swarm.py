@@ -21,10 +21,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..compression import Codec
+from ..compression.robust import RobustConfig
 from ..errors import FingerprintMismatch, SyncFailed
 from .allreduce import AllReducer, Group
 from .matchmaking import Matchmaker
 from .node import SwarmNode
+from .records import run_fingerprint
 
 __all__ = ["Swarm"]
 
@@ -35,13 +37,15 @@ FINGERPRINT_TTL = 3600.0
 
 class Swarm:
     def __init__(self, node: SwarmNode, run_id: str, *, matchmaking_timeout: float, allreduce_timeout: float,
-                 min_group_size: int = 1, progress_period: float = 2.0):
+                 min_group_size: int = 1, progress_period: float = 2.0, robust: Optional[RobustConfig] = None):
         self.node = node
+        robust = robust or RobustConfig()
+        node.gate.configure(ban_after=robust.ban_after, ban_seconds=robust.ban_seconds)
         self.run_id = run_id
         self.progress_period = progress_period
         self.matchmaker = Matchmaker(node, run_id, matchmaking_timeout=matchmaking_timeout,
                                      min_group_size=min_group_size)
-        self.allreducer = AllReducer(node, run_id, timeout=allreduce_timeout)
+        self.allreducer = AllReducer(node, run_id, timeout=allreduce_timeout, robust=robust)
         self._progress: Dict[str, Any] = {}
         self._progress_lock = threading.Lock()
         self._fingerprint: Optional[Dict[str, Any]] = None
@@ -54,14 +58,18 @@ class Swarm:
 
     # ---- fingerprint ------------------------------------------------------------------------------
     def check_fingerprint(self, fp: str, fields: Dict[str, Any]) -> None:
-        """Publish our fingerprint if the run has none; refuse to join a run configured differently."""
+        """Refuse to join a run configured differently; then publish our fingerprint (signed, one
+        record per peer). The run's fingerprint is the one most peers claim; ours wins ties, so one
+        peer publishing a bogus fingerprint cannot lock anyone out (records.run_fingerprint)."""
         key = f"{self.run_id}:fingerprint"
         mine = {"fp": fp, "fields": fields}
-        existing = self.node.get_value(key)
-        if existing is None:
-            self.node.store(key, mine, ttl=FINGERPRINT_TTL)
-            time.sleep(0.2)  # two first peers racing: the DHT keeps one record; read back which
-            existing = self.node.get_value(key) or mine
+        claims = self.node.get_subkeys(key)
+        if not claims:
+            self.node.store(key, mine, ttl=FINGERPRINT_TTL, subkey=self.peer_id)
+            time.sleep(0.2)  # two first peers racing: read back what the other one published
+            claims = self.node.get_subkeys(key)
+        claims.pop(self.peer_id, None)
+        existing = run_fingerprint(claims, mine)
         if existing.get("fp") != fp:
             theirs = existing.get("fields") if isinstance(existing.get("fields"), dict) else {}
             diff = sorted(k for k in set(theirs) | set(fields) if theirs.get(k) != fields.get(k))
@@ -71,6 +79,7 @@ class Swarm:
                 "Use the run's configuration (same --config and --set values) or choose another swarm.run_id"
             )
         self._fingerprint = mine
+        self.node.store(key, mine, ttl=FINGERPRINT_TTL, subkey=self.peer_id)
 
     # ---- progress -----------------------------------------------------------------------------------
     def update_progress(self, **fields: Any) -> None:
@@ -82,7 +91,7 @@ class Swarm:
             value = dict(self._progress, t=time.time())
         self.node.store(f"{self.run_id}:progress", value, ttl=3 * self.progress_period + 2, subkey=self.peer_id)
         if self._fingerprint is not None:
-            self.node.store(f"{self.run_id}:fingerprint", self._fingerprint, ttl=FINGERPRINT_TTL)
+            self.node.store(f"{self.run_id}:fingerprint", self._fingerprint, ttl=FINGERPRINT_TTL, subkey=self.peer_id)
 
     def start_publishing(self) -> None:
         def loop() -> None:
@@ -97,7 +106,7 @@ class Swarm:
 
     def live_peers(self) -> Dict[str, Dict[str, Any]]:
         peers = self.node.get_subkeys(f"{self.run_id}:progress")
-        return {pid: v for pid, v in peers.items() if not v.get("gone")}
+        return {pid: v for pid, v in peers.items() if not v.get("gone") and not self.node.gate.banned(pid)}
 
     def wait_for_peers(self, n: int, timeout: float) -> int:
         """Block until ``n`` peers (this one included) are live or ``timeout`` passes; returns the count."""

@@ -1,0 +1,375 @@
+"""Signed, schema-checked DHT records: what a peer publishes, only that peer can write.
+
+Every record p2pdiloco keeps in the DHT is a *dictionary entry* whose subkey is
+``[owner:<the writer's RSA public key>]`` (hivemind's :class:`RSASignatureValidator` convention).
+The key that signs is the peer's libp2p identity key, and a libp2p peer id is the hash of that
+public key, so the subkey *is* the writer's peer id: readers derive it, nobody can claim it.
+
+Value (msgpack map, at most 64 KiB)::
+
+    {k: kind, s: seq, d: {...fields}}
+
+``kind`` follows from the key (``<run>:progress`` → progress, ``<run>:fingerprint`` →
+fingerprint, ``<run>:mm:<frag>:<round>`` → ready, ``<run>:group:<frag>:<round>`` → group, anything
+else → generic); ``seq`` grows with every record a peer writes (microseconds since the epoch, kept
+strictly increasing); ``d`` must match the kind's pydantic.v1 schema below (strict types: no
+conversions). Progress records carry the claims other peers act on: step, synced step and state
+digest (the state *offer* a joining peer downloads against).
+
+Defences (reliability.md row 9):
+
+* **forged** records: the DHT of every p2pdiloco node (bootstrap peers included) runs
+  :class:`RSASignatureValidator` plus :class:`RecordSchema`: a record not signed by the key in its
+  subkey, an unsigned record, or one that does not match its schema is refused when someone asks
+  us to store it and dropped when another node returns it to us;
+* **replayed** records: the signature covers key, subkey, value and expiration time, so an old
+  record cannot be re-dated; the DHT keeps the one that expires last; and :class:`RecordBook`
+  remembers the newest ``seq`` it saw per (key, owner): an older record returned later is ignored
+  and the newer one is kept until it expires (a newer record is never replaced by an older one);
+* **malformed** records: schema-checked on store and again on read, by the reader's own code.
+
+What signing cannot stop: a peer lying in *its own* records (e.g. claiming a huge step). Readers
+treat those as unverified claims: :func:`p2pdiloco.swarm.state_sync.pick_target` needs two
+matching claims before anyone downloads state, and a group record counts only when its writer is
+the group's leader (its smallest member).
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import Counter
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
+
+import msgpack
+from pydantic.v1 import BaseModel, Extra, StrictBool, StrictFloat, StrictInt, StrictStr, conint, conlist, constr, root_validator
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+
+from ..identity import peer_id_of_public_key
+
+__all__ = ["RecordBook", "RecordSchema", "kind_of", "SCHEMAS", "MAX_RECORD", "run_fingerprint"]
+
+#: largest record value accepted (bytes)
+MAX_RECORD = 1 << 16
+_OWNER = re.compile(rb"^\[owner:(ssh-rsa [A-Za-z0-9+/=]{16,8192})\]$")
+
+Count = conint(strict=True, ge=0, le=2**62)
+Number = Union[StrictFloat, StrictInt]
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _small_scalar(v: Any) -> bool:
+    if isinstance(v, str):
+        return len(v) <= 1024
+    if isinstance(v, int) and not isinstance(v, bool):
+        return -2**63 <= v < 2**64
+    return isinstance(v, _SCALARS)
+
+
+def _check_extras(cls, values: Dict[str, Any]) -> Dict[str, Any]:
+    """Fields a schema does not name (another module's additions) must be small scalars or short
+    lists of them: nothing nested, nothing large."""
+    known = cls.__fields__
+    extras = [k for k in values if k not in known]
+    if len(extras) > 64:
+        raise ValueError("too many fields")
+    for k in extras:
+        v = values[k]
+        if len(k) > 64:
+            raise ValueError("field name too long")
+        if isinstance(v, list):
+            if len(v) > 64 or not all(_small_scalar(x) for x in v):
+                raise ValueError(f"field {k}: only short lists of scalars allowed")
+        elif not _small_scalar(v):
+            raise ValueError(f"field {k}: only scalars allowed")
+    return values
+
+
+class _Open(BaseModel):
+    """Named fields typed strictly; other fields allowed if they are small scalars."""
+
+    class Config:
+        extra = Extra.allow
+
+    @root_validator(pre=True, allow_reuse=True)
+    def _small_extras(cls, values):
+        return _check_extras(cls, values)
+
+
+class ProgressRecord(_Open):
+    """``<run>:progress`` (one per live peer, refreshed every progress_period)."""
+
+    step: Optional[Count] = None
+    round: Optional[Count] = None
+    next_sync: Optional[Count] = None
+    synced_step: Optional[Count] = None
+    samples: Optional[Count] = None
+    sent: Optional[Count] = None
+    recv: Optional[Count] = None
+    sps: Optional[Number] = None
+    loss: Optional[Number] = None
+    val_loss: Optional[Number] = None
+    last_sync: Optional[Number] = None
+    t: Optional[Number] = None
+    digest: Optional[constr(strict=True, max_length=4096, regex=r"^[0-9a-f\-]*$")] = None
+    gone: Optional[StrictBool] = None
+
+
+class ReadyRecord(_Open):
+    """``<run>:mm:<frag>:<round>``: this peer is ready to sync that fragment's round."""
+
+    t: Optional[Number] = None
+
+
+PeerIdStr = constr(strict=True, min_length=1, max_length=128, regex=r"^[1-9A-HJ-NP-Za-km-z]+$")
+
+
+class GroupRecord(_Open):
+    """``<run>:group:<frag>:<round>``: the members of the round's one group, written by its leader."""
+
+    members: conlist(PeerIdStr, min_items=1, max_items=4096)
+
+
+class FingerprintRecord(_Open):
+    """``<run>:fingerprint``: the configuration fields every peer of the run must share."""
+
+    fp: constr(strict=True, min_length=1, max_length=128)
+    fields: Dict[constr(strict=True, max_length=128), Any] = {}
+
+    @root_validator(skip_on_failure=True, allow_reuse=True)
+    def _fields_are_scalars(cls, values):
+        fields = values.get("fields") or {}
+        if len(fields) > 1024:
+            raise ValueError("too many fingerprint fields")
+        for k, v in fields.items():
+            ok = _small_scalar(v) or (isinstance(v, list) and len(v) <= 64 and all(_small_scalar(x) for x in v))
+            if not ok:
+                raise ValueError(f"fingerprint field {k}: only scalars or short lists allowed")
+        return values
+
+
+class GenericRecord(_Open):
+    """Any other key: small scalar fields only."""
+
+
+SCHEMAS: Dict[str, Type[BaseModel]] = {
+    "progress": ProgressRecord,
+    "ready": ReadyRecord,
+    "group": GroupRecord,
+    "fingerprint": FingerprintRecord,
+    "generic": GenericRecord,
+}
+
+
+def kind_of(key: str) -> str:
+    """The record kind stored under ``key`` (see the module docstring)."""
+    if key.endswith(":progress"):
+        return "progress"
+    if key.endswith(":fingerprint"):
+        return "fingerprint"
+    if ":mm:" in key:
+        return "ready"
+    if ":group:" in key:
+        return "group"
+    return "generic"
+
+
+def _check_data(kind: str, data: Any) -> Optional[str]:
+    """None when ``data`` matches the kind's schema exactly (no conversions), else why not."""
+    schema = SCHEMAS.get(kind)
+    if schema is None:
+        return f"unknown record kind {kind!r}"
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        return "record data is not a map with string keys"
+    try:
+        parsed = schema.parse_obj(data)
+    except Exception as e:
+        errors = e.errors() if hasattr(e, "errors") else [{"loc": (), "msg": str(e)}]
+        where = ".".join(str(x) for x in errors[0]["loc"]) if errors else ""
+        return f"does not match the {kind} schema ({where}: {errors[0]['msg'] if errors else e})"[:300]
+    dumped = parsed.dict()
+    for k, v in data.items():
+        if k in schema.__fields__ and not _same(dumped.get(k), v):
+            return f"field {k} needed a type conversion"
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True  # NaN (a diverged peer may report a NaN loss; that is information, not an attack)
+    return type(a) is type(b) and a == b if not isinstance(a, (list, dict)) else a == b
+
+
+def _check_semantics(kind: str, owner: str, data: Dict[str, Any]) -> Optional[str]:
+    """Checks that need the owner: a group record must be written by the group's leader."""
+    if kind == "group":
+        members = data["members"]
+        if members != sorted(set(members)) or members[0] != owner:
+            return "group record not written by its leader (smallest member) or members not sorted"
+    return None
+
+
+def _decode_envelope(value: Any) -> Tuple[Optional[Dict[str, Any]], str]:
+    """(envelope, "") from our msgpack bytes, or (None, why not)."""
+    if not isinstance(value, (bytes, bytearray)) or len(value) > MAX_RECORD:
+        return None, "value is not bytes of at most 64 KiB"
+    try:
+        env = msgpack.unpackb(value, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+    except Exception:
+        return None, "undecodable value"
+    if (not isinstance(env, dict) or set(env) != {"k", "s", "d"} or not isinstance(env["k"], str)
+            or type(env["s"]) is not int or not 0 <= env["s"] < 2**63):
+        return None, "not a p2pdiloco record envelope {k, s, d}"
+    return env, ""
+
+
+class RecordSchema(RecordValidatorBase):
+    """DHT-side validator (runs in hivemind's DHT process, after the signature check): a record is
+    accepted only if its subkey names an owner and its value is a schema-valid envelope."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            subkey = msgpack.unpackb(record.subkey, raw=False, max_ext_len=0)
+            value = msgpack.unpackb(record.value, raw=False, max_ext_len=0)
+        except Exception:
+            return False
+        if not isinstance(subkey, bytes) or not _OWNER.match(subkey):
+            return False  # every p2pdiloco record is signed by its owner
+        env, _ = _decode_envelope(value)
+        return env is not None and _check_data(env["k"], env["d"]) is None
+
+    @property
+    def priority(self) -> int:
+        return 5  # below RSASignatureValidator (10): sees the value with the signature stripped
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, RecordSchema)
+
+
+class RecordBook:
+    """This peer's side of the records: signs what it writes, verifies and orders what it reads.
+
+    :param signing_key: hivemind ``RSAPrivateKey`` of this peer's libp2p identity.
+
+    Counters for tests: ``rejected`` (reason → count) and ``stale`` (older records ignored).
+    """
+
+    def __init__(self, signing_key: Any):
+        self.signer = RSASignatureValidator(signing_key)
+        #: the subkey every record of ours is stored under
+        self.owner_subkey: bytes = self.signer.local_public_key
+        self.peer_id: Optional[str] = peer_id_of_public_key(_OWNER.match(self.owner_subkey).group(1))
+        self.rejected: Counter = Counter()
+        self.stale = 0
+        self._seq = 0
+        self._latest: Dict[Tuple[str, str], Tuple[int, float, Dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def validators(self) -> List[RecordValidatorBase]:
+        """What the DHT process must run (pass to ``hivemind.DHT(record_validators=...)``)."""
+        return [self.signer, RecordSchema()]
+
+    # ---- writing ----------------------------------------------------------------------------------
+    def encode(self, key: str, data: Dict[str, Any]) -> bytes:
+        """The value to store under ``key`` (our subkey): raises ValueError if ``data`` breaks the schema."""
+        kind = kind_of(key)
+        problem = _check_data(kind, data)
+        if problem is not None:
+            raise ValueError(f"record for {key} {problem}")
+        with self._lock:
+            self._seq = max(self._seq + 1, time.time_ns() // 1000)
+            seq = self._seq
+        blob = msgpack.packb({"k": kind, "s": seq, "d": data}, use_bin_type=True)
+        if len(blob) > MAX_RECORD:
+            raise ValueError(f"record for {key} is {len(blob)} bytes (limit {MAX_RECORD})")
+        return blob
+
+    # ---- reading ----------------------------------------------------------------------------------
+    def decode(self, key: str, found: Any) -> Dict[str, Dict[str, Any]]:
+        """``{peer id: data}`` from a DHT get of ``key``: verified owners, valid schema, newest first.
+
+        The DHT process has already checked signatures; here the owner's peer id is derived from
+        its public key, the envelope and schema are checked again, and per (key, owner) the record
+        with the highest ``seq`` seen so far wins until it expires.
+        """
+        out: Dict[str, Dict[str, Any]] = {}
+        now = _dht_time()
+        kind = kind_of(key)
+        items = found.value.items() if found is not None and isinstance(found.value, dict) else ()
+        for subkey, item in items:
+            peer = self._owner(subkey)
+            if peer is None:
+                self._reject("subkey names no owner")
+                continue
+            env, why = _decode_envelope(getattr(item, "value", None))
+            if env is None:
+                self._reject(why)
+                continue
+            if env["k"] != kind:
+                self._reject(f"a {env['k']} record under a {kind} key")
+                continue
+            problem = _check_data(kind, env["d"]) or _check_semantics(kind, peer, env["d"])
+            if problem is not None:
+                self._reject(problem)
+                continue
+            expiration = float(getattr(item, "expiration_time", now))
+            with self._lock:
+                prev = self._latest.get((key, peer))
+                if prev is not None and prev[0] > env["s"] and prev[1] > now:
+                    self.stale += 1  # an older record (replayed, or from a lagging node): keep the newer
+                    out[peer] = dict(prev[2])
+                    continue
+                self._latest[(key, peer)] = (env["s"], expiration, env["d"])
+            out[peer] = dict(env["d"])
+        self._sweep(now)
+        return out
+
+    def newest(self, key: str, found: Any) -> Optional[Dict[str, Any]]:
+        """The most recently written valid record under ``key``, whoever wrote it."""
+        records = self.decode(key, found)
+        if not records:
+            return None
+        with self._lock:
+            best = max(records, key=lambda p: self._latest.get((key, p), (0,))[0])
+        return records[best]
+
+    @staticmethod
+    def _owner(subkey: Any) -> Optional[str]:
+        if not isinstance(subkey, (bytes, bytearray)):
+            return None
+        m = _OWNER.match(bytes(subkey))
+        return peer_id_of_public_key(m.group(1)) if m else None
+
+    def _reject(self, why: str) -> None:
+        with self._lock:
+            self.rejected[why] += 1
+
+    def _sweep(self, now: float) -> None:
+        with self._lock:
+            if len(self._latest) < 4096:
+                return
+            for k in [k for k, v in self._latest.items() if v[1] <= now]:
+                del self._latest[k]
+
+
+def run_fingerprint(claims: Dict[str, Dict[str, Any]], mine: Dict[str, Any]) -> Dict[str, Any]:
+    """The fingerprint record a joining peer must match: the one claimed by the most peers.
+
+    Ours wins ties (a single peer publishing a bogus fingerprint cannot lock out a run that has
+    one honest peer with the real one); with no claims at all, ours is the run's.
+    """
+    counts: Counter = Counter(v.get("fp") for v in claims.values())
+    if not counts:
+        return mine
+    best, n = max(counts.items(), key=lambda kv: (kv[1], kv[0] == mine.get("fp")))
+    if counts.get(mine.get("fp"), 0) >= n:
+        return mine
+    return next(v for v in claims.values() if v.get("fp") == best)
+
+
+def _dht_time() -> float:
+    from hivemind.utils import get_dht_time
+
+    return get_dht_time()

@@ -1,0 +1,530 @@
+"""Hostile peers (reliability.md rows 6, 7, 9, 10): bad parts, Byzantine updates, forged and
+replayed records, bans, unverified step claims, protocol versions, nothing unpickled.
+
+The misbehaving peer is the real peer with one hook changed: :class:`EvilAllReducer` overrides
+``AllReducer._outgoing`` (what a member sends to each shard owner); everything else it runs, and
+everything the honest peers run, is the production code. Peers are in-process SwarmNodes on
+127.0.0.1 (each with its own DHT process and libp2p daemon), shared by the tests of this module.
+"""
+from __future__ import annotations
+
+import ast
+import asyncio
+import itertools
+import logging
+import os
+import time
+from typing import Callable, List, Optional, Sequence
+
+import msgpack
+import pytest
+import torch
+
+from p2pdiloco.compression import get_codec
+from p2pdiloco.compression.robust import RobustConfig, centered_clip, screen, weighted_mean
+from p2pdiloco.errors import FingerprintMismatch, SyncFailed
+from p2pdiloco.swarm.allreduce import AllReducer, Group, make_group_id, shard_bounds
+from p2pdiloco.swarm.node import SwarmNode
+from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, read_frame, write_frame
+
+LOOP = ["/ip4/127.0.0.1/tcp/0"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_runs = itertools.count()
+
+
+class EvilAllReducer(AllReducer):
+    """The real all-reducer, except for what it sends: ``attack(j, part, weight) -> (part, weight)``."""
+
+    attack: Optional[Callable] = None
+
+    def _outgoing(self, group, phase, j, part, weight):
+        if self.attack is None:
+            return part, weight
+        return self.attack(j, part.clone(), weight)
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    first = SwarmNode([], host_maddrs=LOOP)
+    ns = [first]
+    try:
+        for _ in range(4):
+            ns.append(SwarmNode(first.visible_maddrs(), host_maddrs=LOOP))
+        yield ns
+    finally:
+        for n in ns:
+            n.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_gates(request):
+    """Bans and offences are per node; each test starts with a clean slate."""
+    if "nodes" in request.fixturenames:
+        for n in request.getfixturevalue("nodes"):
+            n.gate.forgive()
+            n.gate.configure(ban_after=3, ban_seconds=600)
+    yield
+
+
+def make_reducers(nodes: Sequence[SwarmNode], evil: int, robust: RobustConfig, timeout: float = 20.0):
+    run = f"sec{next(_runs)}"
+    return [(EvilAllReducer if i == evil else AllReducer)(n, run, timeout=timeout, robust=robust)
+            for i, n in enumerate(nodes)], run
+
+
+def allreduce_all(nodes, reducers, run: str, vecs, weights, codec, round_: int, phase: str = "d"):
+    """One all-reduce among all ``nodes``; returns each peer's result tensor or exception."""
+    ids = sorted(n.peer_id_str for n in nodes)
+    gid = make_group_id(run, 0, round_, ids)
+    futs = [n.submit(r.allreduce(Group(gid, tuple(ids), ids.index(n.peer_id_str), 0, round_), phase, v, w, codec))
+            for n, r, v, w in zip(nodes, reducers, vecs, weights)]
+    out = []
+    for f in futs:
+        try:
+            out.append(f.result(90))
+        except Exception as e:  # SyncFailed for the offender
+            out.append(e)
+    return out, ids
+
+
+def expected_result(nodes, ids, vecs, weights, included: Callable[[int, int], bool], codec_align: int = 1):
+    """Per shard j (owned by member j): the weighted mean, in member order, of the parts owner j keeps."""
+    numel = vecs[0].numel()
+    by_id = {n.peer_id_str: i for i, n in enumerate(nodes)}
+    out = torch.empty(numel)
+    for j, (lo, hi) in enumerate(shard_bounds(numel, len(ids), codec_align)):
+        keep = [by_id[p] for p in ids if included(by_id[p], by_id[ids[j]])]
+        out[lo:hi] = weighted_mean([vecs[i][lo:hi] for i in keep], [weights[i] for i in keep])
+    return out
+
+
+# ---- row 6: NaN / Inf / absurd weights / malformed parts never reach an honest peer -----------------
+ATTACKS = {
+    "nan": lambda j, part, w: (part.index_fill_(0, torch.tensor([0]), float("nan")), w),
+    "inf": lambda j, part, w: (part.index_fill_(0, torch.tensor([1]), float("-inf")), w),
+    "absurd_weight": lambda j, part, w: (part, 1e11),
+    "negative_weight": lambda j, part, w: (part, -5.0),
+    "huge_values": lambda j, part, w: (part * 1e30, w),
+    "wrong_numel": lambda j, part, w: (part[:-1], w),
+}
+
+
+@pytest.mark.timeout(240)
+def test_bad_parts_are_dropped_consistently_and_offender_banned(nodes, caplog):
+    """Each round one peer sends a different kind of bad part to every owner. Every honest peer
+    gets bitwise identical, finite results equal to the mean of the parts the owners kept; the
+    offender gets SyncFailed with the reason; every drop is logged with the offender's peer id,
+    counted, and after ban_after offences the offender is banned."""
+    ns = nodes[:4]
+    evil = 3
+    reducers, run = make_reducers(ns, evil, RobustConfig())
+    codec = get_codec("fp32")
+    torch.manual_seed(0)
+    caplog.set_level(logging.WARNING, logger="p2pdiloco")
+    for n in ns:
+        n.gate.configure(ban_after=len(ATTACKS) * 3 + 1, ban_seconds=600)  # ban at the very end
+    bad_id = ns[evil].peer_id_str
+    for round_, (name, attack) in enumerate(ATTACKS.items()):
+        vecs = [torch.randn(1000) * 0.01 + 0.01 for _ in ns]
+        weights = [40.0, 48.0, 40.0, 44.0]
+        reducers[evil].attack = attack
+        results, ids = allreduce_all(ns, reducers, run, vecs, weights, codec, round_)
+        assert isinstance(results[evil], SyncFailed), (name, results[evil])
+        assert "your part was dropped" in str(results[evil]), str(results[evil])
+        honest = results[:evil]
+        for r in honest:
+            assert isinstance(r, torch.Tensor), (name, r)
+            assert torch.isfinite(r).all()
+            assert torch.equal(r, honest[0]), f"{name}: honest peers disagree"
+        # owners drop the offender's part; the offender's own shard keeps its own (honest) part
+        want = expected_result(ns, ids, vecs, weights, lambda i, owner: i != evil or owner == evil)
+        assert torch.equal(honest[0], want), f"{name}: result is not the mean of the kept parts"
+    for i in range(evil):
+        assert reducers[i].stats["parts_dropped"] == len(ATTACKS), dict(reducers[i].stats)
+        assert all(peer == bad_id for peer, *_ in reducers[i].dropped_log)
+        assert ns[i].gate.offences[bad_id] == len(ATTACKS)
+    for check in ("finite", "weight", "norm", "codec"):
+        assert reducers[0].stats[f"dropped:{check}"] >= 1, dict(reducers[0].stats)
+    assert any(bad_id in rec.getMessage() and "dropped the part" in rec.getMessage() for rec in caplog.records)
+
+    # repeat offender: one more bad round crosses ban_after on every honest owner
+    for n in ns[:evil]:
+        n.gate.configure(ban_after=len(ATTACKS) + 1, ban_seconds=600)
+    vecs = [torch.randn(1000) for _ in ns]
+    results, ids = allreduce_all(ns, reducers, run, vecs, [1.0] * 4, codec, len(ATTACKS))
+    assert all(n.gate.banned(bad_id) for n in ns[:evil])
+    # banned: its part is dropped up front even when it is perfectly fine
+    reducers[evil].attack = None
+    results, ids = allreduce_all(ns, reducers, run, vecs, [1.0] * 4, codec, len(ATTACKS) + 1)
+    assert isinstance(results[evil], SyncFailed) and "banned" in str(results[evil])
+    assert torch.equal(results[0], expected_result(ns, ids, vecs, [1.0] * 4,
+                                                   lambda i, owner: i != evil or owner == evil))
+    assert reducers[0].stats["dropped:banned"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_banned_peer_is_refused_by_every_handler(nodes):
+    """A banned peer gets a clear refusal from join, part and state handlers alike, and the
+    matchmaker leaves it out of the ready set."""
+    from p2pdiloco.swarm.matchmaking import Matchmaker
+    from hivemind.p2p import PeerID
+
+    honest, bad = nodes[0], nodes[1]
+    run = f"sec{next(_runs)}"
+    Matchmaker(honest, run, matchmaking_timeout=2.0)
+    AllReducer(honest, run, timeout=5.0)
+    honest.gate.configure(ban_after=1, ban_seconds=600)
+    honest.gate.offence(bad.peer_id_str, "test offence")
+    assert honest.gate.banned(bad.peer_id_str)
+
+    async def ask(handler: str, header: dict):
+        _, reader, writer = await bad.p2p.call_binary_stream_handler(PeerID.from_base58(honest.peer_id_str),
+                                                                     f"p2pdiloco.{run}.{handler}")
+        try:
+            await write_frame(writer, header)
+            reply, _ = await asyncio.wait_for(read_frame(reader, 0), 10)
+            return reply
+        finally:
+            writer.close()
+
+    for handler, header in [("join", {"t": "join", "v": PROTOCOL_VERSION, "frag": 0, "round": 0}),
+                            ("part", {"t": "part", "v": PROTOCOL_VERSION, "gid": "x", "phase": "d"})]:
+        reply = bad.call(ask(handler, header), timeout=30)
+        assert reply["t"] == "refuse" and "banned" in reply["reason"], (handler, reply)
+    assert honest.gate.refused >= 2
+
+    # its ready record is ignored by matchmaking: the honest peer forms its group without it
+    run2 = f"sec{next(_runs)}"
+    mm = Matchmaker(honest, run2, matchmaking_timeout=2.0)
+    bad.store(f"{run2}:mm:0:7", {"t": time.time()}, ttl=30)
+    assert bad.peer_id_str in honest.get_subkeys(f"{run2}:mm:0:7")  # the record itself is valid
+    group = honest.call(mm.form_group(0, 7, 2), timeout=60)
+    assert group.members == (honest.peer_id_str,)
+
+
+# ---- row 7: Byzantine updates vs CenteredClip -------------------------------------------------------
+def _honest_and_flip(n: int = 4000, peers: int = 4, scale: float = -1000.0, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, generator=g) * 0.01
+    honest = [base + 0.005 * torch.randn(n, generator=g) for _ in range(peers)]
+    return honest, scale * honest[0]
+
+
+def test_centered_clip_bound_unit():
+    """The stated bound (robust.py): 1 arbitrary part of 5 moves CenteredClip by at most half the
+    honest parts' spread from the honest mean; the plain mean is dragged ~|bad|/5 away."""
+    for scale in (-1000.0, -5.0, 1e6):
+        honest, bad = _honest_and_flip(scale=scale)
+        mu = weighted_mean(honest, [1.0] * 4)
+        spread = max(float((h - mu).norm()) for h in honest)
+        for pos in range(5):  # wherever the bad part sits in member order
+            parts = honest[:pos] + [bad] + honest[pos:]
+            cc = centered_clip(parts, [1.0] * 5)
+            assert float((cc - mu).norm()) <= 0.5 * spread, (scale, pos)
+            assert float((weighted_mean(parts, [1.0] * 5) - mu).norm()) > 1.0 * float(mu.norm())
+    # all honest: CenteredClip stays next to the mean
+    cc = centered_clip(honest, [1.0] * 4)
+    assert float((cc - mu).norm()) <= 0.1 * spread
+
+
+def test_screen_unit():
+    cfg = RobustConfig()
+    dropped = screen([10, 10, 10, 1e9], [1, 1, 1, 1], own=0, cfg=cfg, numel=100)
+    assert list(dropped) == [3] and "weight 1e+09 is more than 10x the median weight 10" in dropped[3]
+    dropped = screen([1, 1, 1, 1], [1.0, 1.2, 0.9, 50.0], own=3, cfg=cfg, numel=100)
+    assert dropped == {}  # the owner's own part is never dropped
+    dropped = screen([1, 1, 1, 1], [1.0, 1.2, 0.9, 50.0], own=0, cfg=cfg, numel=100)
+    assert list(dropped) == [3] and "norm" in dropped[3]
+    assert screen([1, 1, 1, 1], [1.0, 1.2, 0.9, 50.0], own=0, cfg=cfg, numel=10) == {}  # tiny shards: no norm screen
+    off = RobustConfig(norm_bound=0, max_weight_ratio=0)
+    assert screen([1, 1, 1e9], [1, 1, 1e9], own=0, cfg=off, numel=100) == {}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("aggregator", ["centered_clip", "mean"])
+def test_sign_flipped_x1000_from_one_of_five(nodes, aggregator):
+    """Through the real all-reduce: 1 of 5 peers sends −1000× its update (norm screen off, so only
+    the aggregator defends). CenteredClip stays within the stated bound of the honest mean; the
+    plain mean does not (the documented weakness: use centered_clip or keep the norm screen on)."""
+    evil = 4
+    robust = RobustConfig(aggregator=aggregator, norm_bound=0.0)
+    reducers, run = make_reducers(nodes, evil, robust)
+    reducers[evil].attack = lambda j, part, w: (part * -1000.0, w)
+    honest, _ = _honest_and_flip(n=5000, peers=5, seed=1)
+    results, ids = allreduce_all(nodes, reducers, run, honest, [1.0] * 5, get_codec("fp32"), 0)
+    assert all(isinstance(r, torch.Tensor) for r in results), results  # nothing dropped: the screen is off
+    assert all(torch.equal(r, results[0]) for r in results)
+    mu_h = weighted_mean(honest[:evil], [1.0] * evil)
+    by_id = {n.peer_id_str: i for i, n in enumerate(nodes)}
+    evil_shard = shard_bounds(5000, 5)[ids.index(nodes[evil].peer_id_str)]
+    mask = torch.ones(5000, dtype=torch.bool)
+    mask[evil_shard[0]:evil_shard[1]] = False  # the attacker's own shard holds its own, unflipped part
+    err = float((results[0] - mu_h)[mask].norm())
+    spread = max(float((h - mu_h)[mask].norm()) for h in honest[:evil])
+    if aggregator == "centered_clip":
+        assert err <= 0.5 * spread, (err, spread)
+    else:
+        assert err > 50 * float(mu_h[mask].norm()), (err, float(mu_h[mask].norm()))
+    assert all(r.stats["parts_dropped"] == 0 for r in reducers)
+    assert sorted(by_id) == ids
+
+
+@pytest.mark.timeout(240)
+def test_scaled_update_within_norm_bound_needs_centered_clip(nodes):
+    """The norm screen alone is not enough: a sign-flipped ×5 update passes it (bound 10) and
+    drags the plain mean by more than the honest mean itself; CenteredClip keeps it close."""
+    evil = 4
+    honest, _ = _honest_and_flip(n=5000, peers=5, seed=2)
+    mu_h = weighted_mean(honest[:evil], [1.0] * evil)
+    errs = {}
+    for aggregator in ("mean", "centered_clip"):
+        reducers, run = make_reducers(nodes, evil, RobustConfig(aggregator=aggregator))
+        reducers[evil].attack = lambda j, part, w: (part * -5.0, w)
+        results, ids = allreduce_all(nodes, reducers, run, honest, [1.0] * 5, get_codec("fp32"), 0)
+        assert all(isinstance(r, torch.Tensor) for r in results)
+        shard = shard_bounds(5000, 5)[ids.index(nodes[evil].peer_id_str)]
+        mask = torch.ones(5000, dtype=torch.bool)
+        mask[shard[0]:shard[1]] = False
+        errs[aggregator] = float((results[0] - mu_h)[mask].norm()) / float(mu_h[mask].norm())
+        assert all(r.stats["parts_dropped"] == 0 for r in reducers)  # within the bound: not screened
+    assert errs["mean"] > 1.0 and errs["centered_clip"] < 0.25, errs
+
+
+# ---- row 9: forged, malformed and replayed DHT records --------------------------------------------
+async def _store_raw_in_dht_process(target, key, subkey, value, expiration, _dht, node):
+    from hivemind.dht.routing import DHTID
+
+    ok = await node.protocol.call_store(target, keys=[DHTID.generate(source=key)], values=[value],
+                                        expiration_time=[expiration], subkeys=[subkey])
+    return None if ok is None else list(ok)
+
+
+def _raw_store(attacker: SwarmNode, target: SwarmNode, key: str, subkey: bytes, value: bytes, expiration: float):
+    """Send one StoreRequest with exactly these bytes straight to ``target``'s DHT (no signing, no
+    validation on our side): what a hostile DHT node can do."""
+    import functools
+
+    return attacker.dht.run_coroutine(functools.partial(_store_raw_in_dht_process, target.peer_id, key, subkey,
+                                                        value, expiration))
+
+
+def _signed_bytes(owner: SwarmNode, key: str, data: dict, expiration: float) -> bytes:
+    """What ``owner`` itself would store for ``data`` (signature included)."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer
+
+    record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(owner.records.owner_subkey),
+                       MSGPackSerializer.dumps(owner.records.encode(key, data)), expiration)
+    return owner.records.signer.sign_value(record)
+
+
+@pytest.mark.timeout(180)
+def test_forged_malformed_and_replayed_records_are_rejected(nodes):
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+
+    victim, reader, attacker = nodes[0], nodes[1], nodes[2]
+    key = f"sec{next(_runs)}:progress"
+    assert victim.store(key, {"step": 10, "synced_step": 10, "digest": "aa"}, ttl=60)
+    old_exp = get_dht_time() + 60
+    old = _signed_bytes(victim, key, {"step": 10, "synced_step": 10, "digest": "aa"}, old_exp)
+    time.sleep(0.05)
+    assert victim.store(key, {"step": 20, "synced_step": 20, "digest": "bb"}, ttl=120)
+    assert reader.get_subkeys(key)[victim.peer_id_str]["step"] == 20
+
+    subkey = victim.records.owner_subkey
+    # forged: the victim's owner subkey, a value signed by the attacker's key (and one not signed at all)
+    forged_value = MSGPackSerializer.dumps(attacker.records.encode(key, {"step": 10**9, "synced_step": 10**9,
+                                                                        "digest": "ee"}))
+    sig = attacker.records.signer  # signs only records under the attacker's own subkey
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+
+    rec = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey), forged_value,
+                    get_dht_time() + 600)
+    signed_by_attacker = forged_value + b"[signature:" + sig._private_key.sign(sig._serialize_record(rec)) + b"]"
+    # malformed: correctly signed by the attacker under its own subkey, but breaking the schema
+    bad_schema = msgpack.packb({"k": "progress", "s": 1, "d": {"step": "lots"}}, use_bin_type=True)
+    rec2 = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(attacker.records.owner_subkey),
+                     MSGPackSerializer.dumps(bad_schema), get_dht_time() + 600)
+    malformed = attacker.records.signer.sign_value(rec2)
+    for target in (victim, reader):
+        assert _raw_store(attacker, target, key, subkey, signed_by_attacker, get_dht_time() + 600) == [False]
+        assert _raw_store(attacker, target, key, subkey, forged_value, get_dht_time() + 600) == [False]
+        assert _raw_store(attacker, target, key, attacker.records.owner_subkey, malformed,
+                          get_dht_time() + 600) == [False]
+        # an unsigned record under the victim's plain peer id (the old, unprotected format)
+        assert _raw_store(attacker, target, key, victim.peer_id_str.encode(), forged_value,
+                          get_dht_time() + 600) == [False]
+        # replayed: the victim's own older record, signature intact; the newer one expires later
+        assert _raw_store(attacker, target, key, subkey, old, old_exp) == [False]
+    # the same stores through our API refuse to even produce such records
+    with pytest.raises(ValueError):
+        attacker.store(key, {"step": "lots"}, ttl=60)
+    with pytest.raises(ValueError):
+        attacker.store(key, {"step": 1}, ttl=60, subkey=victim.peer_id_str)
+    for node in (reader, attacker, victim):
+        seen = node.get_subkeys(key)
+        assert seen[victim.peer_id_str]["step"] == 20, seen
+        assert attacker.peer_id_str not in seen
+
+
+def test_record_book_keeps_the_newer_record():
+    """Reader side: once a record with a higher seq was seen, an older one returned later (a lagging
+    or hostile DHT node) is ignored until the newer one expires."""
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+    from p2pdiloco.swarm.records import RecordBook
+
+    book = RecordBook(RSAPrivateKey())
+    key = "r:progress"
+    old = book.encode(key, {"step": 1})
+    new = book.encode(key, {"step": 2})
+    exp = get_dht_time() + 60
+
+    def found(value):
+        return ValueWithExpiration({book.owner_subkey: ValueWithExpiration(value, exp)}, exp)
+
+    assert list(book.decode(key, found(new)).values()) == [{"step": 2}]
+    assert list(book.decode(key, found(old)).values()) == [{"step": 2}]
+    assert book.stale == 1
+    # wrong kind under this key, junk, foreign subkeys: dropped and counted
+    ready = book.encode("r:mm:0:1", {"t": 1.0})
+    assert book.decode(key, found(ready)) == {}
+    assert book.decode(key, found(b"\x93\x01\x02")) == {}
+    assert book.decode(key, ValueWithExpiration({b"someone": ValueWithExpiration(new, exp)}, exp)) == {}
+    assert sum(book.rejected.values()) == 3
+    # a group record counts only when written by the group's leader (its smallest member)
+    me = book.peer_id
+    g = book.encode("r:group:0:1", {"members": sorted([me, "QmZZZZ"])})
+    expect = {me: {"members": sorted([me, "QmZZZZ"])}} if sorted([me, "QmZZZZ"])[0] == me else {}
+    assert book.decode("r:group:0:1", found(g)) == expect
+
+
+@pytest.mark.timeout(120)
+def test_bogus_fingerprint_cannot_lock_out_and_majority_wins(nodes):
+    from p2pdiloco.swarm.swarm import Swarm
+
+    run = f"sec{next(_runs)}"
+    key = f"{run}:fingerprint"
+    good = {"inner.sync_every": 10}
+    s0 = Swarm(nodes[0], run, matchmaking_timeout=2, allreduce_timeout=5)
+    s0.check_fingerprint("good", good)  # the run's first peer
+    nodes[3].store(key, {"fp": "evil", "fields": {"inner.sync_every": 99}}, ttl=600)  # a liar
+    s1 = Swarm(nodes[1], run, matchmaking_timeout=2, allreduce_timeout=5)
+    s1.check_fingerprint("good", good)  # 1 honest claim vs 1 bogus: a tie, ours wins; not locked out
+    assert set(nodes[2].get_subkeys(key)) == {nodes[0].peer_id_str, nodes[1].peer_id_str, nodes[3].peer_id_str}
+    s2 = Swarm(nodes[2], run, matchmaking_timeout=2, allreduce_timeout=5)
+    with pytest.raises(FingerprintMismatch, match="inner.sync_every: run has 10, you have 99"):
+        s2.check_fingerprint("evil", {"inner.sync_every": 99})  # 2 honest vs 1 bogus: the majority decides
+
+
+# ---- row 10: one peer's unverified claim of a huge step ---------------------------------------------
+@pytest.mark.timeout(120)
+def test_single_claim_of_a_huge_step_moves_nobody(nodes):
+    """A liar publishes (signed, schema-valid) progress claiming step 10**9 with some digest. With
+    two or more other peers, nobody picks it as a target and nobody asks it for state."""
+    from p2pdiloco.swarm import state_sync
+    from p2pdiloco.swarm.swarm import Swarm
+
+    run = f"sec{next(_runs)}"
+    honest = [Swarm(n, run, matchmaking_timeout=2, allreduce_timeout=5) for n in nodes[:3]]
+    liar = nodes[3]
+    served = []
+    state_sync.StateServer(liar, run, lambda: served.append(1) or ({"step": 10**9}, b""))
+    digest = "0123456789abcdef"
+    for s in honest:
+        s.update_progress(step=40, synced_step=40, digest=digest, round=4, next_sync=50)
+        s.publish_progress()
+    liar.store(f"{run}:progress", {"step": 10**9, "synced_step": 10**9, "digest": "f" * 16, "round": 10**8,
+                                   "next_sync": 10**9 + 10}, ttl=60)
+    peers = honest[0].live_peers()
+    assert peers[liar.peer_id_str]["synced_step"] == 10**9  # the claim is there, signed and well-formed
+    me = honest[0].peer_id
+    target = _pick(state_sync, peers, me, min_step=40)
+    assert target is None, target
+    # a fresh joiner (nothing of its own) goes with the two peers that agree, never with the liar
+    target = _pick(state_sync, peers, me, min_step=0)
+    assert target is not None and target[0] == 40 and liar.peer_id_str not in target[2]
+    assert not served
+
+
+def _pick(state_sync, peers, me, min_step):
+    return state_sync.pick_target(peers, me, min_step)
+
+
+# ---- row 8: versions and deserialization ----------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_peer_speaking_version_2_gets_a_clear_refusal(nodes):
+    from hivemind.p2p import PeerID
+    from p2pdiloco.swarm.matchmaking import Matchmaker
+    from p2pdiloco.swarm.state_sync import StateServer
+
+    server, client = nodes[0], nodes[1]
+    run = f"sec{next(_runs)}"
+    Matchmaker(server, run, matchmaking_timeout=2.0)
+    AllReducer(server, run, timeout=5.0)
+    StateServer(server, run, lambda: None)
+
+    async def ask(handler, header):
+        _, reader, writer = await client.p2p.call_binary_stream_handler(PeerID.from_base58(server.peer_id_str),
+                                                                        f"p2pdiloco.{run}.{handler}")
+        try:
+            await write_frame(writer, header)
+            reply, _ = await asyncio.wait_for(read_frame(reader, 0), 10)
+            return reply
+        finally:
+            writer.close()
+
+    for handler, header in [("join", {"t": "join", "v": 2, "frag": 0, "round": 0}),
+                            ("part", {"t": "part", "v": 2, "gid": "g", "phase": "d", "idx": 0, "w": 1.0,
+                                      "codec": 0, "numel": 0}),
+                            ("state", {"t": "state", "v": 2})]:
+        reply = client.call(ask(handler, header), timeout=30)
+        assert reply["t"] in ("refuse", "abort"), reply
+        assert "protocol version 2 is not supported" in reply["reason"], reply
+        assert f"speaks version {PROTOCOL_VERSION}" in reply["reason"] and "upgrade" in reply["reason"]
+    assert server.gate.offences[client.peer_id_str] == 0  # an old/new peer is not an attacker
+    # and a whole peer on another version is stopped earlier, by the run fingerprint, naming the field
+    from p2pdiloco.config import RunConfig
+
+    fields = RunConfig().fingerprint_fields()
+    assert fields["protocol.version"] == PROTOCOL_VERSION
+
+
+def test_nothing_from_the_network_is_unpickled():
+    """Guard by source scan: no pickle/marshal/dill loads, no eval/exec, every torch.load passes
+    weights_only=True, numpy loads never allow pickles; msgpack decodes forbid ext types."""
+    pkg = os.path.join(ROOT, "p2pdiloco")
+    offenders = []
+    for dirpath, _, files in os.walk(pkg):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, f)
+            tree = ast.parse(open(path).read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                    if any(n.split(".")[0] in ("pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve")
+                           for n in names):
+                        offenders.append(f"{path}:{node.lineno}: imports a pickle-like module")
+                if not isinstance(node, ast.Call):
+                    continue
+                name = ast.unparse(node.func)
+                kw = {k.arg: k.value for k in node.keywords}
+                if name in ("eval", "exec") or name.endswith("pickle.loads") or name.endswith("pickle.load"):
+                    offenders.append(f"{path}:{node.lineno}: {name}")
+                if name.endswith("torch.load"):
+                    wo = kw.get("weights_only")
+                    if not (isinstance(wo, ast.Constant) and wo.value is True):
+                        offenders.append(f"{path}:{node.lineno}: torch.load without weights_only=True")
+                if name.endswith("np.load") or name.endswith("numpy.load"):
+                    ap = kw.get("allow_pickle")
+                    if isinstance(ap, ast.Constant) and ap.value is True:
+                        offenders.append(f"{path}:{node.lineno}: numpy load with allow_pickle=True")
+                if name.endswith("unpackb") or name.endswith("msgpack.loads"):
+                    ext = kw.get("max_ext_len")
+                    if not (isinstance(ext, ast.Constant) and ext.value == 0):
+                        offenders.append(f"{path}:{node.lineno}: msgpack decode without max_ext_len=0")
+    assert not offenders, "\n".join(offenders)
