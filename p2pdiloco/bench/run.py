@@ -640,6 +640,8 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
             cleanup_stale()
         with EmulatedWAN(plan.peers + 1, link) as wan:
             results["backend"] = wan.backend
+            print(f"network: {len(wan.namespaces) - 1} namespaces on {wan.subnet} ({wan.backend}), switch "
+                  f"{wan.switch_netns}", flush=True)
             anchors = [h.popen(["sleep", "infinity"]).pid for h in wan.hosts]
             sampler = _Sampler(anchors)
             sampler.start()

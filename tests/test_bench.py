@@ -1,0 +1,151 @@
+"""The benchmark: its bookkeeping on fixtures (fast, no root), and an end-to-end smoke run of the
+real command across an emulated WAN (``netem``: needs root, ``ip`` and ``tc``)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from p2pdiloco.bench.hivemind_dp import read_iface_bytes
+from p2pdiloco.bench.run import BASELINES, MATRICES, MODES, format_table, summarize_mode
+
+_missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or bool(_missing),
+    reason="the emulated WAN needs root and iproute2 (ip, tc)"
+    + (f"; missing: {', '.join(_missing)}" if _missing else "; not running as root"),
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PROC_NET_DEV = """Inter-|   Receive                                                |  Transmit
+ face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
+    lo:     100       1    0    0    0     0          0         0      100       1    0    0    0     0       0          0
+  eth0: 5000000    4000    0    0    0     0          0         0  7000000    5000    0    0    0     0       0          0
+"""
+
+
+def test_read_iface_bytes(tmp_path):
+    path = tmp_path / "dev"
+    path.write_text(_PROC_NET_DEV)
+    assert read_iface_bytes("eth0", str(path)) == (7_000_000, 5_000_000)  # (tx, rx)
+    assert read_iface_bytes("eth1", str(path)) is None
+    assert read_iface_bytes("eth0", str(tmp_path / "missing")) is None
+
+
+def test_every_matrix_names_known_modes():
+    for name, modes in MATRICES.items():
+        assert modes, name
+        for mode in modes:
+            assert mode in MODES or mode in BASELINES, (name, mode)
+    assert not set(MODES) & set(BASELINES)
+
+
+def _ev(event, t, **kw):
+    return {"event": event, "time": t, **kw}
+
+
+def _peer(t0, shift, val_at, sync_s):
+    """Two syncs after steps 5 and 10; validation losses from ``val_at``."""
+    return [
+        _ev("start", t0 + shift, val_loss=5.0, step=0),
+        _ev("sync", t0 + 10, step=5, fragment=0, outer_step=1, ok=True, val_loss=val_at[0], sync_seconds=sync_s),
+        _ev("sync", t0 + 15, step=10, fragment=0, outer_step=2, ok=False, val_loss=val_at[0], sync_seconds=1.0),
+        _ev("sync", t0 + 20, step=10, fragment=0, outer_step=2, ok=True, val_loss=val_at[1], sync_seconds=sync_s),
+        _ev("summary", t0 + 20, inner_steps=10, bytes_sent=900, failed_syncs=1),
+    ]
+
+
+def test_summarize_mode_on_fixture():
+    t0 = 1000.0
+    peers = [_peer(t0, 0, (4.0, 3.0), 2.0), _peer(t0, 0.5, (4.0, 3.0), 3.0)]
+    # interface samples: (time, [(tx, rx) per host]) - 2 peers and the bootstrap host
+    samples = [(t0 - 1, [(50, 0), (70, 0), (0, 0)]),
+               (t0 + 0.4, [(100, 10), (100, 10), (0, 0)]),
+               (t0 + 10.0, [(600, 500), (400, 300), (0, 0)]),
+               (t0 + 10.5, [(1100, 900), (600, 500), (0, 0)]),
+               (t0 + 20.5, [(1200, 1000), (1300, 1100), (9, 9)])]
+    m = summarize_mode(peers, samples, tokens_per_step=8 * 128, baseline=False)
+    assert m["wall_seconds"] == pytest.approx(19.5)            # from the last start to the last summary
+    assert m["tokens"] == 2 * 10 * 8 * 128
+    assert [c["tokens"] for c in m["curve"]] == [0, 2 * 5 * 1024, 2 * 10 * 1024]
+    assert [c["val_loss"] for c in m["curve"]] == [5.0, 4.0, 3.0]   # failed syncs carry no point
+    assert m["curve"][1]["seconds"] == pytest.approx(9.5)
+    # bytes from the last sample at/before training start to the last one
+    assert m["bytes_sent_per_peer"] == pytest.approx(((1200 - 100) + (1300 - 100)) / 2)
+    assert m["bytes_sent_per_peer_max"] == 1200
+    assert m["peak_bytes_per_s_max"] == pytest.approx(500 / 0.5)
+    assert m["counted_bytes_sent_per_peer"] == 900
+    # utilization = 1 - (time blocked in syncs) / wall, per peer, averaged
+    assert m["utilization_per_peer"] == [pytest.approx(1 - 5 / 19.5, abs=1e-4), pytest.approx(1 - 7 / 19.5, abs=1e-4)]
+    assert m["failed_syncs"] == 2
+    assert m["val_loss_final"] == 3.0
+    baseline = summarize_mode(peers, samples, tokens_per_step=1024, baseline=True)
+    assert baseline["counted_bytes_sent_per_peer"] is None   # hivemind counts nothing of its own
+
+
+def test_format_table_marks_skipped_modes_and_ratios():
+    ok = {"status": "ok", "tokens": 1000, "val_loss_final": 3.0, "wall_seconds": 10.0, "bytes_sent_per_peer": 1e6,
+          "counted_bytes_sent_per_peer": None, "peak_bytes_per_s_per_peer": 1e5, "utilization": 0.5,
+          "time_to_target_seconds": 9.0}
+    results = {"modes": {
+        "hivemind-dp": ok,
+        "diloco-fp32": dict(ok, val_loss_final=3.03, bytes_sent_per_peer=1e4, counted_bytes_sent_per_peer=9e3),
+        "diloco-nf4": {"status": "skipped", "note": "rejected by the CLI: unknown codec 'nf4'"},
+    }}
+    table = format_table(results)
+    lines = table.splitlines()
+    assert len({line.count("|") for line in lines}) == 1       # every row has every column
+    assert "100.0x" in lines[3] and "+1.0%" in lines[3]
+    assert "skipped" in lines[4] and "unknown codec" in lines[4]
+
+
+@needs_root
+@pytest.mark.netem
+@pytest.mark.timeout(240)
+def test_smoke_benchmark_across_shaped_wan(tmp_path):
+    """The real command: 2 peers on a shaped link, DiLoCo completes, results and plots are written,
+    and every namespace is gone afterwards."""
+
+    def netns():
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+        return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+    out = tmp_path / "bench"
+    rate = 20
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "p2pdiloco.bench.run", "--matrix", "smoke", "--peers", "2", "--rate", str(rate),
+         "--delay", "10", "--steps", "10", "--set", "inner.sync_every=5", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=220)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # the harness tears its network down on SIGTERM
+            proc.wait(30)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    # the harness names its namespaces after its pid (other harnesses may be running alongside)
+    assert not [ns for ns in netns() if ns.startswith(f"pdwan-{proc.pid}-")]
+    assert "network: 3 namespaces" in stdout
+    assert "diloco-fp32: starting" in stdout and "| diloco-fp32 | ok |" in stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["backend"] == "tbf + relay" or results["backend"] == "tbf + netem"
+    m = results["modes"]["diloco-fp32"]
+    assert m["status"] == "ok", m
+    assert m["tokens"] == 2 * 10 * 8 * 128
+    assert m["val_loss_final"] < m["val_loss_start"]
+    assert len(m["curve"]) == 3 and m["failed_syncs"] == 0
+    # two fp32 syncs of 842,496 parameters: the interface saw at least what we counted, plus headers
+    counted = m["counted_bytes_sent_per_peer"]
+    assert counted >= 2 * 842_496 * 4 / 2
+    assert counted <= m["bytes_sent_per_peer"] <= 1.3 * counted + 2e6
+    assert m["peak_bytes_per_s_max"] <= 1.2 * rate * 1e6 / 8        # the link was shaped
+    assert 0 < m["utilization"] <= 1 and results["target_loss"] == m["val_loss_final"]
+    for name in ("loss_vs_tokens.png", "loss_vs_time.png", "bytes_vs_time.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "table.md").exists()
