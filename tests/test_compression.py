@@ -245,7 +245,7 @@ def test_lowrank_reducer_phases_codecs_and_exact_recovery():
     assert (outs[0] - true).abs().max() <= 1e-4 * true.abs().max()
     # header in fp32, then P (+ small tensors) and Q with the run's codec
     (m1, n1), (m2, n2) = (96, 80), (64, 64)
-    assert group.calls == [("hdr", "fp32", 2 * (3 + 2)), ("p", "fp32", 3 * (m1 + m2) + 80), ("q", "fp32", 3 * (n1 + n2))]
+    assert group.calls == [("hdr", "fp32", 2 * (2 * 3 + 1)), ("p", "fp32", 3 * (m1 + m2) + 80), ("q", "fp32", 3 * (n1 + n2))]
     info = reds[0].info()
     assert info["ranks"] == [3, 3] and info["values_dense"] == sum(s.numel() for s in SHAPES)
     assert info["values_sent"] == sum(c[2] for c in group.calls)

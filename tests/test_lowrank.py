@@ -68,7 +68,7 @@ def test_selection_and_wire_numel():
     assert c.lowrank_indices == [0, 3]
     assert c.ranks == [4, 4]
     assert c.wire_numel() == (96 * 4 + 64 * 4 + 80 + 64, 80 * 4 + 64 * 4)
-    assert c.header_numel == 2 * (4 + 2)
+    assert c.header_numel == 2 * (2 * 4 + 1)
     assert c.small_indices == [1, 2]
     assert LowRankCompressor(SHAPES, LowRankConfig(rank=4, adaptive=False)).header_numel == 0
 

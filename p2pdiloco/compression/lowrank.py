@@ -56,11 +56,14 @@ of ``P``, its captured energy fraction ``rho_j = ||Q_m[:, j]||^2 / ||M_m||_F^2``
 ``||P P^T M_m||^2 / ||M_m||^2 <= 1`` because ``P`` is orthonormal; a zero matrix reports
 ``rho = (1, 0, ...)``). It keeps them, with the averaged ``Q``, until the next round's header::
 
-    header per matrix = [ rank r it used, has stats (0/1), has * rho_1 .. rho_r, 0 .. 0 ]  (max_rank + 2)
+    header per matrix = [ one-hot of the rank r it used (max_rank values), has stats (0/1),
+                          has * rho_1 .. rho_r, 0 .. 0 (max_rank values) ]
 
-From the all-reduced header every peer computes the same: the agreed previous rank
-``r = round(mean rank)`` (all honest peers that shared the last round vote the same integer, so
-this is exact; a newcomer with another rank is outvoted), the mean ``rho = mean(has*rho)/mean(has)``
+(one-hot rather than the integer, so every peer's header has about the same norm and no robust
+screen mistakes a stale peer's vote for an outlier). From the all-reduced header every peer
+computes the same: the agreed previous rank ``r`` = the rank with the largest (sample-weighted)
+vote, ties to the larger rank (peers that shared the last round all vote alike; a newcomer with
+another rank is outvoted), the mean ``rho = mean(has*rho)/mean(has)``
 and, with the columns sorted by it (descending, ties by index), ``energy(k) = sqrt(sum of the top
 k)`` which estimates ``||P_k P_k^T M||_F / ||M||_F``. This round's rank per matrix:
 
@@ -204,7 +207,7 @@ class LowRankCompressor:
     @property
     def header_numel(self) -> int:
         """Length of :meth:`header`'s vector (0 when not adaptive or nothing is low-rank)."""
-        return sum(r + 2 for r in self._max_rank) if self.cfg.adaptive else 0
+        return sum(2 * r + 1 for r in self._max_rank) if self.cfg.adaptive else 0
 
     def wire_numel(self) -> Tuple[int, int]:
         """``(numel of begin's vector, numel of middle's vector)`` at the current ranks."""
@@ -233,12 +236,12 @@ class LowRankCompressor:
         parts: List[torch.Tensor] = []
         if self.cfg.adaptive:
             for j, rmax in enumerate(self._max_rank):
-                h = torch.zeros(rmax + 2, dtype=torch.float32)
-                h[0] = float(self._ranks[j])
+                h = torch.zeros(2 * rmax + 1, dtype=torch.float32)
+                h[self._ranks[j] - 1] = 1.0
                 rho = self._pending_rho[j]
                 if rho is not None:
-                    h[1] = 1.0
-                    h[2: 2 + len(rho)] = torch.tensor(rho, dtype=torch.float32)
+                    h[rmax] = 1.0
+                    h[rmax + 1: rmax + 1 + len(rho)] = torch.tensor(rho, dtype=torch.float32)
                 parts.append(h)
         return torch.cat(parts) if parts else torch.zeros(0)
 
@@ -252,14 +255,15 @@ class LowRankCompressor:
         if self.cfg.adaptive:
             off = 0
             for j, rmax in enumerate(self._max_rank):
-                h = avg_header[off: off + rmax + 2].tolist()
-                off += rmax + 2
-                self._agree_one(j, h[0], h[1], h[2:])
+                h = avg_header[off: off + 2 * rmax + 1].tolist()
+                off += 2 * rmax + 1
+                self._agree_one(j, h[:rmax], h[rmax], h[rmax + 1:])
             self._phase = "agreed"
 
-    def _agree_one(self, j: int, vote: float, has: float, rho_sum: List[float]) -> None:
+    def _agree_one(self, j: int, votes: List[float], has: float, rho_sum: List[float]) -> None:
         rmax, rmin = self._max_rank[j], self._min_rank[j]
-        r = min(max(int(round(vote)), rmin), rmax) if math.isfinite(vote) else rmax
+        votes = [v if math.isfinite(v) else 0.0 for v in votes]
+        r = max(range(rmin, rmax + 1), key=lambda k: (votes[k - 1], k))  # most votes, ties to the larger
         order = list(range(r))
         new_r = r
         if math.isfinite(has) and has > 0:

@@ -128,7 +128,7 @@ class LowRankReducer:
 
     Per sync, up to three all-reduces (phases ``hdr``, ``p``, ``q``)::
 
-        hdr  fp32, (max_rank + 2) values per matrix: rank votes and last round's energy stats
+        hdr  fp32, 2·max_rank + 1 values per matrix: one-hot rank vote and last round's energy stats
              (adaptive ranks only; exact, so rank decisions are exact and agreed by everyone)
         p    the run's codec: P_m = M_m Q for every low-rank matrix, then the small/1-D tensors whole
         q    the run's codec: Q_m = M_m^T P for every low-rank matrix
