@@ -20,7 +20,7 @@ from p2pdiloco.metrics import read_metrics
 from p2pdiloco.model import build_model
 
 H = 10
-OUTER_STEPS = 5
+OUTER_STEPS = 6
 SETTINGS = [f"inner.sync_every={H}", f"train.max_outer_steps={OUTER_STEPS}", "inner.batch_size=4",
             "swarm.run_id=swarmtest", "train.progress_bar=false", "swarm.min_peers_to_start=3"]
 
@@ -82,17 +82,17 @@ def test_three_volunteers_match_reference(procs, tmp_path):
             name=f"p{i}"))
 
     # while they train: `status` reads the live peers from the DHT, no server involved
-    metrics0 = tmp_path / "p0" / "metrics.jsonl"
+    metrics = [tmp_path / f"p{i}" / "metrics.jsonl" for i in range(3)]
     deadline = time.time() + 120
-    while time.time() < deadline and not (metrics0.exists() and '"sync"' in metrics0.read_text()):
+    while time.time() < deadline and not all(m.exists() and '"start"' in m.read_text() for m in metrics):
         time.sleep(0.5)
-    seen, attempt = {}, 0
+    seen, attempt, live = {}, 0, {}
     while len(seen) < 3 and any(p.poll() is None for p in peers):
         attempt += 1
         st = procs.start("status", "--initial-peers", addr, "--run-id", "swarmtest", "--json", name=f"status{attempt}")
         assert procs.wait(st, 60) == 0, procs.err(f"status{attempt}")
         live = json.loads(procs.out(f"status{attempt}"))
-        seen = {pid: v for pid, v in live.items() if v["round"] >= 1 and v["samples"] > 0}
+        seen = {pid: v for pid, v in live.items() if v["samples"] > 0 and v["step"] > 0}
     assert len(seen) == 3, f"status never listed the 3 training peers (last answer: {live})"
 
     # a peer configured differently is refused, naming the field that differs

@@ -59,7 +59,6 @@ def test_wan_rejects_bad_arguments():
 
 @needs_root
 def test_namespaces_created_and_removed():
-    before = _netns()
     with EmulatedWAN(3, LinkSpec(rate_mbit=100)) as wan:
         created = set(wan.namespaces)
         assert len(created) == 4 and created <= _netns()
@@ -68,23 +67,23 @@ def test_namespaces_created_and_removed():
             out = h.run(["ip", "-o", "addr", "show"]).stdout
             assert "127.0.0.1" in out and h.address in out
         assert measure_rtt(wan.hosts[0], wan.hosts[2], count=2) < 5
-    assert _netns() == before
+    # only our own namespaces: other harnesses (a benchmark, a parallel test) may exist meanwhile
+    assert not (created & _netns())
 
 
 @needs_root
 def test_namespaces_and_processes_removed_when_body_raises():
-    before = _netns()
     with pytest.raises(RuntimeError, match="boom"):
         with EmulatedWAN(2, LinkSpec(rate_mbit=10, delay_ms=5)) as wan:
+            created = set(wan.namespaces)
             proc = wan.hosts[0].popen(["sleep", "600"])
             raise RuntimeError("boom")
     assert proc.poll() is not None
-    assert _netns() == before
+    assert created and not (created & _netns())
 
 
 @needs_root
 def test_sigterm_tears_down_and_still_terminates():
-    before = _netns()
     script = textwrap.dedent(
         """
         import sys, time
@@ -103,7 +102,7 @@ def test_sigterm_tears_down_and_still_terminates():
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert _netns() == before
+    assert not (set(names) & _netns())
 
 
 @needs_root
