@@ -120,6 +120,10 @@ class _Round:
         self.done = asyncio.get_running_loop().create_future()
 
 
+class _Excluded(SyncFailed):
+    """An owner left *our* part out (or refuses us): the others' round goes on without us."""
+
+
 class _Rejected(Exception):
     """A member's part failed a check: drop it from the round (the others go on)."""
 
@@ -347,10 +351,12 @@ class AllReducer:
 
         tasks = [asyncio.ensure_future(exchange(j)) for j in range(group.size)]
         deadline = asyncio.get_running_loop().time() + self.timeout * 1.5
-        failed = True
+        excluded = False
         try:
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=self.timeout * 1.5)
-            failed = False
+        except _Excluded:
+            excluded = True
+            raise
         except asyncio.TimeoutError:
             raise SyncFailed(f"all-reduce of group {group.gid} timed out after {self.timeout:.0f} s") from None
         except SyncFailed:
@@ -362,9 +368,9 @@ class AllReducer:
         finally:
             for t in tasks:
                 t.cancel()
-            if failed and not rnd.done.done():
-                # We failed (e.g. an owner dropped our part), but the others may not have: keep serving
-                # our shard until it is decided, so one rejected member never aborts everyone's round.
+            if excluded and not rnd.done.done():
+                # An owner dropped our part, but the others' round goes on: keep serving our shard
+                # until it is decided, so one rejected member never aborts everyone's round.
                 try:
                     await asyncio.wait_for(asyncio.shield(rnd.done), max(0.0, deadline - asyncio.get_running_loop().time()))
                 except BaseException:
@@ -396,7 +402,9 @@ class AllReducer:
             await write_frame(writer, header, codec.encode(sent_part), traffic=traffic)
             reply, payload = await read_frame(reader, codec.encoded_size(part.numel()), traffic, owner)
             if reply.get("t") in ("abort", "refuse"):
-                raise SyncFailed(f"owner {owner[-6:]} aborted the round: {str(reply.get('reason'))[:500]}")
+                reason = str(reply.get("reason"))[:500]
+                excluded = reason.startswith("your part was dropped") or "is banned here" in reason
+                raise (_Excluded if excluded else SyncFailed)(f"owner {owner[-6:]} aborted the round: {reason}")
             if reply.get("t") != "avg" or reply.get("codec") != codec.codec_id or reply.get("numel") != part.numel():
                 raise WireError(f"unexpected reply {str(reply.get('t'))[:20]!r}", owner)
             if len(payload) != codec.encoded_size(part.numel()):

@@ -25,8 +25,8 @@ from typing import Dict, Optional, Set, Tuple
 
 from ..errors import MatchmakingFailed, RoundMissed, WireError
 from .allreduce import Group, make_group_id
-from .protocol import (PROTOCOL_VERSION, close_after_reply, check_version, note_offence, read_frame, read_header,
-                       write_frame)
+from .protocol import (PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header,
+                       refuse_bad_request, write_frame)
 
 __all__ = ["Matchmaker"]
 
@@ -241,6 +241,6 @@ class Matchmaker:
                                   traffic=traffic)
         except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.info(f"[{self.node.short_id}] bad join request from {sender[-6:]}: {e}")
-            note_offence(self.node, sender, e)  # malformed requests count toward a ban (protocol.PeerGate)
+            await refuse_bad_request(self.node, sender, e, writer)  # says why; counts toward a ban
         finally:
             await close_after_reply(reader, writer)

@@ -67,6 +67,7 @@ __all__ = [
     "write_frame",
     "check_version",
     "note_offence",
+    "refuse_bad_request",
 ]
 
 logger = logging.getLogger(__name__)
@@ -355,3 +356,15 @@ def note_offence(node: Any, sender: str, exc: BaseException) -> None:
     gate = getattr(node, "gate", None)
     if gate is not None and isinstance(exc, WireError) and not getattr(exc, "benign", False):
         gate.offence(sender, str(exc)[:300])
+
+
+async def refuse_bad_request(node: Any, sender: str, exc: BaseException, writer: asyncio.StreamWriter) -> None:
+    """What a handler does with a request that failed validation: count the offence (see
+    :func:`note_offence`) and tell the sender why in one ``refuse`` frame (row 8: a clear error to
+    the sender). Connection errors get no reply: there is nobody to read it."""
+    note_offence(node, sender, exc)
+    if isinstance(exc, WireError):
+        try:
+            await write_frame(writer, {"t": "refuse", "reason": str(exc)[:300]})
+        except Exception:
+            pass

@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import SyncFailed, WireError
-from .protocol import PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header, write_frame
+from .protocol import (PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header,
+                       refuse_bad_request, write_frame)
 
 __all__ = ["StateServer", "download_state", "state_digest", "pick_target", "in_minority"]
 
@@ -72,6 +73,7 @@ class StateServer:
             self.served += 1
         except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.info(f"[{self.node.short_id}] state request from {sender[-6:]} failed: {e}")
+            await refuse_bad_request(self.node, sender, e, writer)  # says why; counts toward a ban
         finally:
             await close_after_reply(reader, writer)
 
