@@ -55,19 +55,30 @@ def test_key_created_0600_and_unsafe_or_corrupt_keys_refused(tmp_path):
         prepare_identity(str(tmp_path / "dir.key"))
 
 
+def _hold(path: str, locked, stop) -> None:
+    prepare_identity(path)
+    locked.set()
+    stop.wait(60)
+
+
 def test_second_process_with_the_same_key_is_refused(tmp_path):
+    import multiprocessing
+
     path = str(tmp_path / "same.key")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys,time; from p2pdiloco.identity import prepare_identity; "
-                               f"prepare_identity({path!r}); print('locked', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    ctx = multiprocessing.get_context("fork")  # a second process with the real code, without re-importing torch
+    locked, stop = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold, args=(path, locked, stop), daemon=True)
+    holder.start()
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        assert locked.wait(30)
         with pytest.raises(IdentityError, match="already in use by another p2pdiloco process"):
             prepare_identity(path)
     finally:
-        holder.kill()
-        holder.wait(10)
+        stop.set()
+        holder.join(10)
+        if holder.is_alive():
+            holder.kill()
+    assert holder.exitcode == 0
     prepare_identity(path)  # the lock dies with its process: no stale lock file problem
     release_identity(path)
 
@@ -154,7 +165,7 @@ def test_no_private_key_in_repository_or_package(tmp_path):
     probe = str(tmp_path / "probe")
     P2P.generate_identity(probe)
     assert _is_private_key("probe", open(probe, "rb").read())
-    assert _is_private_key("x.txt", b"junk\n-----BEGIN RSA PRIVATE KEY-----\nabc")
+    assert _is_private_key("x.txt", b"junk\n-----BEGIN RSA " + b"PRIVATE KEY-----\nabc")  # split: not a key here
 
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     names = [n for n in tracked.decode().split("\0") if n and os.path.isfile(os.path.join(ROOT, n))]

@@ -202,6 +202,93 @@ def test_banned_peer_is_refused_by_every_handler(nodes):
     assert group.members == (honest.peer_id_str,)
 
 
+@pytest.mark.timeout(300)
+def test_bad_contributions_never_reach_honest_parameters(nodes, monkeypatch):
+    """Real DiLoCo training (3 honest peers + 1 misbehaving peer, H = 2, 3 outer rounds): the
+    misbehaving peer sends NaN, then an absurd weight, then +Inf. Every honest peer applies every
+    round with a group of 4, its global parameters stay finite, and all honest peers end bitwise
+    identical; the offender's syncs fail (it applies nothing) and every owner dropped its part."""
+    import threading
+
+    from torch import nn
+
+    from p2pdiloco import swarm as _  # noqa: F401
+    from p2pdiloco.config import RunConfig
+    from p2pdiloco.diloco.core import DiLoCo
+    import p2pdiloco.swarm.swarm as swarm_mod
+
+    ns, evil, H, rounds = nodes[:4], 3, 2, 3
+    run = f"sec{next(_runs)}"
+    cfg = RunConfig()
+    cfg.swarm.run_id = run
+    cfg.inner.sync_every = H
+    swarms = []
+    for i, n in enumerate(ns):
+        monkeypatch.setattr(swarm_mod, "AllReducer", EvilAllReducer if i == evil else AllReducer)
+        s = swarm_mod.Swarm(n, run, matchmaking_timeout=20.0, allreduce_timeout=30.0, robust=cfg.robust,
+                            progress_period=0.5)
+        s.update_progress(step=0, round=0, samples=0, next_sync=H, synced_step=0)
+        s.publish_progress()
+        s.start_publishing()
+        swarms.append(s)
+    monkeypatch.setattr(swarm_mod, "AllReducer", AllReducer)
+    sends = itertools.count()
+    plan = [ATTACKS["nan"], ATTACKS["absurd_weight"], ATTACKS["inf"]]
+    swarms[evil].allreducer.attack = lambda j, part, w: plan[min(next(sends) // 3, 2)](j, part, w)
+
+    reports, dilocos, errors = {}, {}, []
+
+    models = []
+    for i in range(4):  # built here, not in the threads: the global RNG is not thread-safe
+        torch.manual_seed(0)  # same initial θ everywhere
+        models.append(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)))
+        dilocos[i] = DiLoCo(models[i], cfg, swarms[i])
+
+    def train(i: int) -> None:
+        try:
+            model, diloco = models[i], dilocos[i]
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            g = torch.Generator().manual_seed(100 + i)
+            out = []
+            for _ in range(H * rounds):
+                x = torch.randn(8, 16, generator=g)
+                loss = ((model(x) - x.flip(1)) ** 2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                out += diloco.after_inner_step(8)
+            out += diloco.finish()
+            reports[i] = out
+        except BaseException as e:  # surfaced below
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        assert not errors, errors
+        for i in range(3):
+            assert [r.ok for r in reports[i]] == [True] * rounds, [(r.ok, r.error) for r in reports[i]]
+            assert all(r.group_size == 4 for r in reports[i])
+            assert all(torch.isfinite(p).all() for p in dilocos[i].outer[0].params)
+            assert all(torch.isfinite(p).all() for p in models[i].parameters())
+        assert dilocos[0].digest() == dilocos[1].digest() == dilocos[2].digest()
+        assert not any(r.ok for r in reports[evil]), [(r.ok, r.error) for r in reports[evil]]
+        bad_id = ns[evil].peer_id_str
+        for i in range(3):
+            dropped = swarms[i].allreducer.stats
+            assert dropped["parts_dropped"] == rounds, dict(dropped)
+            assert dropped["dropped:finite"] == 2 and dropped["dropped:weight"] == 1, dict(dropped)
+            assert {peer for peer, *_ in swarms[i].allreducer.dropped_log} == {bad_id}
+    finally:
+        for d in dilocos.values():
+            d.close()
+        for s in swarms:
+            s.shutdown()
+
+
 # ---- row 7: Byzantine updates vs CenteredClip -------------------------------------------------------
 def _honest_and_flip(n: int = 4000, peers: int = 4, scale: float = -1000.0, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
