@@ -86,6 +86,12 @@ def test_summarize_mode_on_fixture():
     assert m["val_loss_final"] == 3.0
     baseline = summarize_mode(peers, samples, tokens_per_step=1024, baseline=True)
     assert baseline["counted_bytes_sent_per_peer"] is None   # hivemind counts nothing of its own
+    # overlapped modes: the loop's own total of time blocked on the network wins over sync durations
+    for evs in peers:
+        evs[-1].update(network_wait_seconds=1.5, compute_seconds=9.75)
+    m = summarize_mode(peers, samples, tokens_per_step=1024, baseline=False)
+    assert m["utilization"] == pytest.approx(1 - 1.5 / 19.5)
+    assert m["compute_fraction"] == pytest.approx(0.5)
 
 
 def test_format_table_marks_skipped_modes_and_ratios():

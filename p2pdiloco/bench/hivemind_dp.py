@@ -35,7 +35,8 @@ It writes ``<train.run_dir>/metrics.jsonl`` in the format of ``p2pdiloco join``:
   hivemind epoch, ``samples`` = samples this peer contributed to that step, ``loss`` = mean train
   loss of those batches, ``val_loss`` = validation loss (measured every ``--eval-every`` steps and
   at the end, ``null`` in between), ``sync_seconds`` = time blocked in ``opt.step()`` since the
-  previous event (accumulation, matchmaking, all-reduce, the optimiser step), ``compute_seconds``
+  previous event (accumulation, matchmaking, all-reduce, the optimiser step; also as
+  ``wait_seconds``, the name ``p2pdiloco join`` uses for time blocked on a sync), ``compute_seconds``
   = forward/backward time, ``eval_seconds``, ``group_size`` = peers in hivemind's progress
   tracker when the step began, ``ok`` = false when hivemind fell back to local gradients
   (failed or skipped all-reduce; counted as ``failed_syncs``). ``bytes_sent``/``bytes_received`` are **interface** bytes (``/proc/net/dev`` of
@@ -43,7 +44,8 @@ It writes ``<train.run_dir>/metrics.jsonl`` in the format of ``p2pdiloco join``:
   and Ethernet headers) since the start event; hivemind has no counter of its own. The same values
   are also under ``iface_bytes_sent``/``iface_bytes_received``; ``null`` when the interface is missing.
 * ``summary``: as ``p2pdiloco join`` (``val_loss_end``, ``inner_steps``, ``outer_steps``, bytes,
-  ``seconds``) plus ``compute_seconds``, ``sync_seconds``, ``eval_seconds``.
+  ``seconds``, ``network_wait_seconds`` = total ``sync_seconds``) plus ``compute_seconds``,
+  ``eval_seconds``.
 
 When its last step is done a peer waits (up to ``--linger`` seconds) until every peer has reported
 done in the DHT before it shuts down, so it does not cut off a group-mate's last all-reduce
@@ -285,6 +287,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
             metrics.write("sync", step=batches, fragment=0, outer_step=epoch, ok=ok,
                           loss=sum(window["losses"]) / len(window["losses"]), val_loss=val if fresh else None,
                           group_size=group_size, sync_seconds=round(window["sync"], 4),
+                          wait_seconds=round(window["sync"], 4),
                           compute_seconds=round(window["compute"], 4), eval_seconds=round(eval_s, 4),
                           samples=window["samples"], bytes_sent=sent, bytes_received=recv,
                           iface_bytes_sent=sent, iface_bytes_received=recv, digest=None, error=None)
@@ -303,6 +306,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
                    "syncs": opt.local_epoch - failed, "failed_syncs": failed, "bytes_sent": sent, "bytes_received": recv,
                    "iface_bytes_sent": sent, "iface_bytes_received": recv, "seconds": round(seconds, 2),
                    "compute_seconds": round(totals["compute"], 2), "sync_seconds": round(totals["sync"], 2),
+                   "network_wait_seconds": round(totals["sync"], 3),
                    "eval_seconds": round(totals["eval"], 2), "digest": None, "run_dir": run_dir}
         metrics.write("summary", **summary)
         if _barrier(dht, f"{run_id}_done", args.peers, args.linger, stop):

@@ -19,8 +19,11 @@ Measured per mode (from every peer's ``metrics.jsonl`` and the interface counter
   TCP/IP and Ethernet headers), sampled every 0.5 s from ``/proc/<pid>/net/dev`` of a process in
   the namespace; also our own counted all-reduce bytes for p2pdiloco modes;
 * peak bytes/s per peer: the largest 0.5 s-window send rate;
-* compute utilization: ``1 - sum(sync_seconds) / wall`` per peer (time not blocked in a sync;
-  validation at each sync counts as compute, for every mode alike), averaged over peers;
+* compute utilization: ``1 - blocked / wall`` per peer, averaged over peers, where ``blocked`` is
+  the time the training loop waited on the network (the summary's ``network_wait_seconds``;
+  else the sum of the syncs' ``wait_seconds``, else of their ``sync_seconds``). Validation at
+  each sync counts as compute, for every mode alike. For the hivemind baseline the measured
+  forward/backward fraction is reported too (``compute_fraction``);
 * wall time to reach the target validation loss (``--target-loss``, default the worst final
   loss among the modes, so every mode reaches it): seconds from training start to the first
   validation at or below it.
@@ -60,14 +63,21 @@ __all__ = ["MODES", "BASELINES", "MATRICES", "run_benchmark", "summarize_mode", 
 logger = logging.getLogger(__name__)
 
 #: p2pdiloco modes: name -> ``--set`` overrides for ``p2pdiloco join``. A new mode is one line.
+#: (Entries assume the matrix's H = inner.sync_every = 20; one whose values do not fit the H in use is
+#: skipped with the CLI's message, e.g. tau must stay below H / fragments.)
 MODES: Dict[str, Tuple[str, ...]] = {
     "diloco-fp32": (),
     "diloco-fp16": ("compression.codec=fp16",),
     "diloco-nf4": ("compression.codec=nf4",),
     "diloco-e3m0": ("compression.codec=e3m0",),
     "diloco-fp4": ("compression.codec=fp4",),
+    "diloco-lowrank": ("compression.lowrank=true",),
+    "delay-fp32": ("streaming.mode=delay",),
+    "eager-nf4": ("streaming.mode=eager", "compression.codec=nf4"),
     "streaming4-fp32": ("streaming.fragments=4",),
     "streaming4-nf4": ("streaming.fragments=4", "compression.codec=nf4"),
+    "streaming4-tau4-e3m0": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5", "compression.codec=e3m0"),
+    "streaming4-eager-nf4": ("streaming.fragments=4", "streaming.mode=eager", "compression.codec=nf4"),
 }
 
 #: baselines: name -> extra arguments of ``python -m p2pdiloco.bench.hivemind_dp``.
@@ -79,9 +89,13 @@ BASELINES: Dict[str, Tuple[str, ...]] = {
 #: named matrices: the modes run by ``--matrix``, in order.
 MATRICES: Dict[str, Tuple[str, ...]] = {
     "smoke": ("diloco-fp32",),
-    "quick": ("hivemind-dp", "diloco-fp32", "streaming4-nf4"),
-    "full": ("hivemind-dp", "diloco-fp32", "diloco-fp16", "diloco-nf4", "streaming4-fp32", "streaming4-nf4"),
+    "quick": ("hivemind-dp", "diloco-fp32", "streaming4-tau4-e3m0"),
+    "full": ("hivemind-dp", "diloco-fp32", "diloco-fp16", "diloco-nf4", "streaming4-tau4-e3m0"),
 }
+
+#: default budget of each matrix in outer rounds (inner steps per peer = rounds * H), sized for
+#: about 20 minutes on 2 cores at 10 Mbit/s (the data-parallel baseline needs ~8 s per step there)
+MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4}
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _DEFAULT_CONFIG = os.path.join(_REPO, "peers", "tiny-cpu.toml")
@@ -101,6 +115,7 @@ class _Sampler(threading.Thread):
         self.anchors = list(anchors)
         self.period = period
         self.samples: List[Tuple[float, List[Tuple[int, int]]]] = []
+        self.load: List[Tuple[float, float]] = []  # (time, 1-minute load average): others' work on the machine
         self._lock = threading.Lock()
         self._stop_event = threading.Event()
 
@@ -112,13 +127,21 @@ class _Sampler(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.is_set():
             sample = self.read()
+            load = _loadavg()
             with self._lock:
                 self.samples.append(sample)
+                if load:
+                    self.load.append((sample[0], float(load.split()[0])))
             self._stop_event.wait(self.period)
 
     def window(self, t0: float, t1: float) -> List[Tuple[float, List[Tuple[int, int]]]]:
         with self._lock:
             return [s for s in self.samples if t0 <= s[0] <= t1]
+
+    def mean_load(self, t0: float, t1: float) -> Optional[float]:
+        with self._lock:
+            values = [v for t, v in self.load if t0 <= t <= t1]
+        return round(sum(values) / len(values), 2) if values else None
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -376,7 +399,9 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
                 continue
             key = (int(e.get("fragment") or 0), int(e.get("outer_step") or 0))
             p = points.setdefault(key, {"step": [], "time": [], "val": []})
-            p["step"].append(e["step"])
+            # overlapped modes apply an average some steps after sending it: the model measured is that of
+            # the step the average was applied at
+            p["step"].append(e["applied_step"] if e.get("applied_step") is not None else e["step"])
             p["time"].append(e["time"])
             p["val"].append(e["val_loss"])
     curve = [{"tokens": 0, "seconds": 0.0, "val_loss": val0}]
@@ -389,11 +414,17 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
 
     ends = [s["time"] if s else max(e["time"] for e in evs) for s, evs in zip(summaries, events_by_peer)]
     wall = max(ends) - t0
-    utilization = []
-    for evs, end in zip(events_by_peer, ends):
+    utilization, compute = [], []
+    for evs, end, summ in zip(events_by_peer, ends, summaries):
         span = max(end - t0, 1e-9)
-        blocked = sum(float(e.get("sync_seconds") or 0) for e in evs if e.get("event") == "sync" and e["time"] >= t0)
-        utilization.append(max(0.0, 1 - blocked / span))
+        if summ is not None and summ.get("network_wait_seconds") is not None:
+            blocked = float(summ["network_wait_seconds"])  # the loop's own total of time blocked on syncs
+        else:  # older metrics: per-sync wait (overlapped modes) or the whole sync (blocking)
+            blocked = sum(float(e["wait_seconds"] if e.get("wait_seconds") is not None else e.get("sync_seconds") or 0)
+                          for e in evs if e.get("event") == "sync" and e["time"] >= t0)
+        utilization.append(min(1.0, max(0.0, 1 - blocked / span)))
+        if summ is not None and summ.get("compute_seconds") is not None:
+            compute.append(float(summ["compute_seconds"]) / span)
     inner_steps = [s.get("inner_steps", 0) if s else 0 for s in summaries]
 
     # interface bytes per peer over the training window (t0 .. last summary)
@@ -435,6 +466,8 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
         "mean_bytes_per_s_per_peer": sum(sent) / n / max(wall, 1e-9),
         "utilization": sum(utilization) / n,
         "utilization_per_peer": [round(u, 4) for u in utilization],
+        # measured forward/backward time / wall, where the trainer reports it (the hivemind baseline)
+        "compute_fraction": sum(compute) / len(compute) if compute else None,
         "failed_syncs": failed,
         "curve": curve,
         "bytes_series": series,
@@ -442,7 +475,8 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
 
 
 def _time_to_target(curve: List[Dict[str, Any]], target: float) -> Optional[float]:
-    for c in curve:
+    """Seconds to the first validation after training started at or below ``target`` (None: never)."""
+    for c in curve[1:]:
         if c["val_loss"] <= target:
             return c["seconds"]
     return None
@@ -469,13 +503,14 @@ def format_table(results: Dict[str, Any]) -> str:
         if m.get("status") != "ok":
             rows.append(f"| {name} | {m.get('status')} | {m.get('note', '')[:90]} |" + " |" * 9)
             continue
+        status = f"ok, {m['failed_syncs']} failed syncs" if m.get("failed_syncs") else "ok"
         vs = ratio = "-"
         if ref is not None:
             vs = f"{100 * (m['val_loss_final'] / ref['val_loss_final'] - 1):+.1f}%"
             ratio = f"{ref['bytes_sent_per_peer'] / max(m['bytes_sent_per_peer'], 1):.1f}x"
         ttt = m.get("time_to_target_seconds")
         rows.append(
-            f"| {name} | ok | {m['tokens']:,} | {m['val_loss_final']:.4f} | {vs} | {m['wall_seconds']:.0f} "
+            f"| {name} | {status} | {m['tokens']:,} | {m['val_loss_final']:.4f} | {vs} | {m['wall_seconds']:.0f} "
             f"| {_fmt_bytes(m['bytes_sent_per_peer'])} | {ratio} | {_fmt_bytes(m['counted_bytes_sent_per_peer'])} "
             f"| {_fmt_bytes(m['peak_bytes_per_s_per_peer'])}/s | {100 * m['utilization']:.1f}% "
             f"| {'-' if ttt is None else f'{ttt:.0f}'} |"
@@ -543,20 +578,38 @@ def _finish(results: Dict[str, Any], modes: List[_ModeRun], plan: _Plan, sampler
             try:
                 entry.update(summarize_mode(events, samples, tokens_per_step=plan.batch_size * plan.seq_len,
                                             baseline=mode.kind == "baseline"))
+                if sampler is not None:
+                    entry["mean_loadavg"] = sampler.mean_load(mode.t_begin, mode.t_end)
             except (ValueError, KeyError) as e:
                 entry.update(status="failed", note=f"metrics unreadable: {e!r}")
         results["modes"][mode.name] = entry
-    finals = [m["val_loss_final"] for m in results["modes"].values() if m.get("status") == "ok"]
+    finals = [m["val_loss_final"] for m in results["modes"].values()
+              if m.get("status") == "ok" and m["val_loss_final"] < m["val_loss_start"]]
     target = target_flag if target_flag is not None else (max(finals) if finals else None)
     results["target_loss"] = target
-    results["target_rule"] = "--target-loss" if target_flag is not None else "worst final validation loss among modes"
+    results["target_rule"] = ("--target-loss" if target_flag is not None else
+                              "worst final validation loss among the modes that improved on the initial loss")
+    planned = results.get("tokens_planned")
     for m in results["modes"].values():
-        if m.get("status") == "ok" and target is not None:
+        if m.get("status") != "ok":
+            continue
+        if target is not None:
             m["time_to_target_seconds"] = _time_to_target(m["curve"], target)
-            m["tokens_to_target"] = next((c["tokens"] for c in m["curve"] if c["val_loss"] <= target), None)
+            m["tokens_to_target"] = next((c["tokens"] for c in m["curve"][1:] if c["val_loss"] <= target), None)
+        if planned and m["tokens"] != planned:
+            # train.max_outer_steps counts successful rounds: failed ones add inner steps
+            m["note"] = (m.get("note") or "") + f"trained {m['tokens']:,} tokens, not the planned {planned:,}"
 
 
 # ----------------------------------------------------------------------------- driver
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return ""
+
+
 def _machine() -> Dict[str, Any]:
     import hivemind
     import torch
@@ -574,8 +627,21 @@ def _machine() -> Dict[str, Any]:
     except (OSError, ValueError, IndexError):
         pass
     return {"host": platform.node(), "kernel": platform.release(), "cpu": cpu, "cores": os.cpu_count(),
+            "loadavg_at_start": _loadavg(),
             "memory": mem, "python": platform.python_version(), "torch": torch.__version__,
             "hivemind": hivemind.__version__}
+
+
+def _git_state() -> Dict[str, Any]:
+    """The commit benchmarked and the files that differed from it (the tree is what ran)."""
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", _REPO, *a], capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD"),
+            "modified": [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]}
 
 
 def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
@@ -596,7 +662,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
     if args.tokens:
         steps = max(1, math.ceil(args.tokens / tokens_per_round)) * H
     else:
-        steps = args.steps or 10 * H
+        steps = args.steps or MATRIX_ROUNDS.get(args.matrix, 2) * H
     if steps % H:
         raise ConfigError(f"--steps ({steps}) must be a multiple of inner.sync_every ({H})")
     params = _count_params(base)
@@ -620,6 +686,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
         "command": " ".join(["python -m p2pdiloco.bench.run", *map(shlex.quote, args.argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": _machine(),
+        "git": _git_state(),
         "link": vars(link), "peers": plan.peers, "steps_per_peer": steps, "sync_every": H,
         "batch_size": plan.batch_size, "seq_len": plan.seq_len, "params": params,
         "tokens_planned": steps * plan.peers * plan.batch_size * plan.seq_len,
@@ -659,6 +726,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
     finally:
         if sampler is not None:
             sampler.stop()
+        results["machine"]["loadavg_at_end"] = _loadavg()
         _finish(results, modes, plan, sampler, args.target_loss)
         with open(os.path.join(plan.out, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
@@ -691,7 +759,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delay", type=float, default=50, help="one-way delay on each peer's uplink, ms")
     p.add_argument("--jitter", type=float, default=0, help="uniform jitter, ms")
     p.add_argument("--loss", type=float, default=0, help="uplink packet loss, percent")
-    p.add_argument("--steps", type=int, default=0, help="inner steps per peer (default 10 * inner.sync_every)")
+    p.add_argument("--steps", type=int, default=0, help="inner steps per peer (default: rounds of the matrix * H: "
+                   + ", ".join(f"{k} {v}" for k, v in MATRIX_ROUNDS.items()) + ")")
     p.add_argument("--tokens", type=int, default=0,
                    help="tokens per mode, all peers together (rounded up to whole outer steps); overrides --steps")
     p.add_argument("--config", default=_DEFAULT_CONFIG, help="peer TOML config (default peers/tiny-cpu.toml)")
