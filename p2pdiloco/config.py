@@ -160,10 +160,16 @@ class SwarmConfig:
     min_peers_to_start: int = 1
     #: how long to wait for them (seconds); training then starts with whoever is there
     start_timeout: float = 60.0
-    #: how long to wait for the other live peers to become ready for a sync (seconds)
+    #: upper bound of the wait for the other live peers to become ready for a sync (seconds); the
+    #: actual wait is derived from each missing peer's measured steps/s (swarm/matchmaking.py)
     matchmaking_timeout: float = 30.0
-    #: how long one all-reduce may take before the round is abandoned everywhere (seconds)
+    #: upper bound of one all-reduce, and of one state request to one donor (seconds); the actual
+    #: timeout is derived from the measured transfer speed (swarm/timeouts.py)
     allreduce_timeout: float = 60.0
+    #: the slowest link the run expects (Mbit/s): derives timeouts before anything was measured
+    min_link_mbit: float = 10.0
+    #: false: use matchmaking_timeout and allreduce_timeout as fixed timeouts, nothing derived
+    adaptive_timeouts: bool = True
     #: how often progress is published to the DHT (seconds)
     progress_period: float = 2.0
 
@@ -172,7 +178,7 @@ class SwarmConfig:
             raise ConfigError(f"swarm.run_id ({self.run_id!r}) must be non-empty without spaces, '/' or ':'")
         _positive(self, "swarm", "min_group_size", "min_peers_to_start")
         _positive_float(self, "swarm", "bootstrap_timeout", "matchmaking_timeout", "allreduce_timeout",
-                        "progress_period", "start_timeout")
+                        "progress_period", "start_timeout", "min_link_mbit")
         from .addresses import parse_maddrs
 
         parse_maddrs(self.initial_peers, "swarm.initial_peers", require_peer_id=True)

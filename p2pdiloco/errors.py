@@ -8,7 +8,9 @@
     │   ├── IdentityError           key file unsafe (world-readable) or already in use
     │   ├── BootstrapUnreachable    no initial peer answered within the bounded wait
     │   ├── FingerprintMismatch     this peer's configuration differs from the run's
-    │   └── CheckpointError         missing or corrupt checkpoint
+    │   ├── CheckpointError         missing or corrupt checkpoint
+    │   └── JoinFailed              no live peer delivered state matching the swarm's digest: the
+    │                               peer stops instead of training on unverified state
     ├── WireError                   a message from the network failed validation (size, dtype,
     │                               codec, non-finite values, version); carries the sender
     └── SyncFailed                  a sync round could not complete (timeout, peer lost);
@@ -29,6 +31,7 @@ __all__ = [
     "BootstrapUnreachable",
     "FingerprintMismatch",
     "CheckpointError",
+    "JoinFailed",
     "WireError",
     "SyncFailed",
     "MatchmakingFailed",
@@ -65,6 +68,10 @@ class FingerprintMismatch(UserError):
 
 
 class CheckpointError(UserError):
+    pass
+
+
+class JoinFailed(UserError):
     pass
 
 

@@ -16,12 +16,14 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from .. import faults
+from ..checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from ..config import RunConfig
 from ..data import BatchStream, evaluate, load_corpus
 from ..metrics import MetricsWriter, format_bytes
 from ..model import build_model, count_parameters
-from ..swarm.state_sync import StateServer, download_state, in_minority
+from ..errors import JoinFailed, SyncFailed
+from ..swarm.state_sync import StateServer, download_state, in_minority, pick_target
 from .core import DiLoCo, SyncReport
 
 __all__ = ["run_peer"]
@@ -39,6 +41,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
     from ..swarm.node import SwarmNode
     from ..swarm.swarm import Swarm
 
+    faults.install_from_env()  # P2PDILOCO_FAULTS: fault injection for tests (p2pdiloco/faults.py)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = cfg.train.resolved_device()
@@ -52,10 +55,13 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                       allreduce_timeout=cfg.swarm.allreduce_timeout, min_group_size=cfg.swarm.min_group_size,
                       progress_period=cfg.swarm.progress_period, robust=cfg.robust)
         swarm.check_fingerprint(cfg.fingerprint(), cfg.fingerprint_fields())
+        swarm.timeouts.configure(min_link_mbit=cfg.swarm.min_link_mbit, adaptive=cfg.swarm.adaptive_timeouts)
+        swarm.matchmaker.adaptive = cfg.swarm.adaptive_timeouts
         me = node.short_id
         run_dir = cfg.train.run_dir or os.path.join("runs", cfg.swarm.run_id, me)
         os.makedirs(run_dir, exist_ok=True)
         metrics = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))
+        faults.set_sink(lambda **event: metrics.write("fault", **event))  # tests assert faults fired
 
         # Same seed on every peer: everyone starts from the same global parameters without a download.
         torch.manual_seed(cfg.train.seed)
@@ -74,23 +80,47 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
         for line in diloco.layout.describe().splitlines():
             logger.info(f"[{me}] {line}")
 
-        ckpt_path = os.path.join(run_dir, CHECKPOINT_NAME)
-        if os.path.exists(ckpt_path):
+        ckpt_path = find_checkpoint(run_dir)
+        if ckpt_path is not None:
             _restore(load_checkpoint(ckpt_path), model, inner_opt, diloco, stream)
             logger.info(f"[{me}] resumed from {ckpt_path} at inner step {diloco.inner_step}")
+            metrics.write("resume", step=diloco.inner_step, synced_step=diloco.synced_step, digest=diloco.digest(),
+                          outer_step=diloco.outer_round())
 
-        def catch_up(wait: float, min_step: Optional[int] = None) -> bool:
-            """Adopt the swarm's verified state if it is ahead of ours; poll up to ``wait`` seconds."""
+        numels = [o.numel for o in diloco.outer]
+
+        def announce(target_step: int) -> None:
+            # before the download: the next round's group waits for us (our first contribution lands there)
+            swarm.update_progress(step=target_step, next_sync=_next_sync_after(diloco, target_step), sps=0.0)
+            swarm.publish_progress()
+
+        def catch_up(wait: float, min_step: Optional[int] = None, joining: bool = False) -> bool:
+            """Adopt the swarm's verified state if it is ahead of ours; poll up to ``wait`` seconds.
+            A failed download while ``joining`` stops the peer (JoinFailed); later it keeps our state."""
             deadline = time.time() + wait
             while True:
-                got = download_state(node, cfg.swarm.run_id, swarm.live_peers(), [o.numel for o in diloco.outer],
-                                     timeout=cfg.swarm.allreduce_timeout,
-                                     min_step=diloco.synced_step if min_step is None else min_step)
+                t_try = time.time()
+                try:
+                    got = download_state(node, cfg.swarm.run_id, swarm.live_peers, numels,
+                                         timeout=swarm.timeouts.transfer(8 * sum(numels)),
+                                         min_step=diloco.synced_step if min_step is None else min_step,
+                                         on_target=announce)
+                except SyncFailed as e:
+                    metrics.write("catch_up_failed", step=diloco.inner_step, error=str(e),
+                                  seconds=round(time.time() - t_try, 3))
+                    if joining:
+                        raise JoinFailed(f"could not join run {cfg.swarm.run_id!r}: {e}") from None
+                    logger.warning(f"[{me}] {e}; keeping our own state for now")
+                    got = None
                 if got is not None:
-                    diloco.load_snapshot(*got)
-                    logger.info(f"[{me}] caught up with the swarm: step {diloco.inner_step}, digest {diloco.digest()}")
+                    for donor, why in got.rejected:
+                        metrics.write("state_rejected", donor=donor, reason=why, step=got.step)
+                    diloco.load_snapshot(got.meta, got.payload)
+                    logger.info(f"[{me}] caught up with the swarm: step {diloco.inner_step}, digest {diloco.digest()} "
+                                f"from {len(got.donors)} donor(s) in {got.seconds:.1f} s")
                     metrics.write("catch_up", step=diloco.inner_step, digest=diloco.digest(),
-                                  outer_step=diloco.outer_round())
+                                  outer_step=diloco.outer_round(), donors=got.donors, seconds=round(got.seconds, 3),
+                                  rejected=len(got.rejected))
                     swarm.update_progress(step=diloco.inner_step, synced_step=diloco.synced_step,
                                           round=diloco.outer_round(), digest=diloco.digest(),
                                           next_sync=diloco.next_sync_step())
@@ -104,7 +134,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             return evaluate(model, corpus.val, batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
                             max_batches=cfg.train.eval_batches, device=device)
 
-        catch_up(wait=0)  # joining a run in progress: start from the swarm's state, not from scratch
+        catch_up(wait=0, joining=True)  # joining a run in progress: start from the swarm's state, not from scratch
         val0 = val_loss()
         metrics.write("start", peer=node.peer_id_str, shard=shard, params=count_parameters(model), val_loss=val0,
                       fingerprint=cfg.fingerprint(), digest=diloco.digest(), step=diloco.inner_step)
@@ -117,7 +147,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
 
         stop = stop_flag if stop_flag is not None else []
         _install_signal_handlers(stop)
-        state = {"losses": [], "val": val0, "syncs": 0, "failed": 0, "samples": 0}
+        state = {"losses": [], "val": val0, "syncs": 0, "failed": 0, "samples": 0, "steps": 0}
         t_start = time.time()
         bar = _ProgressLine(cfg, me)
         last_check = time.time()
@@ -163,6 +193,9 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             inner_opt.step()
             state["losses"].append(loss.item())
             state["samples"] += x.shape[0]
+            state["steps"] += 1
+            faults.set_step(diloco.inner_step + 1)
+            faults.fire("step")  # fault-injection hook: after this step's update, before its syncs
             reports = diloco.after_inner_step(x.shape[0])
             if any(r.missed for r in reports) and not catch_up(wait=cfg.swarm.allreduce_timeout):
                 logger.warning(f"[{me}] missed a round and found no verified state to catch up to yet")
@@ -174,14 +207,21 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                 # Diverged from the majority at the same step (a group-formation race, a healed
                 # partition)? Give way and adopt their verified state.
                 last_check = time.time()
-                if in_minority(swarm.live_peers(), node.peer_id_str, diloco.synced_step, diloco.digest()):
+                peers = swarm.live_peers()
+                if pick_target(peers, node.peer_id_str, diloco.next_sync_step() - 1, len(numels)) is not None:
+                    # Behind (we were stopped, or slow): the swarm already did our next sync without us.
+                    # Re-sync now instead of training on, and never send a contribution for a past round.
+                    logger.warning(f"[{me}] the swarm is past our next sync (step {diloco.next_sync_step()}); "
+                                   "catching up")
+                    catch_up(wait=0)
+                elif in_minority(peers, node.peer_id_str, diloco.synced_step, diloco.digest()):
                     logger.warning(f"[{me}] our state at step {diloco.synced_step} differs from the majority's; "
                                    "adopting theirs")
                     catch_up(wait=0, min_step=diloco.synced_step - 1)
             elapsed = time.time() - t_start
             sent, recv = node.traffic.snapshot()
             swarm.update_progress(step=diloco.inner_step, samples=state["samples"], sent=sent, recv=recv,
-                                  sps=diloco.inner_step / max(elapsed, 1e-9))
+                                  sps=state["steps"] / max(elapsed, 1e-9))  # this session's speed
             bar.update(diloco, loss.item(), state["val"], sent, recv)
         bar.close()
         sent, recv = node.traffic.snapshot()
@@ -199,6 +239,14 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
         node.shutdown()
 
 
+def _next_sync_after(diloco: DiLoCo, step: int) -> int:
+    """The first inner step after ``step`` at which some fragment syncs."""
+    t = step + 1
+    while not diloco.due(t):
+        t += 1
+    return t
+
+
 def _wait_for_peers(swarm, cfg: RunConfig, me: str) -> None:
     """Hold the first step until swarm.min_peers_to_start peers are live (or start_timeout passes)."""
     want = cfg.swarm.min_peers_to_start
@@ -214,7 +262,7 @@ def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> Dict[str
     return {"format": 1, "model": model.state_dict(), "inner_opt": inner_opt.state_dict(),
             "outer": [o.state_dict() for o in diloco.outer], "inner_step": diloco.inner_step,
             "samples_since": list(diloco.samples_since), "stream": stream.state_dict(),
-            "torch_rng": torch.get_rng_state()}
+            "torch_rng": torch.get_rng_state(), "synced_step": diloco.synced_step, "digest": diloco.digest()}
 
 
 def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> None:
@@ -226,6 +274,7 @@ def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: Ba
         for o, s in zip(diloco.outer, state["outer"], strict=True):
             o.load_state_dict(s)
         diloco.inner_step = int(state["inner_step"])
+        diloco.synced_step = int(state.get("synced_step", state["inner_step"]))
         diloco.samples_since = [int(x) for x in state["samples_since"]]
         stream.load_state_dict(state["stream"])
         torch.set_rng_state(state["torch_rng"])

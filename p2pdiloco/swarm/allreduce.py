@@ -49,6 +49,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import faults
 from ..compression import Codec, codec_by_id
 from ..compression.robust import NORM_SCREEN_MIN_NUMEL, RobustConfig, aggregate, screen
 from ..errors import SyncFailed, WireError
@@ -353,6 +354,7 @@ class AllReducer:
         deadline = asyncio.get_running_loop().time() + self.timeout * 1.5
         excluded = False
         try:
+            faults.fire("allreduce.send", frag=group.frag, round=group.round)  # fault-injection hook
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=self.timeout * 1.5)
         except _Excluded:
             excluded = True
@@ -400,6 +402,7 @@ class AllReducer:
             header = {"t": "part", "v": PROTOCOL_VERSION, "gid": group.gid, "phase": phase, "idx": group.my_index,
                       "w": float(sent_weight), "codec": codec.codec_id, "numel": sent_part.numel()}
             await write_frame(writer, header, codec.encode(sent_part), traffic=traffic)
+            faults.fire("allreduce.part_sent", frag=group.frag, round=group.round)  # fault-injection hook
             reply, payload = await read_frame(reader, codec.encoded_size(part.numel()), traffic, owner)
             if reply.get("t") in ("abort", "refuse"):
                 reason = str(reply.get("reason"))[:500]

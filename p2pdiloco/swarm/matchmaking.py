@@ -14,6 +14,16 @@
    records the final members under ``<run>:group:<f>:<r>``. A peer that finds a closed group
    without itself (or is refused with ``closed``) raises :class:`MatchmakingFailed`: it missed
    the round and must catch up (download state), never sync alone.
+5. Elastic membership (when the caller passes ``sync_step``): while waiting, the live peers'
+   progress records are re-read every ``reevaluate_period`` seconds. A peer that said goodbye
+   (clean leave) or whose record expired (crashed, stopped) stops being waited for; a peer that
+   just announced itself (a joiner) starts being waited for. How long to wait is *derived* from
+   the peers' measured speed: a missing peer at inner step ``s`` running ``sps`` steps/s is
+   given ``eta_slack * (sync_step - s) / sps + eta_margin`` seconds from when we first see that
+   record; ``matchmaking_timeout`` is only the upper bound. A peer that finds a verified sync of
+   the swarm (claimed by enough peers, see ``state_sync.pick_target``) at or beyond its own
+   ``sync_step`` is *behind* (a straggler that woke up): it raises :class:`RoundMissed` before it
+   announces anything, so it never contributes to a round that is already over.
 """
 from __future__ import annotations
 
@@ -21,14 +31,15 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 from ..errors import MatchmakingFailed, RoundMissed, WireError
 from .allreduce import Group, make_group_id
 from .protocol import (PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header,
                        refuse_bad_request, write_frame)
+from .state_sync import pick_target
 
-__all__ = ["Matchmaker"]
+__all__ = ["Matchmaker", "expected_peers"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +57,34 @@ class _Slot:
     closed: bool = False
 
 
+def expected_peers(peers: Dict[str, Dict[str, Any]], me: str, sync_step: int) -> Set[str]:
+    """Live peers other than ``me`` due at ``sync_step`` or earlier: those the group waits for."""
+    return {pid for pid, v in peers.items()
+            if pid != me and not v.get("gone") and isinstance(v.get("next_sync"), int) and v["next_sync"] <= sync_step}
+
+
 class Matchmaker:
+    """Forms groups (see the module docstring).
+
+    :param matchmaking_timeout: upper bound of the wait for ready peers, seconds.
+    :param join_grace: how long a leader waits for the ready peers to send their join request.
+    :param eta_slack: multiplier on a missing peer's expected time to reach the sync (>= 1).
+    :param eta_margin: seconds added to it (DHT latency, a progress period of staleness).
+    """
+
     def __init__(self, node, run_id: str, *, matchmaking_timeout: float, min_group_size: int = 1,
-                 join_grace: float = 3.0):
+                 join_grace: float = 3.0, eta_slack: float = 2.0, eta_margin: float = 3.0,
+                 reevaluate_period: float = 0.5):
         self.node = node
         self.run_id = run_id
         self.matchmaking_timeout = matchmaking_timeout
         self.min_group_size = min_group_size
         self.join_grace = join_grace
+        self.eta_slack = eta_slack
+        self.eta_margin = eta_margin
+        self.reevaluate_period = reevaluate_period
+        #: False: wait up to matchmaking_timeout for every expected peer (nothing derived)
+        self.adaptive = True
         self.handler_name = f"p2pdiloco.{run_id}.join"
         self._slots: Dict[Tuple[int, int], _Slot] = {}
         node.add_handler(self.handler_name, self._handle_join)
@@ -66,18 +97,38 @@ class Matchmaker:
             del self._slots[key]  # forget rounds long gone
         return self._slots.setdefault((frag, round_), _Slot())
 
-    async def form_group(self, frag: int, round_: int, expected: int) -> Group:
-        """Return the final group for (frag, round_), or raise MatchmakingFailed."""
+    async def form_group(self, frag: int, round_: int, expected: int, sync_step: Optional[int] = None) -> Group:
+        """Return the final group for (frag, round_), or raise MatchmakingFailed.
+
+        ``expected``: how many ready peers (this one included) to wait for. With ``sync_step`` (the
+        inner step this sync belongs to) the wait is elastic and derived (module docstring, item 5).
+        """
         me = self.node.peer_id_str
         slot = self._slot(frag, round_)
         key = self._key(frag, round_)
         ttl = self.matchmaking_timeout * 3
         await self._check_not_missed(frag, round_)
+        start = time.monotonic()
+        hard_deadline = start + self.matchmaking_timeout
+        deadline = hard_deadline
+        first_seen: Dict[Tuple[str, Any], float] = {}
+        if sync_step is not None:
+            peers = await self._live_peers()
+            self._check_not_behind(peers, frag, round_, sync_step)
         await self.node.astore(key, {"t": time.time()}, ttl=ttl, subkey=me)
-        deadline = time.monotonic() + self.matchmaking_timeout
         ready: Set[str] = {me}
+        waiting_for: Set[str] = set()
+        last_eval = -1e9
         while True:
             ready |= {p for p in await self.node.aget_subkeys(key) if not self.node.gate.banned(p)}
+            now = time.monotonic()
+            if sync_step is not None and now - last_eval >= self.reevaluate_period:
+                last_eval = now
+                peers = await self._live_peers()
+                waiting_for = expected_peers(peers, me, sync_step)
+                expected = 1 + len(waiting_for | (ready - {me}))
+                deadline = self._derived_deadline(peers, waiting_for - ready, sync_step, first_seen, start,
+                                                  hard_deadline)
             if len(ready) >= expected or time.monotonic() >= deadline:
                 break
             await self._check_not_missed(frag, round_)
@@ -88,7 +139,7 @@ class Matchmaker:
         while candidates:
             leader = candidates[0]
             if leader == me:
-                return await self._lead(slot, frag, round_, set(candidates) - {me})
+                return await self._lead(slot, frag, round_, set(candidates) - {me}, waiting_for - ready)
             tried.add(leader)
             slot.leader = leader
             slot.decided.set()
@@ -108,17 +159,23 @@ class Matchmaker:
             slot.decided.clear()
         raise MatchmakingFailed(f"no group could be formed for fragment {frag}, round {round_}")  # pragma: no cover
 
-    async def _lead(self, slot: _Slot, frag: int, round_: int, expected_joiners: Set[str]) -> Group:
+    async def _lead(self, slot: _Slot, frag: int, round_: int, expected_joiners: Set[str],
+                    unseen: Set[str] = frozenset()) -> Group:
+        """Admit joiners for up to ``join_grace`` seconds: everyone we saw ready, plus the live peers due
+        at this sync whose ready record we did not see (DHT views differ: a record we missed must not
+        split the round into two groups). Ready records are re-read meanwhile."""
         me = self.node.peer_id_str
         slot.leading = True
         slot.decided.set()
         grace_end = time.monotonic() + self.join_grace
-        while not expected_joiners <= set(slot.joiners) and time.monotonic() < grace_end:
+        key = self._key(frag, round_)
+        while not (expected_joiners | unseen) <= set(slot.joiners) and time.monotonic() < grace_end:
             slot.joined_event.clear()
             try:
-                await asyncio.wait_for(slot.joined_event.wait(), timeout=max(0.01, grace_end - time.monotonic()))
+                await asyncio.wait_for(slot.joined_event.wait(), timeout=max(0.01, min(0.3, grace_end - time.monotonic())))
             except asyncio.TimeoutError:
-                break
+                pass
+            expected_joiners |= set((await self.node.aget_subkeys(key)).keys()) - {me}
         slot.closed = True
         try:
             await self._check_not_missed(frag, round_)
@@ -147,6 +204,35 @@ class Matchmaker:
             logger.info(f"[{self.node.short_id}] group for fragment {frag} round {round_} formed without "
                         f"{len(missing)} ready peer(s) that did not join in time")
         return group
+
+    async def _live_peers(self) -> Dict[str, Dict[str, Any]]:
+        peers = await self.node.aget_subkeys(f"{self.run_id}:progress")
+        return {pid: v for pid, v in peers.items() if not v.get("gone") and not self.node.gate.banned(pid)}
+
+    def _check_not_behind(self, peers: Dict[str, Dict[str, Any]], frag: int, round_: int, sync_step: int) -> None:
+        """Raise RoundMissed when the swarm verifiably synced at or beyond ``sync_step`` already."""
+        target = pick_target(peers, self.node.peer_id_str, min_step=sync_step - 1)
+        if target is not None:
+            raise RoundMissed(f"behind: the swarm already synced step {target[0]} (claimed by {len(target[2])} "
+                              f"peer(s)); not contributing to fragment {frag} round {round_} of step {sync_step}")
+
+    def _derived_deadline(self, peers: Dict[str, Dict[str, Any]], missing: Set[str], sync_step: int,
+                          first_seen: Dict[Tuple[str, Any], float], start: float, hard_deadline: float) -> float:
+        """When to stop waiting for the ``missing`` peers: each one's expected arrival, from its speed."""
+        if not self.adaptive:
+            return hard_deadline
+        now = time.monotonic()
+        latest = start
+        for pid in missing:
+            v = peers.get(pid, {})
+            version = (pid, v.get("t"))  # a fresh record restarts that peer's clock; a stale one does not
+            seen = first_seen.setdefault(version, now)
+            step, sps = v.get("step"), v.get("sps")
+            if not isinstance(step, int) or not isinstance(sps, (int, float)) or sps <= 0:
+                return hard_deadline  # no measurement: wait up to the bound
+            eta = self.eta_slack * max(0, sync_step - step) / sps + self.eta_margin
+            latest = max(latest, seen + eta)
+        return min(hard_deadline, latest)
 
     def _group_key(self, frag: int, round_: int) -> str:
         return f"{self.run_id}:group:{frag}:{round_}"

@@ -1,38 +1,58 @@
-"""State download: how a peer that joins mid-run, or missed a round, gets the swarm's global state.
+"""State download: how a peer that joins mid-run, resumes, or fell behind gets the swarm's global state.
 
-Donor side: the ``state`` handler replies with a consistent snapshot (taken under the trainer's
-state lock, between syncs): ``meta`` (inner step = schedule position, outer steps per fragment,
-digest, element counts) and the payload, every fragment's θ then momentum, fp32.
+What is transferred: every fragment's global parameters θ and Nesterov momentum (fp32), the outer
+step count of each fragment, and the inner step of the last sync (the schedule position: from it
+the joiner knows which fragment syncs next and in which round). Inner optimiser state is local by
+design (DiLoCo) and is never transferred.
+
+Donor side (:class:`StateServer`): the ``state`` handler replies with a consistent snapshot (taken
+under the trainer's state lock, between syncs): ``meta`` (``step``, ``outer_steps`` per fragment,
+``numels``, ``digest``, ``frags``) and the payload of the requested fragments, each θ then momentum.
 
 Joiner side (:func:`download_state`):
-  1. read the live peers' progress records; the *target* is the (step, digest) claimed by the most
-     peers among those furthest ahead; with two or more live peers a claim made by a single peer
-     is not enough (nobody jumps because of one unverified claim);
-  2. ask the peers that claim the target, one by one, each bounded by ``timeout``;
-  3. recompute the digest of what arrived; a mismatch (tampered or stale donor) is logged with the
-     donor's id and the next donor is tried; if none delivers, :class:`SyncFailed` is raised and the
-     caller stops rather than train on bad state.
+  1. Read the live peers' progress records; the *target* is the (step, digest) claimed by the most
+     peers among those furthest ahead. With two or more live peers a claim made by a single peer is
+     not enough (nobody jumps because of one unverified claim; reliability.md row 10).
+  2. Fragments are spread over the peers that claim the target (several donors when there are
+     several, fetched concurrently; the donor order is rotated by our id so joiners spread out).
+     Every request is bounded by ``timeout`` seconds.
+  3. Each fragment is verified against its part of the agreed digest (the digest is one sha256 per
+     fragment, so a fragment can be checked on its own). A donor that sends a wrong fragment
+     (tampered, stale), a malformed reply, or nothing in time (stalled) is dropped and its fragments
+     go to the next donor. If the donors moved on to a newer sync meanwhile, the target is picked
+     again (at most ``max_targets`` times).
+  4. If no donor is left, :class:`SyncFailed` is raised naming every donor and why it was
+     rejected: the caller stops rather than train on unverified state.
+
+Nothing is unpickled: the reply header is msgpack, the payload raw fp32 bytes of a known size.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
-import threading
+import time
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
-import torch
-
+from .. import faults
 from ..errors import SyncFailed, WireError
-from .protocol import (PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header,
+from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
                        refuse_bad_request, write_frame)
 
-__all__ = ["StateServer", "download_state", "state_digest", "pick_target", "in_minority"]
+__all__ = ["StateServer", "Download", "download_state", "state_digest", "fragment_digest", "pick_target",
+           "in_minority"]
 
 logger = logging.getLogger(__name__)
 
 Snapshot = Tuple[Dict[str, Any], bytes]
+Peers = Dict[str, Dict[str, Any]]
+
+
+def fragment_digest(blob: bytes) -> str:
+    """Digest of one fragment's bytes (θ then momentum, fp32): sha256, 16 hex digits."""
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def state_digest(payload: bytes, frag_numels: Sequence[int]) -> str:
@@ -40,13 +60,25 @@ def state_digest(payload: bytes, frag_numels: Sequence[int]) -> str:
     out, off = [], 0
     for n in frag_numels:
         size = 2 * 4 * n
-        out.append(hashlib.sha256(payload[off: off + size]).hexdigest()[:16])
+        out.append(fragment_digest(payload[off: off + size]))
         off += size
     return "-".join(out)
 
 
+def _frag_offsets(numels: Sequence[int]) -> List[Tuple[int, int]]:
+    out, off = [], 0
+    for n in numels:
+        out.append((off, off + 8 * n))
+        off += 8 * n
+    return out
+
+
 class StateServer:
-    """Serves snapshots to joining peers. ``provider()`` returns (meta, payload) or None."""
+    """Serves snapshots to joining peers. ``provider()`` returns (meta, payload) or None.
+
+    Fault-injection phase ``state.serve`` (see :mod:`p2pdiloco.faults`): ``stall`` holds the reply
+    (a very slow donor), ``tamper`` flips a bit of the payload, ``fail`` refuses.
+    """
 
     def __init__(self, node, run_id: str, provider: Callable[[], Optional[Snapshot]]):
         self.node = node
@@ -59,17 +91,35 @@ class StateServer:
 
     async def _handle(self, info, reader, writer) -> None:
         sender = info.peer_id.to_base58()
+        traffic = self.node.traffic
         try:
-            header = await read_header(reader, self.node.traffic, sender)
+            header = await read_header(reader, traffic, sender)
             refusal = check_version(header) or (None if header.get("t") == "state" else "expected a state request")
             snap = None if refusal else await asyncio.get_running_loop().run_in_executor(None, self.provider)
-            if refusal or snap is None:
-                await write_frame(writer, {"t": "refuse", "reason": refusal or "no state yet"}, traffic=self.node.traffic)
+            if refusal is None and snap is None:
+                refusal = "no state yet"
+            if refusal is None:
+                meta, payload = snap
+                bounds = _frag_offsets(meta["numels"])
+                frags = header.get("frags", list(range(len(bounds))))
+                if (not isinstance(frags, list) or not frags or len(frags) > len(bounds)
+                        or any(not isinstance(f, int) or not 0 <= f < len(bounds) for f in frags)
+                        or len(set(frags)) != len(frags)):
+                    refusal = "malformed fragment list"
+            if refusal is not None:
+                await write_frame(writer, {"t": "refuse", "reason": refusal}, traffic=traffic)
                 return
-            meta, payload = snap
+            payload = b"".join(payload[a:b] for a, b in (bounds[f] for f in frags))
+            try:
+                rule = await faults.afire("state.serve")
+            except SyncFailed as e:
+                await write_frame(writer, {"t": "refuse", "reason": str(e)}, traffic=traffic)
+                return
+            if rule is not None and rule.action == "tamper":
+                payload = faults.tamper_bytes(payload)
             if self.tamper is not None:
                 payload = self.tamper(payload)
-            await write_frame(writer, {"t": "state", "meta": meta}, payload, traffic=self.node.traffic)
+            await write_frame(writer, {"t": "state", "meta": dict(meta, frags=frags)}, payload, traffic=traffic)
             self.served += 1
         except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.info(f"[{self.node.short_id}] state request from {sender[-6:]} failed: {e}")
@@ -78,13 +128,24 @@ class StateServer:
             await close_after_reply(reader, writer)
 
 
-def pick_target(peers: Dict[str, Dict[str, Any]], me: str, min_step: int = 0) -> Optional[Tuple[int, str, List[str]]]:
-    """(step, digest, donors) the swarm agrees on, or None when there is nothing trustworthy to fetch."""
-    claims = Counter()
+def _valid_digest(digest: Any, num_frags: Optional[int]) -> bool:
+    if not isinstance(digest, str) or len(digest) > 17 * 4096:
+        return False
+    parts = digest.split("-")
+    return (num_frags is None or len(parts) == num_frags) and all(
+        len(p) == 16 and all(c in "0123456789abcdef" for c in p) for p in parts)
+
+
+def pick_target(peers: Peers, me: str, min_step: int = 0,
+                num_frags: Optional[int] = None) -> Optional[Tuple[int, str, List[str]]]:
+    """(step, digest, donors) the swarm agrees on beyond ``min_step``, or None when there is nothing
+    trustworthy to fetch. Claims with a malformed digest (or the wrong fragment count) are ignored."""
+    claims: Counter = Counter()
     donors: Dict[Tuple[int, str], List[str]] = {}
     for pid, v in peers.items():
         step, digest = v.get("synced_step"), v.get("digest")
-        if pid == me or not isinstance(step, int) or not isinstance(digest, str) or step <= min_step:
+        if (pid == me or not isinstance(step, int) or isinstance(step, bool) or step <= min_step
+                or not _valid_digest(digest, num_frags)):
             continue
         claims[(step, digest)] += 1
         donors.setdefault((step, digest), []).append(pid)
@@ -95,11 +156,11 @@ def pick_target(peers: Dict[str, Dict[str, Any]], me: str, min_step: int = 0) ->
     # furthest ahead first, then most supported
     for (step, digest), count in sorted(claims.items(), key=lambda kv: (-kv[0][0], -kv[1], kv[0][1])):
         if count >= needed:
-            return step, digest, donors[(step, digest)]
+            return step, digest, sorted(donors[(step, digest)])
     return None
 
 
-def in_minority(peers: Dict[str, Dict[str, Any]], me: str, step: int, digest: str) -> bool:
+def in_minority(peers: Peers, me: str, step: int, digest: str) -> bool:
     """True when more live peers at our synced step hold another digest than ours (ties: the smaller
     digest string wins). Peers that diverged (a race in group formation, a healed partition) use
     this to give way and adopt the majority's state."""
@@ -111,14 +172,31 @@ def in_minority(peers: Dict[str, Dict[str, Any]], me: str, step: int, digest: st
     return best[0] != digest
 
 
-async def _fetch(node, run_id: str, donor: str, max_bytes: int, timeout: float) -> Tuple[Dict[str, Any], bytes]:
+@dataclass
+class Download:
+    """A verified state: ``meta`` and ``payload`` as a donor's snapshot, plus how it was obtained."""
+
+    meta: Dict[str, Any]
+    payload: bytes
+    step: int
+    digest: str
+    #: donor id -> fragments it delivered (verified)
+    donors: Dict[str, List[int]] = field(default_factory=dict)
+    #: (donor id, why it was dropped), in order
+    rejected: List[Tuple[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+    targets: int = 1  # how many times the target was (re)picked
+
+
+async def _fetch(node, run_id: str, donor: str, frags: List[int], max_bytes: int,
+                 timeout: float) -> Tuple[Dict[str, Any], bytes]:
     from hivemind.p2p import PeerID
 
     async def go():
         _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(donor),
                                                                       f"p2pdiloco.{run_id}.state")
         try:
-            await write_frame(writer, {"t": "state", "v": PROTOCOL_VERSION}, traffic=node.traffic)
+            await write_frame(writer, {"t": "state", "v": PROTOCOL_VERSION, "frags": frags}, traffic=node.traffic)
             return await read_frame(reader, max_bytes, node.traffic, donor)
         finally:
             writer.close()
@@ -126,30 +204,231 @@ async def _fetch(node, run_id: str, donor: str, max_bytes: int, timeout: float) 
     return await asyncio.wait_for(go(), timeout=timeout)
 
 
-def download_state(node, run_id: str, peers: Dict[str, Dict[str, Any]], frag_numels: Sequence[int],
-                   timeout: float, min_step: int = 0) -> Optional[Tuple[Dict[str, Any], bytes]]:
-    """Fetch and verify the swarm's state newer than ``min_step``; None if there is none to catch up to."""
-    target = pick_target(peers, node.peer_id_str, min_step)
-    if target is None:
-        return None
-    step, digest, donors = target
-    expected_bytes = sum(2 * 4 * n for n in frag_numels)
-    for donor in donors:
+class _Moved(Exception):
+    """The donor already serves a newer sync than the target (honest: the swarm moved on)."""
+
+    def __init__(self, meta: Dict[str, Any]):
+        super().__init__(f"serves step {meta.get('step')}, newer than the target")
+        self.meta = meta
+
+
+def _check_reply(header: Dict[str, Any], payload: bytes, frags: List[int], step: int, digest: str,
+                 numels: Sequence[int]) -> Dict[str, Any]:
+    """The reply's meta when every requested fragment matches the target digest; else raises
+    ValueError (bad donor) or _Moved (honest donor that synced again since the target was picked)."""
+    if header.get("t") == "refuse":
+        raise ValueError(f"refused: {str(header.get('reason'))[:200]}")
+    meta = header.get("meta")
+    if header.get("t") != "state" or not isinstance(meta, dict):
+        raise ValueError("not a state reply")
+    if list(meta.get("numels", [])) != list(numels):
+        raise ValueError("its model layout differs")
+    if meta.get("frags") != frags:
+        raise ValueError("sent other fragments than asked")
+    bounds = _frag_offsets(numels)
+    expected = sum(b - a for a, b in (bounds[f] for f in frags))
+    if len(payload) != expected:
+        raise ValueError(f"sent {len(payload)} bytes, expected {expected}")
+    outer_steps = meta.get("outer_steps")
+    if (not isinstance(outer_steps, list) or len(outer_steps) != len(numels)
+            or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in outer_steps)):
+        raise ValueError("malformed outer step counters")
+    m_step = meta.get("step")
+    if isinstance(m_step, int) and not isinstance(m_step, bool) and m_step > step \
+            and _valid_digest(meta.get("digest"), len(numels)):
+        raise _Moved(meta)
+    if m_step != step or meta.get("digest") != digest:
+        raise ValueError(f"serves step {m_step!r} digest {meta.get('digest')!r}, not the swarm's")
+    parts = digest.split("-")
+    off = 0
+    for f in frags:
+        size = bounds[f][1] - bounds[f][0]
+        if fragment_digest(payload[off: off + size]) != parts[f]:
+            raise ValueError(f"fragment {f} does not match the swarm's digest (tampered or corrupt)")
+        off += size
+    return meta
+
+
+def _split(payload: bytes, frags: List[int], bounds: List[Tuple[int, int]]) -> Dict[int, bytes]:
+    out, off = {}, 0
+    for f in frags:
+        size = bounds[f][1] - bounds[f][0]
+        out[f] = payload[off: off + size]
+        off += size
+    return out
+
+
+class _Stash:
+    """Fragments an honest donor sent for a *newer* sync than our target; reused (after checking them
+    against that sync's agreed digest) if the re-picked target is that sync. Only the newest is kept."""
+
+    def __init__(self) -> None:
+        self.key: Optional[Tuple[int, str]] = None
+        self.outer_steps: Optional[List[int]] = None
+        self.frags: Dict[int, Tuple[str, bytes]] = {}  # fragment -> (donor, bytes)
+
+    def add(self, donor: str, meta: Dict[str, Any], frags: Dict[int, bytes]) -> None:
+        key = (meta["step"], meta["digest"])
+        if self.key is None or key[0] > self.key[0]:
+            self.key, self.outer_steps, self.frags = key, list(meta["outer_steps"]), {}
+        if key == self.key and list(meta["outer_steps"]) == self.outer_steps:
+            self.frags.update({f: (donor, blob) for f, blob in frags.items()})
+
+
+async def _download_target(node, run_id: str, step: int, digest: str, donors: List[str], numels: Sequence[int],
+                           timeout: float, hedge_after: float, result: Download, bad: Dict[str, str],
+                           stash: _Stash) -> Optional[bytes]:
+    """Fetch every fragment of the target. Returns the payload; None when no usable donor is left
+    (``bad`` says why); raises _Moved when the donors moved on to a newer sync meanwhile.
+
+    Scheduling: each pending fragment is asked of one donor (donors rotated by our id; one request
+    in flight per donor, fragments batched per donor). A fragment with no answer after
+    ``hedge_after`` seconds is asked of one more donor too (a stalled donor costs ``hedge_after``,
+    not ``timeout``); the first verified copy wins. A donor that fails once is not asked again.
+    """
+    P = len(numels)
+    bounds = _frag_offsets(numels)
+    parts = digest.split("-")
+    got: Dict[int, bytes] = {}
+    outer_steps: Optional[List[int]] = None
+    if stash.key == (step, digest):
+        for f, (donor, blob) in stash.frags.items():
+            if fragment_digest(blob) == parts[f]:
+                got[f] = blob
+                result.donors[donor] = sorted(result.donors.get(donor, []) + [f])
+        outer_steps = stash.outer_steps if got else None
+    me = node.peer_id_str
+    shift = int(hashlib.sha256(me.encode()).hexdigest(), 16) % max(1, len(donors))
+    order = donors[shift:] + donors[:shift]
+    moved: Set[str] = set()
+    asked: Dict[int, Set[str]] = {f: set() for f in range(P)}
+    tasks: Dict[asyncio.Task, Tuple[str, List[int], float]] = {}
+
+    async def one(donor: str, frags: List[int]):
+        size = sum(bounds[f][1] - bounds[f][0] for f in frags)
+        t0 = time.monotonic()
         try:
-            header, payload = node.call(_fetch(node, run_id, donor, expected_bytes, timeout), timeout=timeout + 5)
-        except Exception as e:
-            logger.warning(f"[{node.short_id}] state download from {donor[-6:]} failed ({type(e).__name__}: {e}); "
-                           "trying another donor")
+            header, payload = await _fetch(node, run_id, donor, frags, size, timeout)
+            return _check_reply(header, payload, frags, step, digest, numels), payload, None
+        except asyncio.TimeoutError:
+            return None, b"", f"no reply within {timeout:.1f} s (stalled)"
+        except _Moved as e:
+            return e.meta, payload, "moved"
+        except ValueError as e:
+            return None, b"", str(e)
+        except Exception as e:  # unreachable, stream reset, wire error
+            return None, b"", f"{type(e).__name__}: {str(e)[:200]} after {time.monotonic() - t0:.1f} s"
+
+    def launch() -> None:
+        now = time.monotonic()
+        busy = {d for d, _, _ in tasks.values()}
+        assign: Dict[str, List[int]] = {}
+        for f in range(P):
+            if f in got:
+                continue
+            inflight = [t0 for d, fs, t0 in tasks.values() if f in fs]
+            if len(inflight) >= 2 or (inflight and now - min(inflight) < hedge_after):
+                continue
+            free = [d for d in order if d not in bad and d not in moved and d not in busy and d not in asked[f]]
+            if not free:
+                continue
+            # spread: prefer the free donor with the fewest fragments in this launch
+            donor = min(free, key=lambda d: (len(assign.get(d, [])), order.index(d)))
+            assign.setdefault(donor, []).append(f)
+        for donor, frags in assign.items():
+            for f in frags:
+                asked[f].add(donor)
+            tasks[asyncio.ensure_future(one(donor, frags))] = (donor, frags, now)
+
+    try:
+        while len(got) < P:
+            launch()
+            if not tasks:
+                break
+            done, _ = await asyncio.wait(list(tasks), timeout=max(0.05, hedge_after / 2),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                donor, frags, _ = tasks.pop(task)
+                meta, payload, error = task.result()
+                if error == "moved":
+                    moved.add(donor)
+                    stash.add(donor, meta, _split(payload, frags, bounds))
+                    logger.info(f"[{node.short_id}] donor {donor[-6:]} already serves step {meta['step']} "
+                                f"(target {step})")
+                    continue
+                if error is None and outer_steps is not None and meta["outer_steps"] != outer_steps:
+                    error = "its outer step counters differ from another donor's"
+                if error is not None:
+                    bad[donor] = error
+                    result.rejected.append((donor, error))
+                    logger.warning(f"[{node.short_id}] state from donor {donor[-6:]} rejected: {error}; "
+                                   "its fragments go to another donor")
+                    note = getattr(getattr(node, "gate", None), "offence", None)
+                    if note is not None and "does not match" in error:
+                        note(donor, f"served state that does not match the swarm's digest: {error}")
+                    continue
+                outer_steps = meta["outer_steps"]
+                new = {f: blob for f, blob in _split(payload, frags, bounds).items() if f not in got}
+                got.update(new)
+                if new:
+                    result.donors[donor] = sorted(result.donors.get(donor, []) + list(new))
+    finally:
+        now = time.monotonic()
+        for task, (donor, _, t_start) in tasks.items():
+            task.cancel()
+            if now - t_start >= hedge_after and donor not in bad:
+                bad[donor] = f"no reply within {now - t_start:.1f} s (stalled); another donor delivered first"
+                result.rejected.append((donor, bad[donor]))
+    if len(got) < P:
+        if moved:
+            raise _Moved({"step": None})
+        return None
+    result.meta = {"step": step, "digest": digest, "numels": list(numels), "outer_steps": outer_steps}
+    return b"".join(got[f] for f in range(P))
+
+
+def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], frag_numels: Sequence[int],
+                   timeout: float, min_step: int = 0, *, on_target: Optional[Callable[[int], None]] = None,
+                   max_targets: int = 4, hedge_after: Optional[float] = None) -> Optional[Download]:
+    """Fetch and verify the swarm's state newer than ``min_step``; None if there is none to catch up to.
+
+    :param peers: the live peers' progress records, or a callable returning fresh ones (needed to
+        re-pick the target when the donors moved on during the download).
+    :param timeout: bound of one request to one donor, seconds.
+    :param hedge_after: after this many seconds without an answer a fragment is also asked of
+        another donor (default: a third of ``timeout``, at least 2 s).
+    :param on_target: called with the target step once it is chosen, before anything is fetched
+        (the joiner announces itself then, so the next round's group waits for it).
+    :raises SyncFailed: nobody delivered a verified copy; the message names each donor and why.
+    """
+    get_peers = peers if callable(peers) else (lambda: peers)
+    hedge = hedge_after if hedge_after is not None else max(2.0, timeout / 3)
+    t0 = time.monotonic()
+    result = Download(meta={}, payload=b"", step=0, digest="")
+    bad: Dict[str, str] = {}  # donors that failed us once are not asked again in this download
+    stash = _Stash()
+    for attempt in range(1, max_targets + 1):
+        target = pick_target(get_peers(), node.peer_id_str, min_step, num_frags=len(frag_numels))
+        if target is None:
+            if result.rejected:
+                break
+            return None
+        step, digest, donors = target
+        result.step, result.digest, result.targets, result.donors = step, digest, attempt, {}
+        if on_target is not None:
+            on_target(step)
+        overall = timeout * (len(donors) + 1) + 10
+        try:
+            payload = node.call(_download_target(node, run_id, step, digest, donors, frag_numels, timeout, hedge,
+                                                 result, bad, stash), timeout=overall)
+        except _Moved:
+            logger.info(f"[{node.short_id}] the swarm moved past step {step} during the download; picking again")
             continue
-        meta = header.get("meta")
-        if header.get("t") != "state" or not isinstance(meta, dict) or len(payload) != expected_bytes:
-            logger.warning(f"[{node.short_id}] donor {donor[-6:]} sent an unusable state reply; trying another donor")
-            continue
-        got = state_digest(payload, frag_numels)
-        if got != digest or meta.get("digest") != digest or meta.get("step") != step:
-            logger.warning(f"[{node.short_id}] state from donor {donor[-6:]} does not match the swarm's digest "
-                           f"{digest} at step {step} (got {got}); rejected, trying another donor")
-            continue
-        return meta, payload
-    raise SyncFailed(f"no donor delivered the swarm's state (step {step}, digest {digest}) from "
-                     f"{len(donors)} candidate(s); not training on unverified state")
+        if payload is None:
+            break
+        result.payload = payload
+        result.seconds = time.monotonic() - t0
+        return result
+    reasons = "; ".join(f"{d[-6:]}: {why}" for d, why in result.rejected[-8:]) or "the donors kept moving on"
+    raise SyncFailed(f"no donor delivered the swarm's state (step {result.step}, digest {result.digest}) "
+                     f"({reasons}); not training on unverified state")

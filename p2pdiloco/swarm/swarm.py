@@ -26,6 +26,7 @@ from ..errors import FingerprintMismatch, SyncFailed
 from .allreduce import AllReducer, Group
 from .matchmaking import Matchmaker
 from .node import SwarmNode
+from .timeouts import Timeouts, allreduce_bytes
 from .records import run_fingerprint
 
 __all__ = ["Swarm"]
@@ -46,6 +47,8 @@ class Swarm:
         self.matchmaker = Matchmaker(node, run_id, matchmaking_timeout=matchmaking_timeout,
                                      min_group_size=min_group_size)
         self.allreducer = AllReducer(node, run_id, timeout=allreduce_timeout, robust=robust)
+        #: derives the all-reduce / state-download timeouts from measured speed (swarm/timeouts.py)
+        self.timeouts = Timeouts(allreduce_timeout)
         self._progress: Dict[str, Any] = {}
         self._progress_lock = threading.Lock()
         self._fingerprint: Optional[Dict[str, Any]] = None
@@ -132,14 +135,19 @@ class Swarm:
         self.update_progress(next_sync=sync_step)
         self.publish_progress()
         expected = self.expected_group(sync_step)
-        return self.node.call(self.matchmaker.form_group(frag, round_, expected))
+        return self.node.call(self.matchmaker.form_group(frag, round_, expected, sync_step=sync_step))
 
     def allreduce(self, group: Group, phase: str, vec: torch.Tensor, weight: float, codec: Codec) -> torch.Tensor:
         """Weighted mean of ``vec`` over ``group`` (bitwise identical on every member). Raises SyncFailed."""
         if group.size == 1:
             return codec.roundtrip(vec.detach().to("cpu", torch.float32)) if codec.relative_error_bound \
                 else vec.detach().to("cpu", torch.float32).clone()
-        return self.node.call(self.allreducer.allreduce(group, phase, vec, weight, codec))
+        nbytes = allreduce_bytes(codec.encoded_size(vec.numel()), group.size)
+        self.allreducer.timeout = self.timeouts.transfer(nbytes)
+        t0 = time.perf_counter()
+        out = self.node.call(self.allreducer.allreduce(group, phase, vec, weight, codec))
+        self.timeouts.observe(nbytes, time.perf_counter() - t0)
+        return out
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -1,0 +1,198 @@
+"""State download mechanics, in one process with real swarm nodes on 127.0.0.1 (fast and precise):
+donor choice and verification (state_sync), fault-injection rules (faults), derived timeouts.
+The multi-process versions of these scenarios are in test_elastic.py."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from p2pdiloco import faults
+from p2pdiloco.errors import ConfigError, SyncFailed
+from p2pdiloco.swarm.state_sync import StateServer, download_state, in_minority, pick_target, state_digest
+from p2pdiloco.swarm.timeouts import Timeouts, allreduce_bytes
+
+NUMELS = [3000, 2000]  # two fragments
+
+
+def make_state(step: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    payload = torch.randn(2 * sum(NUMELS), generator=g).numpy().tobytes()
+    meta = {"step": step, "outer_steps": [step // 10, step // 10], "numels": NUMELS,
+            "digest": state_digest(payload, NUMELS)}
+    return meta, payload
+
+
+class Donor:
+    """A StateServer whose snapshot and behaviour the test controls."""
+
+    def __init__(self, node):
+        self.node = node
+        self.snap = None
+        self.delay = 0.0
+        self.calls = 0
+        self.server = StateServer(node, "t", self.provide)
+
+    def provide(self):
+        self.calls += 1
+        if self.delay:
+            time.sleep(self.delay)
+        return self.snap
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    from p2pdiloco.swarm.node import SwarmNode
+
+    first = SwarmNode([], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    nodes = [first] + [SwarmNode(first.visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(3)]
+    donors = [Donor(n) for n in nodes[1:]]
+    yield nodes[0], donors
+    for n in reversed(nodes):
+        n.shutdown()
+
+
+@pytest.fixture
+def donors(swarm):
+    joiner, donors = swarm
+    for d in donors:
+        d.snap, d.delay, d.calls, d.server.tamper = make_state(10, 1), 0.0, 0, None
+    yield joiner, donors
+    faults.clear()
+
+
+def claims(donors, step=10, seed=1):
+    digest = make_state(step, seed)[0]["digest"]
+    return {d.node.peer_id_str: {"synced_step": step, "digest": digest} for d in donors}
+
+
+@pytest.mark.timeout(60)
+def test_fragments_come_from_several_donors_and_are_verified(donors):
+    joiner, ds = donors
+    got = download_state(joiner, "t", claims(ds[:2]), NUMELS, timeout=5)
+    meta, payload = make_state(10, 1)
+    assert got.payload == payload and got.meta["outer_steps"] == meta["outer_steps"] and got.step == 10
+    assert sorted(map(tuple, got.donors.values())) == [(0,), (1,)] and not got.rejected
+
+
+@pytest.mark.timeout(60)
+def test_tampered_donor_is_rejected_and_another_used(donors):
+    joiner, ds = donors
+    ds[0].server.tamper = faults.tamper_bytes
+    got = download_state(joiner, "t", claims(ds[:2]), NUMELS, timeout=5)
+    assert got.payload == make_state(10, 1)[1]
+    assert list(got.donors) == [ds[1].node.peer_id_str]
+    assert [d for d, _ in got.rejected] == [ds[0].node.peer_id_str]
+    assert "does not match the swarm's digest" in got.rejected[0][1]
+
+
+@pytest.mark.timeout(60)
+def test_tamper_fault_rule_fires_and_is_counted(donors):
+    joiner, ds = donors
+    faults.install([{"phase": "state.serve", "action": "tamper", "times": 1}])
+    got = download_state(joiner, "t", claims(ds[:2]), NUMELS, timeout=5)  # one of the two serves is tampered
+    assert got.payload == make_state(10, 1)[1] and len(got.rejected) == 1
+    assert faults.counters() == {"state.serve:tamper": 1}
+
+
+@pytest.mark.timeout(60)
+def test_stalled_donor_is_abandoned_quickly_for_another(donors):
+    joiner, ds = donors
+    ds[0].delay = 6
+    t0 = time.monotonic()
+    got = download_state(joiner, "t", claims(ds[:2]), NUMELS, timeout=8, hedge_after=1.0)
+    took = time.monotonic() - t0
+    assert got.payload == make_state(10, 1)[1] and list(got.donors) == [ds[1].node.peer_id_str]
+    assert took < 5, f"a stalled donor held the download for {took:.1f} s (hedge after 1 s)"
+    assert [d for d, _ in got.rejected] == [ds[0].node.peer_id_str] and "stalled" in got.rejected[0][1]
+
+
+@pytest.mark.timeout(60)
+def test_no_good_donor_raises_within_the_timeout(donors):
+    joiner, ds = donors
+    ds[0].server.tamper = faults.tamper_bytes
+    ds[1].delay = 6
+    t0 = time.monotonic()
+    with pytest.raises(SyncFailed, match="not training on unverified state") as e:
+        download_state(joiner, "t", claims(ds[:2]), NUMELS, timeout=3, hedge_after=1.0)
+    assert time.monotonic() - t0 < 6
+    for d in ds[:2]:
+        assert d.node.short_id in str(e.value)
+
+
+@pytest.mark.timeout(60)
+def test_donors_that_moved_on_lead_to_a_new_target_without_refetching(donors):
+    joiner, ds = donors
+    newer = make_state(20, 2)
+    for d in ds:
+        d.snap = newer  # they synced again after the joiner read the claims
+    answers = [claims(ds[:2], 10, 1), claims(ds[:2], 20, 2)]
+    got = download_state(joiner, "t", lambda: answers.pop(0) if len(answers) > 1 else answers[0], NUMELS, timeout=5)
+    assert got.step == 20 and got.payload == newer[1] and got.targets == 2
+    assert sum(d.calls for d in ds) == 2  # the newer fragments that came back were kept, not fetched again
+
+
+def test_pick_target_needs_corroboration_and_well_formed_digests():
+    d = "0123456789abcdef-fedcba9876543210"
+    me = "me"
+    # one live peer: its claim is enough
+    assert pick_target({"a": {"synced_step": 5, "digest": d}}, me) == (5, d, ["a"])
+    # two or more: a lone claim of a huge step is ignored (reliability.md row 10)
+    peers = {"a": {"synced_step": 10 ** 9, "digest": d}, "b": {"synced_step": 5, "digest": d},
+             "c": {"synced_step": 5, "digest": d}}
+    assert pick_target(peers, me) == (5, d, ["b", "c"])
+    assert pick_target(peers, me, min_step=5) is None
+    bad = {"a": {"synced_step": 7, "digest": "zz"}, "b": {"synced_step": 7, "digest": "zz"}}
+    assert pick_target(bad, me) is None
+    assert pick_target({"a": {"synced_step": 7, "digest": d}}, me, num_frags=3) is None
+    assert in_minority({"a": {"synced_step": 5, "digest": "x"}, "b": {"synced_step": 5, "digest": "x"}}, me, 5, "y")
+
+
+def test_fault_rules_are_validated_with_clear_errors():
+    for spec, word in [("{", "not valid JSON"), ('{"phase": "nope", "action": "kill"}', "unknown phase"),
+                       ('{"phase": "step", "action": "explode"}', "unknown action"),
+                       ('{"phase": "step", "action": "tamper"}', "only applies"),
+                       ('{"phase": "step", "action": "stall", "wat": 1}', "unknown key"),
+                       ('{"phase": "step", "action": "stall", "step": -1}', "non-negative")]:
+        with pytest.raises(ConfigError, match=word):
+            faults.parse_faults(spec)
+
+
+def test_fault_rules_fire_at_the_given_step_and_phase_and_are_counted():
+    events = []
+    try:
+        faults.install([{"phase": "step", "action": "fail", "step": 3},
+                        {"phase": "allreduce.send", "action": "stall", "seconds": 0, "round": 2, "times": 0}])
+        faults.set_sink(lambda **e: events.append(e))
+        for step in (1, 2):
+            faults.set_step(step)
+            assert faults.fire("step") is None
+        faults.set_step(3)
+        with pytest.raises(SyncFailed, match="injected"):
+            faults.fire("step")
+        faults.set_step(4)
+        assert faults.fire("step") is None  # times=1: fired once only
+        assert faults.fire("allreduce.send", frag=0, round=1) is None
+        for _ in range(2):
+            assert faults.fire("allreduce.send", frag=0, round=2).action == "stall"
+        assert faults.counters() == {"step:fail": 1, "allreduce.send:stall": 2}
+        assert [(e["phase"], e["step"], e["count"]) for e in events] == [
+            ("step", 3, 1), ("allreduce.send", 4, 1), ("allreduce.send", 4, 2)]
+    finally:
+        faults.clear()
+
+
+def test_timeouts_are_derived_from_measured_speed_and_capped():
+    t = Timeouts(60.0, min_link_mbit=10)
+    nbytes = allreduce_bytes(4 * 1_000_000, 4)  # 1M fp32 values, 4 peers: 12 MB moved by each member
+    assert nbytes == 12_000_000
+    # nothing measured yet: assume the slowest expected link, 10 Mbit/s = 8e-7 s per byte
+    assert t.transfer(nbytes) == pytest.approx(5 + 4 * nbytes * 8e-7)
+    assert t.transfer(10 * nbytes) == 60.0  # capped by swarm.allreduce_timeout
+    t.observe(nbytes, 0.5)  # a real all-reduce took 0.5 s
+    assert t.transfer(nbytes) == pytest.approx(max(10.0, 5 + 4 * 0.5))
+    t.observe(nbytes, 3.0)  # the slowest recent measurement counts
+    assert t.transfer(nbytes) == pytest.approx(5 + 4 * 3.0)
+    t.configure(adaptive=False)
+    assert t.transfer(nbytes) == 60.0
