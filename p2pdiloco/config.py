@@ -89,16 +89,74 @@ class OuterConfig:
 
 @dataclass
 class StreamingConfig:
-    """Fragments (Streaming DiLoCo). ``fragments = 1`` is plain DiLoCo."""
+    """Fragments and overlap of communication with training. Defaults are plain blocking DiLoCo.
+
+    * ``fragments`` P: the model is split into P fragments of whole blocks, fragment p synced every
+      ``inner.sync_every`` (H) steps at offset p·H/P (Streaming DiLoCo, arXiv 2501.18512 §2).
+    * ``mode`` how a fragment's average reaches the model while training goes on:
+
+      - ``"tau"``: Streaming DiLoCo Algorithm 2. The average is applied ``tau`` inner steps after it
+        was sent: θ~ = OuterOpt(previous global copy, Δ), then θ_local ← alpha·θ_local + (1−alpha)·θ~.
+        ``tau = 0, alpha = 0`` is blocking DiLoCo. Needs ``tau < H/P``.
+      - ``"delay"``: naive one-step delay (DiLoCoX, arXiv 2506.21263): the average of round r is
+        applied at the end of round r+1; the next inner phase starts from the global copy without it.
+      - ``"eager"``: Eager Updates (arXiv 2502.12996): like ``delay``, but each peer starts the next
+        inner phase from OuterOpt(global copy, Δ~) where Δ~ puts its own fresh pseudo-gradient in
+        place of its stale term; the global copy itself only ever takes true averages.
+
+      See :mod:`p2pdiloco.diloco.overlap` for the exact rules.
+    """
 
     fragments: int = 1
     #: "strided" (block i -> fragment i mod P) or "sequential"
     pattern: str = "strided"
+    #: "tau", "delay" or "eager" (see above)
+    mode: str = "tau"
+    #: mode "tau": inner steps between sending a fragment's pseudo-gradient and applying its average
+    tau: int = 0
+    #: mode "tau": weight of the local progress when the average is merged in (0 = take the average)
+    alpha: float = 0.0
+    #: start group formation this many inner steps before a sync, in the background, so it is off the
+    #: critical path (capped at H/P - 1; 0 = form the group at the sync step). Not part of the fingerprint.
+    prepare_steps: int = 2
+
+    MODES = ("tau", "delay", "eager")
 
     def validate(self) -> None:
         _positive(self, "streaming", "fragments")
         if self.pattern not in ("strided", "sequential"):
             raise ConfigError(f"streaming.pattern ({self.pattern!r}) must be 'strided' or 'sequential'")
+        if self.mode not in self.MODES:
+            raise ConfigError(f"streaming.mode ({self.mode!r}) must be 'tau' (Streaming DiLoCo: apply the average "
+                              "tau steps later, merged by alpha), 'delay' (one-step delay, DiLoCoX) or 'eager' "
+                              "(Eager Updates)")
+        if not isinstance(self.tau, int) or self.tau < 0:
+            raise ConfigError(f"streaming.tau ({self.tau!r}) must be an integer >= 0 (0 = blocking)")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"streaming.alpha ({self.alpha}) must be in [0, 1]: 0 takes the averaged fragment, "
+                              "1 keeps the local progress, 0.5 averages the two")
+        if self.mode != "tau" and (self.tau != 0 or self.alpha != 0.0):
+            raise ConfigError(f"streaming.tau and streaming.alpha apply to streaming.mode='tau' only; mode "
+                              f"{self.mode!r} applies each average one outer step later by construction. Remove "
+                              "streaming.tau/streaming.alpha or use streaming.mode=tau")
+        if not isinstance(self.prepare_steps, int) or self.prepare_steps < 0:
+            raise ConfigError(f"streaming.prepare_steps ({self.prepare_steps!r}) must be an integer >= 0")
+
+    def check_schedule(self, sync_every: int, n_layers: int) -> None:
+        """Invariants that involve H (``inner.sync_every``) and the model depth."""
+        P, H = self.fragments, sync_every
+        if P > n_layers:
+            raise ConfigError(f"streaming.fragments ({P}) exceeds model.n_layers ({n_layers}); a fragment holds "
+                              "whole layers: use at most n_layers fragments")
+        if H % P:
+            lo, hi = H - H % P, H - H % P + P
+            raise ConfigError(f"inner.sync_every ({H}) must be divisible by streaming.fragments ({P}) so fragment "
+                              f"syncs are evenly staggered: use inner.sync_every={hi}" + (f" or {lo}" if lo else "")
+                              + " or another number of fragments")
+        if self.mode == "tau" and self.tau >= H // P:
+            raise ConfigError(f"streaming.tau ({self.tau}) must be smaller than inner.sync_every / streaming.fragments "
+                              f"= {H // P}, so a fragment's average is applied before the next fragment is sent: "
+                              f"use streaming.tau <= {H // P - 1}, or raise inner.sync_every, or use fewer fragments")
 
 
 @dataclass
@@ -257,11 +315,7 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         for name in _SECTIONS:
             getattr(self, name).validate()
-        if self.streaming.fragments > self.model.n_layers:
-            raise ConfigError(
-                f"streaming.fragments ({self.streaming.fragments}) exceeds model.n_layers ({self.model.n_layers}); "
-                "a fragment holds whole layers: use at most n_layers fragments"
-            )
+        self.streaming.check_schedule(self.inner.sync_every, self.model.n_layers)
         return self
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:
@@ -279,7 +333,12 @@ class RunConfig:
         for k, v in d["outer"].items():
             out[f"outer.{k}"] = v
         for k, v in d["streaming"].items():
-            out[f"streaming.{k}"] = v
+            if k != "prepare_steps":  # a local latency knob: peers may differ
+                out[f"streaming.{k}"] = v
+        from .diloco.fragments import layout_fingerprint
+
+        # who syncs what: peers whose code splits the model differently must not train together
+        out["streaming.layout"] = layout_fingerprint(self.model, self.streaming.fragments, self.streaming.pattern)
         for k, v in d["compression"].items():
             out[f"compression.{k}"] = v
         for k, v in d["robust"].items():  # every owner applies the same screen and aggregator

@@ -6,12 +6,17 @@ samples processed) and apply an outer Nesterov step; every peer then restarts fr
 With fragments (Streaming DiLoCo, arXiv 2501.18512) fragment p does the same on its own parameters
 at inner steps t = p·H/P + k·H, k ≥ 1, so each fragment still takes H inner steps between syncs.
 
+Syncs run in the background (:mod:`.overlap`): the pseudo-gradient is taken at the send step, the
+all-reduce runs on a worker thread while the loop keeps taking inner steps, and the result is applied
+at the due step the mode defines (``streaming.mode``: ``tau``, ``delay`` or ``eager``). With the
+defaults (P = 1, mode ``tau``, tau = 0, alpha = 0) the due step is the send step: blocking DiLoCo.
+
 A failed sync (``SyncFailed``: a peer died, a timeout) is discarded on every peer: the global copy
-stays as it was and the local parameters keep their progress, which is then part of the next
-round's pseudo-gradient, so no inner step is lost.
+stays as it was and the peer's progress is part of its next pseudo-gradient, so no inner step is lost.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -24,8 +29,9 @@ from torch import nn
 from ..compression import Codec, get_codec
 from ..config import RunConfig
 from ..errors import ConfigError, RoundMissed, SyncFailed
-from .fragments import FragmentLayout, split_fragments
+from .fragments import FragmentLayout, Schedule, split_fragments
 from .outer import OuterState
+from .overlap import BandwidthMeter, SyncJob, SyncWorker, lookahead, merge_into, pseudo_gradient_from
 from .reducers import Reducer, make_reducer
 
 __all__ = ["DiLoCo", "SyncReport"]
@@ -37,19 +43,27 @@ logger = logging.getLogger(__name__)
 class SyncReport:
     """What one fragment sync did (one line of metrics.jsonl)."""
 
-    step: int                 # inner step after which the sync ran
+    step: int                 # inner step after which the pseudo-gradient was sent
     fragment: int
     round: int                # the fragment's outer round (0-based)
     ok: bool
     group_size: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0      # from sending to the averaged result (group formation included if not prepared)
     samples: int = 0          # samples this peer contributed (its weight)
     bytes_sent: int = 0       # during this sync, payload and framing
     bytes_received: int = 0
     digest: str = ""          # of the fragment's θ and momentum after the sync
     error: str = ""
     missed: bool = False      # the round's group closed without us: the caller must catch up
+    applied_step: int = 0     # inner step after which the result reached the model
+    wait_seconds: float = 0.0  # how long the training loop blocked on this sync
+    overlapped_steps: int = 0  # inner steps taken while its all-reduce was in flight
+    peak_bytes_per_s: float = 0.0  # peak traffic (sent + received, 1 s window) since the previous report
     extra: Dict[str, object] = field(default_factory=dict)
+
+
+class _SoloGroup:
+    size = 1
 
 
 class DiLoCo:
@@ -58,6 +72,9 @@ class DiLoCo:
     :param model: any module; with ``streaming.fragments > 1`` it needs ``blocks.<i>.`` parameters.
     :param cfg: run configuration (``inner.sync_every``, ``outer.*``, ``streaming.*``, ``compression.*``).
     :param swarm: a :class:`p2pdiloco.swarm.swarm.Swarm`, or None to train alone (the reference).
+
+    Threads: ``after_inner_step``, ``finish`` and ``load_snapshot`` belong to the training thread; the
+    background worker only writes the global copies (under ``state_lock``) and its own jobs.
     """
 
     def __init__(self, model: nn.Module, cfg: RunConfig, swarm=None, *, outer_device: str = "cpu"):
@@ -65,11 +82,20 @@ class DiLoCo:
         self.cfg = cfg
         self.swarm = swarm
         self.H = cfg.inner.sync_every
-        P = cfg.streaming.fragments
+        st = cfg.streaming
+        st.validate()
+        P = st.fragments
         if self.H % P:
             raise ConfigError(f"inner.sync_every ({self.H}) must be divisible by streaming.fragments ({P}) so "
                               "fragment syncs are evenly staggered")
-        self.layout: FragmentLayout = split_fragments(model, P, cfg.streaming.pattern)
+        if st.mode == "tau" and st.tau >= self.H // P:
+            raise ConfigError(f"streaming.tau ({st.tau}) must be smaller than inner.sync_every / streaming.fragments "
+                              f"= {self.H // P}")
+        self.mode, self.tau, self.alpha = st.mode, st.tau, st.alpha
+        self.schedule = Schedule(self.H, P)
+        #: group formation starts this many steps ahead (never before the previous fragment's send)
+        self.lead = min(st.prepare_steps, self.H // P - 1)
+        self.layout: FragmentLayout = split_fragments(model, P, st.pattern)
         named = dict(model.named_parameters())
         self.local: List[List[torch.Tensor]] = [[named[n] for n in names] for names in self.layout.names]
         self.outer: List[OuterState] = [
@@ -81,92 +107,266 @@ class DiLoCo:
         #: one reducer per fragment: how its pseudo-gradient is averaged (plain, or compressed)
         self.reducers: List[Reducer] = [make_reducer(cfg, ps) for ps in self.local]
         self.inner_step = 0
-        #: inner step of the last successful sync (the schedule position the digest belongs to)
+        #: send step of the last sync applied to the global copy (the schedule position the digest belongs to)
         self.synced_step = 0
         self.samples_since = [0] * P
         self.on_sync: Optional[Callable[[SyncReport], None]] = None
         #: held while the global state changes, so snapshots served to joiners are consistent
-        self.state_lock = threading.Lock()
+        self.state_lock = threading.RLock()
+        #: seconds the training loop spent blocked on syncs (the network), all fragments
+        self.wait_seconds = 0.0
+        self._epoch = 0                                   # bumped when a downloaded state replaces ours
+        self._inflight: List[SyncJob] = []                # sent, not yet applied to the model; send order
+        self._groups: Dict[Tuple[int, int], concurrent.futures.Future] = {}  # (frag, round) -> Group
+        # delay/eager: the point each fragment's current inner phase started from (W_m)
+        self._start: List[Optional[List[torch.Tensor]]] = [None] * P
+        # eager: Δ(k−1) − Δ_m(k−1)/M' (the other peers' stale terms) and nothing before a first average
+        self._others: List[Optional[torch.Tensor]] = [None] * P
+        self._others_m: List[int] = [1] * P
+        if self.mode != "tau":
+            self._start = [[t.clone() for t in o.params] for o in self.outer]
+        # two background threads: all-reduces in send order, and group formation in schedule order, so
+        # forming the group of an upcoming sync never waits behind an all-reduce still in flight
+        self._worker = SyncWorker("p2pdiloco-sync")
+        self._matchmaking = SyncWorker("p2pdiloco-groups")
+        self.meter: Optional[BandwidthMeter] = BandwidthMeter(swarm.node.traffic) if swarm is not None else None
 
+    # ---- schedule ---------------------------------------------------------------------------------
     @property
     def num_fragments(self) -> int:
         return self.layout.num_fragments
 
     def offset(self, p: int) -> int:
-        return p * self.H // self.num_fragments
+        return self.schedule.offset(p)
 
     def due(self, t: int) -> List[int]:
         """Fragments that sync right after inner step ``t`` (1-based count of steps taken)."""
-        return [p for p in range(self.num_fragments)
-                if t - self.offset(p) >= self.H and (t - self.offset(p)) % self.H == 0]
+        return self.schedule.due(t)
 
     def round_of(self, p: int, t: int) -> int:
-        return (t - self.offset(p)) // self.H - 1
+        return self.schedule.round_of(p, t)
 
     def next_sync_step(self) -> int:
-        """Inner step after which this peer's next fragment sync happens."""
-        t = self.inner_step + 1
-        while not self.due(t):
-            t += 1
-        return t
+        """Inner step of this peer's next group formation: a sync whose group is still forming, or the
+        next scheduled one. Peers matchmaking for a step wait for everyone whose next sync is not later."""
+        forming = [j.send_step for j in self._inflight if j.group is not None and not j.group.done()]
+        forming += [self.schedule.send_step(p, r) for (p, r), fut in self._groups.items() if not fut.done()]
+        return min(forming + [self.schedule.next_send(self.inner_step)])
 
     def outer_round(self) -> int:
-        """Completed rounds of fragment 0: the run's outer step counter."""
-        return self.outer[0].steps
+        """Outer rounds of fragment 0 applied or still in flight (failed ones are not counted): the
+        run's outer step counter. With blocking syncs this is the number applied."""
+        with self.state_lock:
+            return self.outer[0].steps + sum(1 for j in self._inflight
+                                             if j.fragment == 0 and not (j.applied or j.failed))
 
+    # ---- the training loop's entry points ------------------------------------------------------------
     def after_inner_step(self, samples: int) -> List[SyncReport]:
-        """Count one inner step of ``samples`` sequences; run the syncs that are due. Blocking."""
+        """Count one inner step of ``samples`` sequences; send the fragments that are due and apply the
+        results that are due (waiting for them if they are late). Returns the syncs applied now."""
         self.inner_step += 1
+        t = self.inner_step
         for p in range(self.num_fragments):
             self.samples_since[p] += samples
-        return [self._sync(p, self.round_of(p, self.inner_step)) for p in self.due(self.inner_step)]
+        for job in self._inflight:
+            if not job.future.done():
+                job.overlapped_steps += 1
+        reports: List[SyncReport] = []
+        for p in self.schedule.due(t):
+            reports += self._send(p, t)
+        if self.mode == "tau":
+            for job in [j for j in self._inflight if j.due_step <= t]:
+                reports.append(self._resolve(job))
+        self._prepare(t)
+        return reports
 
-    def _sync(self, p: int, round_: int) -> SyncReport:
-        t0 = time.perf_counter()
-        sent0, recv0 = self.swarm.node.traffic.snapshot() if self.swarm else (0, 0)
-        outer = self.outer[p]
-        delta = outer.pseudo_gradient(self.local[p])
-        report = SyncReport(step=self.inner_step, fragment=p, round=round_, ok=False, samples=self.samples_since[p])
-        weight = float(self.samples_since[p])
-        try:
-            if self.swarm is None:
-                allreduce, group_size = self._solo_allreduce, 1
-            else:
-                group = self.swarm.form_group(p, round_, self.inner_step)
-                group_size = group.size
-
-                def allreduce(vec: torch.Tensor, phase: str, codec: Optional[Codec] = None) -> torch.Tensor:
-                    return self.swarm.allreduce(group, f"f{p}.{phase}", vec, weight, codec or self.codec)
-
-            avg = self.reducers[p].reduce(delta, allreduce)
-        except SyncFailed as e:
-            report.error = str(e)
-            report.missed = isinstance(e, RoundMissed)
-            logger.warning(f"sync of fragment {p} round {round_} failed, keeping local progress: {e}")
-        else:
+    def finish(self) -> List[SyncReport]:
+        """End of training: wait for every sync in flight and apply it (in ``delay``/``eager`` the model
+        then takes the global copy). Returns their reports (``on_sync`` is called for each)."""
+        reports = [self._resolve(job) for job in list(self._inflight)]
+        if self.mode != "tau":
             with self.state_lock:
-                outer.step(avg)
-                outer.copy_to(self.local[p])
-                self.synced_step = self.inner_step
+                for p, o in enumerate(self.outer):
+                    o.copy_to(self.local[p])
+                    self._start[p] = [t.clone() for t in o.params]
+        return reports
+
+    def close(self) -> None:
+        """Stop the background threads (a job still running is abandoned)."""
+        self._worker.close()
+        self._matchmaking.close()
+        if self.meter is not None:
+            self.meter.close()
+
+    # ---- sending ----------------------------------------------------------------------------------
+    def _send(self, p: int, t: int) -> List[SyncReport]:
+        reports: List[SyncReport] = []
+        for job in [j for j in self._inflight if j.fragment == p]:
+            if self.mode == "tau":  # cannot happen with tau < H/P; never two rounds of a fragment in flight
+                reports.append(self._resolve(job))
+        if self.mode == "tau":
+            # Algorithm 2: Δ_m = θ − θ_m against the global copy (no job of fragment p is running, so the
+            # worker is not writing it)
+            delta = self.outer[p].pseudo_gradient(self.local[p])
+            weight = self.samples_since[p]
             self.samples_since[p] = 0
-            report.ok, report.group_size, report.digest = True, group_size, outer.digest()
-        sent1, recv1 = self.swarm.node.traffic.snapshot() if self.swarm else (0, 0)
-        report.bytes_sent, report.bytes_received = sent1 - sent0, recv1 - recv0
-        report.seconds = time.perf_counter() - t0
-        if self.on_sync is not None:
-            self.on_sync(report)
-        return report
+            self._launch(p, t, delta, weight, due=t + self.tau)
+            return reports
+        # delay / eager: progress since this phase's start point, then apply round k−1, then restart
+        delta = pseudo_gradient_from(self._start[p], self.local[p])
+        weight = self.samples_since[p]
+        self.samples_since[p] = 0
+        prev = next((j for j in self._inflight if j.fragment == p), None)
+        if prev is not None:
+            reports.append(self._resolve(prev))
+            if not prev.ok:  # nothing of round k−1 was applied anywhere: send our part of it again
+                delta.add_(prev.delta)
+                weight += prev.weight
+        round_ = self.schedule.round_of(p, t)
+        group = self._group_future(p, round_, t)
+        outer = self.outer[p]
+        if self.mode == "eager":
+            others = self._others[p]
+            if others is not None:
+                m = self._others_m[p]
+            else:  # no previous average to take the stale terms from: our own share only
+                m = self._group_size_now(group)
+            estimate = delta / m if others is None else others + delta / m
+            self._others[p] = None
+        with self.state_lock:
+            start = [x.clone() for x in outer.params] if self.mode == "delay" else lookahead(outer, estimate)
+            self._start[p] = start
+            merge_into(self.local[p], start, 0.0)
+        self._launch(p, t, delta, weight, due=t + self.H, group=group)
+        return reports
+
+    def _group_size_now(self, group: concurrent.futures.Future) -> int:
+        t0 = time.perf_counter()
+        try:
+            size = group.result().size
+        except SyncFailed:
+            size = 1
+        self.wait_seconds += time.perf_counter() - t0
+        return size
+
+    def _group_future(self, p: int, round_: int, t: int) -> concurrent.futures.Future:
+        key = (p, round_)
+        fut = self._groups.pop(key, None)
+        if fut is None:
+            fut = self._form_group(p, round_, t)
+        return fut
+
+    def _form_group(self, p: int, round_: int, send_step: int) -> concurrent.futures.Future:
+        if self.swarm is None:
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut.set_result(_SoloGroup())
+            return fut
+        return self._matchmaking.submit(self.swarm.form_group, p, round_, send_step)
+
+    def _prepare(self, t: int) -> None:
+        """Queue group formation for the syncs of the next ``lead`` steps (after this step's sends)."""
+        if self.swarm is None or self.lead <= 0:
+            return
+        for s in range(t + 1, t + self.lead + 1):
+            for p in self.schedule.due(s):
+                key = (p, self.schedule.round_of(p, s))
+                if key not in self._groups:
+                    self._groups[key] = self._form_group(p, key[1], s)
+
+    def _launch(self, p: int, t: int, delta: torch.Tensor, weight: float, due: int,
+                group: Optional[concurrent.futures.Future] = None) -> None:
+        round_ = self.schedule.round_of(p, t)
+        job = SyncJob(fragment=p, round=round_, send_step=t, due_step=due, delta=delta, weight=float(weight),
+                      epoch=self._epoch, group=group if group is not None else self._group_future(p, round_, t))
+        job.future = self._worker.submit(self._run, job)
+        self._inflight.append(job)
+
+    # ---- the background side ------------------------------------------------------------------------
+    def _run(self, job: SyncJob) -> None:
+        """Worker thread: group, all-reduce through the fragment's reducer, apply to the global copy."""
+        p = job.fragment
+        traffic = self.swarm.node.traffic if self.swarm is not None else None
+        sent0, recv0 = traffic.snapshot() if traffic else (0, 0)
+        try:
+            group = job.group.result()
+            job.group_size = group.size
+            if self.swarm is None:
+                allreduce = self._solo_allreduce
+            else:
+                def allreduce(vec: torch.Tensor, phase: str, codec: Optional[Codec] = None) -> torch.Tensor:
+                    return self.swarm.allreduce(group, f"f{p}.{phase}", vec, job.weight, codec or self.codec)
+
+            avg = self.reducers[p].reduce(job.delta, allreduce)
+            info = getattr(self.reducers[p], "info", None)
+            job.extra = dict(info()) if info is not None else {}
+        except SyncFailed as e:
+            job.error = str(e)
+            job.missed = isinstance(e, RoundMissed)
+            job.failed = True
+            logger.warning(f"sync of fragment {p} round {job.round} failed, keeping local progress: {e}")
+        else:
+            others = avg - job.delta / job.group_size if self.mode == "eager" else None
+            with self.state_lock:
+                if job.epoch == self._epoch:
+                    self.outer[p].step(avg)
+                    self.synced_step = max(self.synced_step, job.send_step)
+                    job.digest = self.outer[p].digest()
+                    job.ok = job.applied = True
+                    if others is not None:
+                        self._others[p], self._others_m[p] = others, job.group_size
+                else:
+                    job.failed = True
+                    job.error = "dropped: the state was replaced by a download while this sync ran"
+        finally:
+            if traffic:
+                sent1, recv1 = traffic.snapshot()
+                job.bytes_sent, job.bytes_received = sent1 - sent0, recv1 - recv0
+            job.seconds = time.perf_counter() - job.launched
 
     def _solo_allreduce(self, vec: torch.Tensor, phase: str, codec: Optional[Codec] = None) -> torch.Tensor:
         """A group of one: what crossed the wire is what a lone peer applies too."""
         codec = codec or self.codec
         return codec.roundtrip(vec) if codec.relative_error_bound else vec.clone()
 
-    def digest(self) -> str:
-        """Digest of every fragment's global state, joined."""
+    # ---- applying results to the model ------------------------------------------------------------------
+    def _resolve(self, job: SyncJob) -> SyncReport:
+        """Wait for ``job`` if it is still running (the wait is recorded), apply it to the model, report."""
+        t0 = time.perf_counter()
+        job.future.result()  # re-raises a bug in the worker; SyncFailed was caught there
+        waited = time.perf_counter() - t0
+        self.wait_seconds += waited
+        self._inflight.remove(job)
+        p = job.fragment
+        if job.ok and self.mode == "tau":
+            with self.state_lock:  # θ_m ← alpha·θ_m + (1 − alpha)·θ~   (Algorithm 2)
+                merge_into(self.local[p], self.outer[p].params, self.alpha)
+        if not job.ok and self.mode == "tau":
+            self.samples_since[p] += int(job.weight)  # the progress stays in the model: so does its weight
+        report = SyncReport(step=job.send_step, fragment=p, round=job.round, ok=job.ok, group_size=job.group_size,
+                            seconds=job.seconds, samples=int(job.weight), bytes_sent=job.bytes_sent,
+                            bytes_received=job.bytes_received, digest=job.digest, error=job.error,
+                            missed=job.missed, applied_step=self.inner_step, wait_seconds=waited,
+                            overlapped_steps=job.overlapped_steps,
+                            peak_bytes_per_s=self.meter.take_peak() if self.meter is not None else 0.0,
+                            extra=job.extra if job.ok else {})
+        if self.on_sync is not None:
+            self.on_sync(report)
+        return report
+
+    # ---- digests, snapshots ---------------------------------------------------------------------------
+    def _digest(self) -> str:
         return "-".join(o.digest() for o in self.outer)
 
-    # ---- state transfer to and from joining peers -------------------------------------------------
+    def digest(self) -> str:
+        """Digest of every fragment's global state, joined."""
+        with self.state_lock:
+            return self._digest()
+
+    def sync_point(self) -> Tuple[int, str]:
+        """(synced_step, digest), read together: what this peer publishes for state download and repair."""
+        with self.state_lock:
+            return self.synced_step, self._digest()
+
     def snapshot(self) -> Tuple[Dict[str, object], bytes]:
         """(meta, payload): every fragment's θ then momentum as fp32 bytes, taken under the lock."""
         with self.state_lock:
@@ -175,13 +375,15 @@ class DiLoCo:
                 chunks += [t.detach().cpu().contiguous().view(-1) for t in (*o.params, *o.buffers)]
             payload = torch.cat(chunks).numpy().tobytes()
             meta = {"step": self.synced_step, "outer_steps": [o.steps for o in self.outer],
-                    "numels": [o.numel for o in self.outer], "digest": self.digest()}
+                    "numels": [o.numel for o in self.outer], "digest": self._digest()}
         return meta, payload
 
     def load_snapshot(self, meta: Dict[str, object], payload: bytes) -> None:
-        """Adopt a verified snapshot: global state, local parameters and schedule position."""
+        """Adopt a verified snapshot: global state, local parameters and schedule position. Syncs in
+        flight are dropped (their results would belong to the state we are leaving)."""
         flat = torch.frombuffer(bytearray(payload), dtype=torch.float32)
         with self.state_lock:
+            self._epoch += 1
             off = 0
             for o, steps in zip(self.outer, meta["outer_steps"]):
                 for t in (*o.params, *o.buffers):
@@ -192,3 +394,37 @@ class DiLoCo:
                 o.copy_to(local)
             self.inner_step = self.synced_step = int(meta["step"])
             self.samples_since = [0] * self.num_fragments
+            if self._inflight:
+                logger.info(f"dropped {len(self._inflight)} sync(s) in flight for the downloaded state")
+            self._inflight.clear()
+            # prepared groups for rounds still ahead stay valid: the group is about the round, not our state
+            for key in [k for k in self._groups if self.schedule.send_step(*k) <= self.inner_step]:
+                del self._groups[key]
+            if self.mode != "tau":
+                self._start = [[t.clone() for t in o.params] for o in self.outer]
+            self._others = [None] * self.num_fragments
+        for r in self.reducers:  # their residuals belong to the history we just left
+            reset = getattr(r, "reset", None)
+            if reset is not None:
+                reset()
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def overlap_state_dict(self) -> Dict[str, object]:
+        """Bookkeeping of ``delay``/``eager`` that a checkpoint needs besides the model and global copies:
+        each fragment's start point W_m. (Syncs in flight are not saved: after a resume they are lost
+        and the swarm's divergence repair brings this peer back.)"""
+        with self.state_lock:
+            return {"mode": self.mode,
+                    "start": None if self.mode == "tau" else [[t.cpu().clone() for t in s] for s in self._start]}
+
+    def load_overlap_state(self, state: Optional[Dict[str, object]]) -> None:
+        if self.mode == "tau":
+            return
+        with self.state_lock:
+            if not state or state.get("mode") != self.mode or state.get("start") is None:
+                self._start = [[t.clone() for t in o.params] for o in self.outer]
+            else:
+                for dst, src in zip(self._start, state["start"], strict=True):
+                    for d, s in zip(dst, src, strict=True):
+                        d.copy_(s)
+            self._others = [None] * self.num_fragments

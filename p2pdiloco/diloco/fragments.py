@@ -11,9 +11,16 @@ parameter names follow that pattern):
 
 A module without ``blocks.<i>`` parameters can only be trained with ``P = 1`` (one fragment holding
 everything), which is plain DiLoCo.
+
+The schedule (:class:`Schedule`): fragment ``p`` syncs after inner steps ``t = p·H/P + k·H``, ``k >= 1``,
+so some fragment syncs every ``H/P`` steps and each fragment still takes ``H`` inner steps between
+two of its syncs. The layout is part of the run fingerprint (:func:`layout_fingerprint`): peers whose
+code would split the model differently refuse to train together.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -24,7 +31,7 @@ from torch import nn
 
 from ..errors import ConfigError
 
-__all__ = ["FragmentLayout", "split_fragments"]
+__all__ = ["FragmentLayout", "Schedule", "split_fragments", "layout_fingerprint"]
 
 _BLOCK = re.compile(r"^(?:.*\.)?blocks\.(\d+)\.")
 
@@ -50,6 +57,41 @@ class FragmentLayout:
 
     def fingerprint(self) -> List[List[str]]:
         return [list(n) for n in self.names]
+
+    def summary(self) -> str:
+        """One line for the run fingerprint: sizes per fragment and a hash of who went where."""
+        h = hashlib.sha256("\n".join("|".join(n) for n in self.names).encode()).hexdigest()[:12]
+        return f"{self.num_fragments} fragment(s) of {'/'.join(str(n) for n in self.numels)} params, names {h}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When each fragment syncs (Streaming DiLoCo §2): fragment ``p`` after inner steps
+    ``p·H/P + k·H`` for ``k = 1, 2, ...`` (``t`` counts inner steps taken, from 1). Needs ``P | H``."""
+
+    H: int
+    P: int
+
+    def offset(self, p: int) -> int:
+        return p * self.H // self.P
+
+    def due(self, t: int) -> List[int]:
+        """Fragments whose pseudo-gradient is sent right after inner step ``t``."""
+        return [p for p in range(self.P) if t - self.offset(p) >= self.H and (t - self.offset(p)) % self.H == 0]
+
+    def round_of(self, p: int, t: int) -> int:
+        """The fragment's outer round (0-based) of a sync after inner step ``t``."""
+        return (t - self.offset(p)) // self.H - 1
+
+    def send_step(self, p: int, round_: int) -> int:
+        return self.offset(p) + (round_ + 1) * self.H
+
+    def next_send(self, after: int) -> int:
+        """The first inner step after ``after`` at which some fragment syncs."""
+        t = after + 1
+        while not self.due(t):
+            t += 1
+        return t
 
 
 def split_fragments(model: nn.Module, fragments: int, pattern: str = "strided") -> FragmentLayout:
@@ -84,3 +126,22 @@ def split_fragments(model: nn.Module, fragments: int, pattern: str = "strided") 
         groups[frag].append(name)
         numels[frag] += p.numel()
     return FragmentLayout(tuple(tuple(g) for g in groups), tuple(numels))
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_summary(model_fields: Tuple, fragments: int, pattern: str) -> str:
+    import torch
+
+    from ..model import ModelConfig, build_model
+
+    cfg = ModelConfig(**dict(model_fields))
+    with torch.device("meta"):  # names and shapes only: no memory, no draw from the RNG
+        model = build_model(cfg)
+    return split_fragments(model, fragments, pattern).summary()
+
+
+def layout_fingerprint(model_cfg, fragments: int, pattern: str) -> str:
+    """The fragment layout of our GPT under ``model_cfg`` as one line (see :meth:`FragmentLayout.summary`)."""
+    import dataclasses
+
+    return _layout_summary(tuple(sorted(dataclasses.asdict(model_cfg).items())), fragments, pattern)

@@ -165,15 +165,21 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                           loss=train_loss, val_loss=state["val"], group_size=rep.group_size,
                           sync_seconds=round(rep.seconds, 4), samples=rep.samples, bytes_sent=sent, bytes_received=recv,
                           sync_bytes_sent=rep.bytes_sent, sync_bytes_received=rep.bytes_received,
-                          digest=rep.digest, error=rep.error or None)
-            swarm.update_progress(round=diloco.outer_round(), digest=diloco.digest(), last_sync=time.time(),
-                                  synced_step=diloco.synced_step,
+                          digest=rep.digest, error=rep.error or None, applied_step=rep.applied_step,
+                          wait_seconds=round(rep.wait_seconds, 4), overlapped_steps=rep.overlapped_steps,
+                          sync_bytes=rep.bytes_sent + rep.bytes_received,
+                          peak_bytes_per_s=round(rep.peak_bytes_per_s, 1), **rep.extra)
+            synced_step, digest = diloco.sync_point()  # read together: a background sync may land any time
+            swarm.update_progress(round=diloco.outer_round(), digest=digest, last_sync=time.time(),
+                                  synced_step=synced_step,
                                   val_loss=state["val"], loss=train_loss, next_sync=diloco.next_sync_step())
             swarm.publish_progress()  # at once: peers matchmaking for our next sync count on it
             logger.info(f"[{me}] sync frag {rep.fragment} round {rep.round} {'ok' if rep.ok else 'FAILED'} "
                         f"group {rep.group_size} {rep.seconds:.2f}s val_loss {state['val']:.4f} digest {rep.digest}")
             if rep.ok and rep.fragment == diloco.num_fragments - 1:
-                save_checkpoint(run_dir, _snapshot(model, inner_opt, diloco, stream))
+                with diloco.state_lock:  # not while a background sync writes a global copy
+                    snap = _snapshot(model, inner_opt, diloco, stream)
+                save_checkpoint(run_dir, snap)
 
         diloco.on_sync = on_sync
         model.train()
@@ -214,7 +220,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                     logger.warning(f"[{me}] the swarm is past our next sync (step {diloco.next_sync_step()}); "
                                    "catching up")
                     catch_up(wait=0)
-                elif in_minority(peers, node.peer_id_str, diloco.synced_step, diloco.digest()):
+                elif in_minority(peers, node.peer_id_str, *diloco.sync_point()):
                     logger.warning(f"[{me}] our state at step {diloco.synced_step} differs from the majority's; "
                                    "adopting theirs")
                     catch_up(wait=0, min_step=diloco.synced_step - 1)
@@ -223,12 +229,20 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             swarm.update_progress(step=diloco.inner_step, samples=state["samples"], sent=sent, recv=recv,
                                   sps=state["steps"] / max(elapsed, 1e-9))  # this session's speed
             bar.update(diloco, loss.item(), state["val"], sent, recv)
+        # Syncs still in flight (streaming overlap): wait for them and apply them, then keep the result.
+        diloco.finish()
+        diloco.close()
+        with diloco.state_lock:
+            snap = _snapshot(model, inner_opt, diloco, stream)
+        save_checkpoint(run_dir, snap)
         bar.close()
         sent, recv = node.traffic.snapshot()
         summary = {"peer": node.peer_id_str, "short_id": me, "val_loss_start": val0, "val_loss_end": state["val"],
                    "outer_steps": diloco.outer_round(), "inner_steps": diloco.inner_step, "syncs": state["syncs"],
                    "failed_syncs": state["failed"], "bytes_sent": sent, "bytes_received": recv,
-                   "seconds": round(time.time() - t_start, 2), "digest": diloco.digest(), "run_dir": run_dir}
+                   "seconds": round(time.time() - t_start, 2), "digest": diloco.digest(), "run_dir": run_dir,
+                   "streaming_mode": diloco.mode, "network_wait_seconds": round(diloco.wait_seconds, 3),
+                   "peak_bytes_per_s": round(diloco.meter.peak if diloco.meter else 0.0, 1)}
         metrics.write("summary", **summary)
         return summary
     finally:
@@ -262,7 +276,8 @@ def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> Dict[str
     return {"format": 1, "model": model.state_dict(), "inner_opt": inner_opt.state_dict(),
             "outer": [o.state_dict() for o in diloco.outer], "inner_step": diloco.inner_step,
             "samples_since": list(diloco.samples_since), "stream": stream.state_dict(),
-            "torch_rng": torch.get_rng_state(), "synced_step": diloco.synced_step, "digest": diloco.digest()}
+            "torch_rng": torch.get_rng_state(), "synced_step": diloco.synced_step, "digest": diloco.digest(),
+            "overlap": diloco.overlap_state_dict()}
 
 
 def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> None:
@@ -276,6 +291,7 @@ def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: Ba
         diloco.inner_step = int(state["inner_step"])
         diloco.synced_step = int(state.get("synced_step", state["inner_step"]))
         diloco.samples_since = [int(x) for x in state["samples_since"]]
+        diloco.load_overlap_state(state.get("overlap"))  # delay/eager: where each inner phase started
         stream.load_state_dict(state["stream"])
         torch.set_rng_state(state["torch_rng"])
     except (KeyError, ValueError, RuntimeError, TypeError) as e:

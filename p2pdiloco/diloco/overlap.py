@@ -1,0 +1,212 @@
+"""Communication in the background, and the rules that apply its results (algorithm.md §3).
+
+A fragment's sync is a :class:`SyncJob`. At its *send step* the training loop takes the fragment's
+pseudo-gradient and hands the job to a :class:`SyncWorker`, a background thread that runs the jobs in
+submission order (``reducer.reduce`` with its all-reduce calls); training goes on meanwhile. Group
+formation for an upcoming sync is queued ``prepare_steps`` inner steps early on a second worker (so
+it never waits behind an all-reduce in flight), and at the send step only the all-reduce is left. When the averaged Δ arrives, the worker
+applies it to the fragment's **global copy** at once, under ``DiLoCo.state_lock``:
+``(θ, b) ← OuterOpt(θ, b, Δ)`` — the global copy and the Nesterov momentum only ever take true
+averages, in round order. The job's *due step* is when the loop applies the result to the model;
+if the job is not finished then, the loop waits and records the wait. A failed job (``SyncFailed``:
+every member of the group fails together) applies nothing anywhere.
+
+What the model gets, per mode (fragment p, round k sent after inner step s_k, ``M`` peers):
+
+``tau`` (Streaming DiLoCo, arXiv 2501.18512, Algorithm 2). Sent: Δ_m = θ − θ_m(s_k), θ the global
+    copy. Due at s_k + tau: θ~ = OuterOpt(θ, Δ) (the global copy from before the result, as the
+    paper says) and θ_m ← alpha·θ_m + (1 − alpha)·θ~ (``torch.lerp``). ``tau = 0, alpha = 0`` is
+    blocking DiLoCo, bit for bit. On failure the model keeps its progress, which the next round's
+    Δ_m = θ − θ_m then contains.
+
+``delay`` (one-step delay, DiLoCoX arXiv 2506.21263; the Eager Updates paper's naive baseline).
+    Each peer remembers the point W_m its current inner phase started from. At s_k:
+    Δ_m(k) = W_m − θ_m(s_k); the loop waits for round k−1 (sent at s_{k−1}, a whole inner phase
+    earlier: its due step is s_k), so the global copy θ holds rounds 0..k−1; the next phase starts
+    from it, W_m ← θ, θ_m ← θ; then round k is sent. Round k's average reaches the model one
+    round late, at s_{k+1}. (In round 0 there is nothing to apply: the model restarts from the
+    initial θ and its progress arrives with round 0's average.)
+
+``eager`` (Eager Updates, arXiv 2502.12996). As ``delay``, but at s_k the next phase starts from
+    W_m ← OuterOpt'(θ, b, Δ~_m(k)), a *look-ahead* (:func:`lookahead`) that changes neither θ nor b,
+    with the estimate of the round-k average
+
+        Δ~_m(k) = [Δ(k−1) − Δ_m(k−1)/M'] + Δ_m(k)/M
+
+    (algorithm.md §3c): the stale terms of the other peers plus this peer's fresh one. M' is the size
+    of round k−1's group, M of round k's (the same in a stable swarm; weights are taken as equal).
+    With no previous average (the first round, after a failed round or a state download) the
+    bracket is 0. **The correction**: the paper's exact rule was not available to us; ours is that
+    Δ~ never enters the global copy. θ and b are advanced only by true averages, as the results
+    arrive; W_m, which differs between peers, is rebuilt from the global copy at every round, so
+    the deviation of round k is dropped at s_{k+1} and does not accumulate.
+
+    *Why every peer holds the same global copy after each correction* (induction over rounds
+    applied): all peers start from the same θ (seeded init) and b = 0. Round k applies
+    ``OuterState.step(Δ(k))`` — element-wise fp32 arithmetic on θ, b and Δ(k) — and Δ(k) is
+    bitwise identical on every member (the owner of each shard encodes the mean once, see
+    swarm/allreduce.py). Rounds of one fragment are applied in round order (round k+1 is only sent
+    after round k's job finished). Neither the look-ahead nor the carried progress below ever
+    writes θ or b. A failed round is failed for the whole group, so no member applies it; a peer
+    that missed a round's group applies nothing and downloads the verified majority state. So
+    equal inputs give equal (θ, b) after every round; the digest in each sync event checks it.
+
+    ``delay`` and ``eager`` on failure: the local phase of round k was already restarted, so the
+    peer's unsent progress Δ_m(k) (and its sample weight) is added to its next pseudo-gradient.
+
+When a run stops, :meth:`DiLoCo.finish` waits for the jobs in flight and applies them, so a run of
+``n`` outer steps applies ``n`` averages in every mode; in ``delay``/``eager`` the model then takes
+the global copy.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["SyncJob", "SyncWorker", "BandwidthMeter", "lookahead", "pseudo_gradient_from", "merge_into"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class SyncJob:
+    """One fragment sync between its send step and its due step."""
+
+    fragment: int
+    round: int
+    send_step: int
+    due_step: int
+    delta: torch.Tensor            # this peer's flat fp32 pseudo-gradient, as sent
+    weight: float                  # samples behind it
+    epoch: int                     # DiLoCo's state epoch at launch; results of an older epoch are dropped
+    group: concurrent.futures.Future = None   # the Group (or SyncFailed from matchmaking)
+    future: concurrent.futures.Future = None  # done when the job finished (ok or failed)
+    launched: float = field(default_factory=time.perf_counter)
+    # filled in by the worker
+    ok: bool = False
+    applied: bool = False          # the average went into the global copy
+    failed: bool = False
+    group_size: int = 0
+    seconds: float = 0.0           # launch to result, wall clock
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    digest: str = ""
+    error: str = ""
+    missed: bool = False
+    extra: dict = field(default_factory=dict)  # the reducer's info() after a successful sync
+    # counted by the loop
+    overlapped_steps: int = 0      # inner steps completed while the job was still running
+
+
+class SyncWorker:
+    """One daemon thread running submitted callables in order (a daemon, unlike a ThreadPoolExecutor
+    worker, so a sync stuck in the network never keeps the process from exiting)."""
+
+    def __init__(self, name: str = "p2pdiloco-sync"):
+        self._q: "queue.Queue[Optional[Tuple[concurrent.futures.Future, Callable, tuple]]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        self._q.put(None)
+
+
+class BandwidthMeter:
+    """Peak bytes per second (sent + received) over any ``window`` seconds, sampled every ``period`` s.
+
+    ``take_peak()`` returns the peak since its previous call (per sync event); ``peak`` is the run's.
+    """
+
+    def __init__(self, traffic, window: float = 1.0, period: float = 0.05):
+        self.traffic, self.window, self.period = traffic, window, period
+        self.peak = 0.0
+        self._since = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._samples: "deque[Tuple[float, int]]" = deque()
+        self._thread = threading.Thread(target=self._run, name="p2pdiloco-meter", daemon=True)
+        self._thread.start()
+
+    def _total(self) -> int:
+        sent, recv = self.traffic.snapshot()
+        return sent + recv
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.sample()
+
+    def sample(self, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        total = self._total()
+        with self._lock:
+            self._samples.append((now, total))
+            while len(self._samples) > 1 and now - self._samples[1][0] >= self.window:
+                self._samples.popleft()
+            t0, b0 = self._samples[0]
+            if now - t0 >= self.window:  # a full window: its average rate
+                rate = (total - b0) / (now - t0)
+                self.peak = max(self.peak, rate)
+                self._since = max(self._since, rate)
+
+    def take_peak(self) -> float:
+        with self._lock:
+            peak, self._since = self._since, 0.0
+        return peak
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+@torch.no_grad()
+def lookahead(outer, delta_flat: torch.Tensor) -> List[torch.Tensor]:
+    """θ after ``outer.step(delta_flat)``, computed without changing ``outer`` (same arithmetic, so the
+    result is bitwise what the step would give)."""
+    out = []
+    for p, b, d in zip(outer.params, outer.buffers, outer.unflatten(delta_flat.to(outer.params[0].device))):
+        nb = b.mul(outer.momentum).add_(d)
+        update = d.add(nb, alpha=outer.momentum) if outer.nesterov else nb
+        out.append(p.add(update, alpha=-outer.lr))
+    return out
+
+
+@torch.no_grad()
+def pseudo_gradient_from(start: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> torch.Tensor:
+    """W − θ_m, flattened, fp32 on the device of ``start``."""
+    return torch.cat([(w - l.detach().to(w.device, torch.float32)).view(-1) for w, l in zip(start, local)])
+
+
+@torch.no_grad()
+def merge_into(local: Sequence[torch.Tensor], target: Sequence[torch.Tensor], alpha: float) -> None:
+    """θ_m ← alpha·θ_m + (1 − alpha)·target (``alpha = 0`` is an exact copy)."""
+    for l, g in zip(local, target):
+        g = g.to(l.device, l.dtype)
+        if alpha == 0.0:
+            l.copy_(g)
+        else:
+            l.lerp_(g, 1.0 - alpha)
