@@ -194,6 +194,7 @@ def test_owner_reduce_three_peers(name):
     assert ((results[0] - true_mean).abs() <= bound).all()
 
 
+@pytest.mark.timeout(300)  # importing bitsandbytes takes ~10 s idle, over a minute on a loaded 2-core box
 @pytest.mark.parametrize("name", ["nf4", "fp4"])  # bitsandbytes has no E3M0
 def test_matches_bitsandbytes_codebook(name):
     """Our codes mean what bitsandbytes' codes mean (nf4/fp4), and dequantized values mostly agree."""

@@ -49,7 +49,9 @@ class Codec(abc.ABC):
         if len(data) != expected:
             raise WireError(f"{self.name} part has {len(data)} bytes, expected {expected} for {numel} values", sender)
         out = self._decode(data, numel)
-        if not torch.isfinite(out).all():
+        # Fast path: a finite sum implies every value is finite (NaN and inf propagate); only when the
+        # sum is not finite (a bad value, or a legitimate overflow of the sum) scan element-wise.
+        if not torch.isfinite(out.sum(dtype=torch.float32)) and not torch.isfinite(out).all():
             raise WireError(f"{self.name} part decodes to non-finite values", sender)
         return out
 
