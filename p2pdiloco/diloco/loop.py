@@ -276,8 +276,8 @@ def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> Dict[str
     return {"format": 1, "model": model.state_dict(), "inner_opt": inner_opt.state_dict(),
             "outer": [o.state_dict() for o in diloco.outer], "inner_step": diloco.inner_step,
             "samples_since": list(diloco.samples_since), "stream": stream.state_dict(),
-            "torch_rng": torch.get_rng_state(), "synced_step": diloco.synced_step, "digest": diloco.digest(),
-            "overlap": diloco.overlap_state_dict()}
+            "torch_rng": torch.get_rng_state(), "reducers": [r.state_dict() for r in diloco.reducers],
+            "synced_step": diloco.synced_step, "digest": diloco.digest(), "overlap": diloco.overlap_state_dict()}
 
 
 def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> None:
@@ -291,6 +291,9 @@ def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: Ba
         diloco.inner_step = int(state["inner_step"])
         diloco.synced_step = int(state.get("synced_step", state["inner_step"]))
         diloco.samples_since = [int(x) for x in state["samples_since"]]
+        if "reducers" in state:  # error-feedback residuals, low-rank bases and ranks
+            for r, s in zip(diloco.reducers, state["reducers"], strict=True):
+                r.load_state_dict(s)
         diloco.load_overlap_state(state.get("overlap"))  # delay/eager: where each inner phase started
         stream.load_state_dict(state["stream"])
         torch.set_rng_state(state["torch_rng"])

@@ -1,0 +1,176 @@
+"""What compression costs in quality: DiLoCo with simulated peers in one process, per setting.
+
+    python -m p2pdiloco.bench.compression_quality --config peers/tiny-cpu.toml --peers 3 --rounds 8 \\
+        [--set inner.sync_every=20 ...] [--settings fp32,e3m0,e3m0-ef,e3m0-lowrank] [--json out.json]
+
+Every setting runs the same experiment from the same seeds: ``--peers`` peers, each with the run's
+model, its own AdamW and its own data shard (peer m reads shard m of ``--peers``), take H inner
+steps; then each peer's reducer (:func:`p2pdiloco.diloco.reducers.make_reducer`, exactly what
+``p2pdiloco join`` uses) averages the pseudo-gradients through an in-process butterfly that does the
+arithmetic of swarm/allreduce.py (block-aligned shards, each part through the codec, fp32 sum in
+member order, the mean encoded once); then the outer Nesterov step, and every peer restarts from
+the new global parameters. No network, no timing noise: only what the wire format does to training.
+
+Reported per setting and round: validation loss of the global parameters (``train.eval_batches``
+fixed windows) and the payload bytes one peer sends per sync (``2 (M-1)/M`` of each all-reduced
+vector, encoded: its parts out and its shard's mean back; framing excluded). A setting is a name
+and ``--set``-style overrides of ``[compression]`` (see :data:`SETTINGS`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..compression import Codec, get_codec
+from ..config import RunConfig, load_config
+from ..data import BatchStream, evaluate, load_corpus
+from ..diloco.outer import OuterState
+from ..diloco.reducers import make_reducer
+from ..model import build_model
+from ..swarm.allreduce import shard_bounds
+
+__all__ = ["SETTINGS", "run_setting", "main"]
+
+#: name -> [compression] overrides
+SETTINGS: Dict[str, Tuple[str, ...]] = {
+    "fp32": ("compression.codec=fp32",),
+    "fp16": ("compression.codec=fp16",),
+    "e3m0": ("compression.codec=e3m0", "compression.error_feedback=false"),
+    "e3m0-ef": ("compression.codec=e3m0", "compression.error_feedback=true"),
+    "nf4": ("compression.codec=nf4", "compression.error_feedback=false"),
+    "nf4-ef": ("compression.codec=nf4", "compression.error_feedback=true"),
+    "lowrank": ("compression.codec=fp32", "compression.lowrank=true"),
+    "e3m0-lowrank": ("compression.codec=e3m0", "compression.lowrank=true"),
+    "e3m0-lowrank-r16": ("compression.codec=e3m0", "compression.lowrank=true", "compression.rank=16"),
+    "e3m0-lowrank-noef": ("compression.codec=e3m0", "compression.lowrank=true", "compression.error_feedback=false"),
+}
+
+
+class _Butterfly:
+    """``k`` peers' all-reduce in threads, with the owner arithmetic of swarm/allreduce.py."""
+
+    def __init__(self, k: int, weights: Sequence[float], default: Codec):
+        self.k, self.weights, self.default = k, list(weights), default
+        self.barrier = threading.Barrier(k)
+        self.slots: Dict[int, torch.Tensor] = {}
+        self.payload = [0] * k
+
+    def fn(self, idx: int):
+        def allreduce(vec: torch.Tensor, phase: str, codec: Optional[Codec] = None) -> torch.Tensor:
+            codec = codec or self.default
+            self.payload[idx] += int(2 * (self.k - 1) / self.k * codec.encoded_size(vec.numel()))
+            self.slots[idx] = vec.detach().float().cpu().reshape(-1)
+            self.barrier.wait(timeout=600)
+            vecs = [self.slots[i] for i in range(self.k)]
+            out = []
+            for a, b in shard_bounds(vecs[0].numel(), self.k, codec.block_size):
+                acc = torch.zeros(b - a)
+                for v, w in zip(vecs, self.weights):
+                    acc.add_(codec.decode(codec.encode(v[a:b]), b - a), alpha=w)
+                acc.div_(sum(self.weights))
+                out.append(codec.decode(codec.encode(acc), b - a))
+            self.barrier.wait(timeout=600)
+            return torch.cat(out) if out else torch.zeros(0)
+        return allreduce
+
+
+def run_setting(cfg: RunConfig, peers: int, rounds: int) -> Dict[str, object]:
+    """One setting: returns ``{"val_loss": [start, after round 1, ...], "bytes_per_sync": [...], ...}``."""
+    torch.manual_seed(cfg.train.seed)
+    corpus = load_corpus(cfg.data)
+    models, opts, streams = [], [], []
+    for m in range(peers):
+        torch.manual_seed(cfg.train.seed)  # the same θ everywhere, as in the swarm
+        model = build_model(cfg.model)
+        models.append(model)
+        opts.append(torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
+                                      betas=(cfg.inner.beta1, cfg.inner.beta2)))
+        streams.append(BatchStream(corpus.train, shard=m, num_shards=peers, batch_size=cfg.inner.batch_size,
+                                   seq_len=cfg.model.seq_len, seed=cfg.data.seed))
+    params = [list(mod.parameters()) for mod in models]
+    outer = OuterState(params[0], lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov)
+    reducers = [make_reducer(cfg, ps) for ps in params]
+    codec = get_codec(cfg.compression.codec)
+
+    def val() -> float:
+        outer.copy_to(params[0])
+        return evaluate(models[0], corpus.val, batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
+                        max_batches=cfg.train.eval_batches, device="cpu")
+
+    losses, sent, ranks = [val()], [], []
+    step = 0
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for model, opt, stream in zip(models, opts, streams):
+            model.train()
+            for k in range(cfg.inner.sync_every):
+                w = cfg.inner.warmup_steps
+                for g in opt.param_groups:
+                    g["lr"] = cfg.inner.lr * min(1.0, (step + k + 1) / w) if w else cfg.inner.lr
+                x, y = stream.next_batch("cpu")
+                _, loss = model(x, y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.inner.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+                opt.step()
+        step += cfg.inner.sync_every
+        deltas = [outer.pseudo_gradient(ps) for ps in params]
+        bf = _Butterfly(peers, [1.0] * peers, codec)
+        outs: List[Optional[torch.Tensor]] = [None] * peers
+        threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, reducers[i].reduce(deltas[i], bf.fn(i))))
+                   for i in range(peers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if any(o is None or not torch.equal(o, outs[0]) for o in outs):
+            raise RuntimeError("peers disagree on the averaged pseudo-gradient")
+        outer.step(outs[0])
+        for ps in params:
+            outer.copy_to(ps)
+        losses.append(val())
+        sent.append(bf.payload[0])
+        info = reducers[0].info()
+        if "ranks" in info:
+            ranks.append(sum(info["ranks"]) / max(1, len(info["ranks"])))
+    return {"val_loss": [round(v, 4) for v in losses], "bytes_per_sync": sent,
+            "mean_rank": [round(r, 2) for r in ranks], "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=None, help="TOML config (e.g. peers/tiny-cpu.toml)")
+    ap.add_argument("--set", action="append", default=[], help="section.key=value override (repeatable)")
+    ap.add_argument("--peers", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--settings", default="fp32,e3m0,e3m0-ef,e3m0-lowrank", help=f"any of {', '.join(SETTINGS)}")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    results = {}
+    for name in [s for s in args.settings.split(",") if s]:
+        cfg = load_config(args.config, [*args.set, *SETTINGS[name]])
+        results[name] = run_setting(cfg, args.peers, args.rounds)
+        r = results[name]
+        print(f"{name:<18} val_loss {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.4f}  "
+              f"bytes/sync/peer {r['bytes_per_sync'][0]:>10,}  ({r['seconds']} s)  losses {r['val_loss']}", flush=True)
+    base = results.get("fp32")
+    if base:
+        print(f"\n{'setting':<18} {'final val':>9} {'vs fp32':>8} {'bytes/sync':>12} {'x fewer':>8}")
+        for name, r in results.items():
+            print(f"{name:<18} {r['val_loss'][-1]:>9.4f} {100 * (r['val_loss'][-1] / base['val_loss'][-1] - 1):>+7.2f}% "
+                  f"{r['bytes_per_sync'][-1]:>12,} {base['bytes_per_sync'][-1] / r['bytes_per_sync'][-1]:>8.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": argv, "peers": args.peers, "rounds": args.rounds, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
