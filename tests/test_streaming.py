@@ -549,6 +549,8 @@ def test_global_copies_identical_after_each_correction(mode):
         with d.state_lock:
             o = d.outer[r.fragment]
             states.setdefault((r.fragment, r.round), {})[i] = (o.digest(), o.steps)
+            if mode == "delay":  # the model it reports on (validation) restarted from the global copy
+                assert all(torch.equal(a, b) for a, b in zip(d.local[r.fragment], o.params))
 
     def record_start(i, d, r, drained):
         # after the step: the next phase started from a point derived from round r's global copy

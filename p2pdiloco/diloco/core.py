@@ -183,12 +183,15 @@ class DiLoCo:
     def finish(self) -> List[SyncReport]:
         """End of training: wait for every sync in flight and apply it (in ``delay``/``eager`` the model
         then takes the global copy). Returns their reports (``on_sync`` is called for each)."""
-        reports = [self._resolve(job) for job in list(self._inflight)]
-        if self.mode != "tau":
-            with self.state_lock:
-                for p, o in enumerate(self.outer):
-                    o.copy_to(self.local[p])
-                    self._start[p] = [t.clone() for t in o.params]
+        if self.mode == "tau":
+            return [self._resolve(job) for job in list(self._inflight)]
+        reports = [self._resolve(job, notify=False) for job in list(self._inflight)]
+        with self.state_lock:
+            for p, o in enumerate(self.outer):
+                o.copy_to(self.local[p])
+                self._start[p] = [t.clone() for t in o.params]
+        for r in reports:  # reported once the model holds them (validation measures that model)
+            self._notify(r)
         return reports
 
     def close(self) -> None:
@@ -218,12 +221,15 @@ class DiLoCo:
         self.samples_since[p] = 0
         prev = next((j for j in self._inflight if j.fragment == p), None)
         if prev is not None:
-            reports.append(self._resolve(prev))
+            reports.append(self._resolve(prev, notify=False))
             if not prev.ok:  # nothing of round k−1 was applied anywhere: send our part of it again
                 delta.add_(prev.delta)
                 weight += prev.weight
         round_ = self.schedule.round_of(p, t)
-        group = self._group_future(p, round_, t)
+        key = (p, round_)
+        if key not in self._groups:  # stays listed until launch: next_sync_step() must see it forming
+            self._groups[key] = self._form_group(p, round_, t)
+        group = self._groups[key]
         outer = self.outer[p]
         if self.mode == "eager":
             others = self._others[p]
@@ -237,6 +243,9 @@ class DiLoCo:
             start = [x.clone() for x in outer.params] if self.mode == "delay" else lookahead(outer, estimate)
             self._start[p] = start
             merge_into(self.local[p], start, 0.0)
+        for r in reports:  # after the model restarted from the result: validation measures that model
+            self._notify(r)
+        del self._groups[key]
         self._launch(p, t, delta, weight, due=t + self.H, group=group)
         return reports
 
@@ -329,8 +338,9 @@ class DiLoCo:
         return codec.roundtrip(vec) if codec.relative_error_bound else vec.clone()
 
     # ---- applying results to the model ------------------------------------------------------------------
-    def _resolve(self, job: SyncJob) -> SyncReport:
-        """Wait for ``job`` if it is still running (the wait is recorded), apply it to the model, report."""
+    def _resolve(self, job: SyncJob, notify: bool = True) -> SyncReport:
+        """Wait for ``job`` if it is still running (the wait is recorded), apply it to the model (mode
+        ``tau``; the others apply it when they restart the next inner phase), report."""
         t0 = time.perf_counter()
         job.future.result()  # re-raises a bug in the worker; SyncFailed was caught there
         waited = time.perf_counter() - t0
@@ -349,9 +359,13 @@ class DiLoCo:
                             overlapped_steps=job.overlapped_steps,
                             peak_bytes_per_s=self.meter.take_peak() if self.meter is not None else 0.0,
                             extra=job.extra if job.ok else {})
+        if notify:
+            self._notify(report)
+        return report
+
+    def _notify(self, report: SyncReport) -> None:
         if self.on_sync is not None:
             self.on_sync(report)
-        return report
 
     # ---- digests, snapshots ---------------------------------------------------------------------------
     def _digest(self) -> str:
