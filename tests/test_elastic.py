@@ -115,3 +115,32 @@ def test_tampered_and_stalled_donors_are_rejected_or_the_joiner_stops_cleanly(pr
     for p in (a, b):
         assert stop(procs, p) == 0, procs.err(p.name)[-3000:]
     print(f"J2 stopped {time.time() - t0:.1f} s after it was started; it gave up after {failed[0]['seconds']} s")
+
+
+@pytest.mark.timeout(240)
+def test_clean_leave_says_goodbye_and_nobody_waits_for_it(procs, tmp_path):
+    """Fixed 60 s matchmaking timeout and a 14 s progress-record lifetime: only the goodbye record
+    lets the others go on without the leaver at once."""
+    addr = procs.bootstrap()
+    run = ("swarm.run_id=leave", f"inner.sync_every={H}", "train.max_outer_steps=1000", "swarm.min_peers_to_start=3",
+           "swarm.adaptive_timeouts=false", "swarm.matchmaking_timeout=60", "swarm.progress_period=4")
+    a = procs.start(*join_args(addr, tmp_path / "a", *run), name="a")
+    b = procs.start(*join_args(addr, tmp_path / "b", *run), name="b")
+    leaver = procs.start(*join_args(addr, tmp_path / "l", *run), name="l")
+    wait_for(lambda: len(ok_syncs(tmp_path / "l")) >= 2, 150, "the leaver's first syncs", procs, ["l", "a"])
+    t0 = time.time()
+    assert stop(procs, leaver, signal.SIGINT, timeout=30) == 0, procs.err("l")[-3000:]
+    left_at = read_events(tmp_path / "l", "summary")[0]["time"]
+    assert left_at - t0 < 15  # it finished its step (or round) and left
+
+    def after_leave():
+        return [r for r in read_events(tmp_path / "a", "sync") if r["time"] > left_at]
+
+    wait_for(lambda: len(after_leave()) >= 2, 90, "the others' syncs after the leave", procs, ["a", "b"])
+    for p in (a, b):
+        assert stop(procs, p) == 0, procs.err(p.name)[-3000:]
+    first = after_leave()[0]
+    assert first["ok"] and first["group_size"] == 2, first
+    assert first["time"] - left_at < 8, f"the others waited {first['time'] - left_at:.1f} s for a peer that said goodbye"
+    # whatever round the leaver took part in before leaving, it applied what the others applied
+    assert_agree([tmp_path / "a", tmp_path / "b", tmp_path / "l"], min_common=2)

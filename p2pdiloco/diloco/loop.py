@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 import signal
 import sys
 import time
@@ -23,7 +24,7 @@ from ..data import BatchStream, evaluate, load_corpus
 from ..metrics import MetricsWriter, format_bytes
 from ..model import build_model, count_parameters
 from ..errors import JoinFailed, SyncFailed
-from ..swarm.state_sync import StateServer, download_state, in_minority, pick_target
+from ..swarm.state_sync import StateServer, download_state, in_minority, pick_target, rival_lineage
 from .core import DiLoCo, SyncReport
 
 __all__ = ["run_peer"]
@@ -67,7 +68,9 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model).to(device)
         corpus = load_corpus(cfg.data)
-        shard = cfg.data.shard_for(node.peer_id_str)
+        ckpt_path = find_checkpoint(run_dir)
+        ckpt = load_checkpoint(ckpt_path) if ckpt_path is not None else None
+        shard = _data_shard(cfg, node.peer_id_str, ckpt)
         stream = BatchStream(corpus.train, shard=shard, num_shards=cfg.data.num_shards,
                              batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
         inner_opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
@@ -80,28 +83,29 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
         for line in diloco.layout.describe().splitlines():
             logger.info(f"[{me}] {line}")
 
-        ckpt_path = find_checkpoint(run_dir)
-        if ckpt_path is not None:
-            _restore(load_checkpoint(ckpt_path), model, inner_opt, diloco, stream)
+        if ckpt is not None:
+            _restore(ckpt, model, inner_opt, diloco, stream)
             logger.info(f"[{me}] resumed from {ckpt_path} at inner step {diloco.inner_step}")
             metrics.write("resume", step=diloco.inner_step, synced_step=diloco.synced_step, digest=diloco.digest(),
                           outer_step=diloco.outer_round())
 
         numels = [o.numel for o in diloco.outer]
+        #: ids of the groups of our recent syncs: our lineage (state_sync.rival_lineage)
+        recent_gids: deque = deque(maxlen=2 * diloco.num_fragments + 2)
 
         def announce(target_step: int) -> None:
             # before the download: the next round's group waits for us (our first contribution lands there)
             swarm.update_progress(step=target_step, next_sync=_next_sync_after(diloco, target_step), sps=0.0)
             swarm.publish_progress()
 
-        def catch_up(wait: float, min_step: Optional[int] = None, joining: bool = False) -> bool:
+        def catch_up(wait: float, min_step: Optional[int] = None, joining: bool = False, peers=None) -> bool:
             """Adopt the swarm's verified state if it is ahead of ours; poll up to ``wait`` seconds.
             A failed download while ``joining`` stops the peer (JoinFailed); later it keeps our state."""
             deadline = time.time() + wait
             while True:
                 t_try = time.time()
                 try:
-                    got = download_state(node, cfg.swarm.run_id, swarm.live_peers, numels,
+                    got = download_state(node, cfg.swarm.run_id, peers or swarm.live_peers, numels,
                                          timeout=swarm.timeouts.transfer(8 * sum(numels)),
                                          min_step=diloco.synced_step if min_step is None else min_step,
                                          on_target=announce)
@@ -116,12 +120,13 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                     for donor, why in got.rejected:
                         metrics.write("state_rejected", donor=donor, reason=why, step=got.step)
                     diloco.load_snapshot(got.meta, got.payload)
+                    recent_gids.clear()  # we left our history for theirs
                     logger.info(f"[{me}] caught up with the swarm: step {diloco.inner_step}, digest {diloco.digest()} "
                                 f"from {len(got.donors)} donor(s) in {got.seconds:.1f} s")
                     metrics.write("catch_up", step=diloco.inner_step, digest=diloco.digest(),
                                   outer_step=diloco.outer_round(), donors=got.donors, seconds=round(got.seconds, 3),
                                   rejected=len(got.rejected))
-                    swarm.update_progress(step=diloco.inner_step, synced_step=diloco.synced_step,
+                    swarm.update_progress(step=diloco.inner_step, synced_step=diloco.synced_step, gid="",
                                           round=diloco.outer_round(), digest=diloco.digest(),
                                           next_sync=diloco.next_sync_step())
                     swarm.publish_progress()
@@ -158,6 +163,10 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             state["losses"].clear()
             if rep.ok:
                 state["syncs"] += 1
+                group = swarm.matchmaker.groups.get((rep.fragment, rep.round))
+                if group is not None:  # published: peers that trained in other groups are a rival lineage
+                    recent_gids.append(group.gid)
+                    swarm.update_progress(gid=group.gid)
                 state["val"] = val_loss()
             else:
                 state["failed"] += 1
@@ -220,6 +229,15 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                     logger.warning(f"[{me}] the swarm is past our next sync (step {diloco.next_sync_step()}); "
                                    "catching up")
                     catch_up(wait=0)
+                elif (rivals := rival_lineage(peers, node.peer_id_str, set(recent_gids), diloco.synced_step,
+                                              diloco.digest())) is not None:
+                    # They trained in groups we were not in (a healed partition) and outnumber us: we are
+                    # the minority history. Adopt theirs, even if our step count is ahead.
+                    logger.warning(f"[{me}] {len(rivals)} peer(s) trained in other groups and outnumber ours; "
+                                   "adopting their state")
+                    catch_up(wait=0, min_step=-1, peers=lambda: rival_lineage(
+                        swarm.live_peers(), node.peer_id_str, set(recent_gids), diloco.synced_step,
+                        diloco.digest()) or {})
                 elif in_minority(peers, node.peer_id_str, *diloco.sync_point()):
                     logger.warning(f"[{me}] our state at step {diloco.synced_step} differs from the majority's; "
                                    "adopting theirs")
@@ -251,6 +269,15 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
         if swarm is not None:
             swarm.shutdown()
         node.shutdown()
+
+
+def _data_shard(cfg: RunConfig, peer_id: str, ckpt: Optional[Dict[str, Any]]) -> int:
+    """data.shard if set; else the shard of the checkpoint we resume (a restarted peer without a
+    persistent identity has a new id, which would pick another shard); else derived from our id."""
+    stream = ckpt.get("stream") if ckpt is not None else None
+    if cfg.data.shard < 0 and isinstance(stream, dict) and isinstance(stream.get("shard"), int):
+        return stream["shard"]
+    return cfg.data.shard_for(peer_id)
 
 
 def _next_sync_after(diloco: DiLoCo, step: int) -> int:

@@ -24,6 +24,11 @@
    the swarm (claimed by enough peers, see ``state_sync.pick_target``) at or beyond its own
    ``sync_step`` is *behind* (a straggler that woke up): it raises :class:`RoundMissed` before it
    announces anything, so it never contributes to a round that is already over.
+6. Only a group holding at least half of the peers due at the round makes the others miss it. A
+   smaller one (a peer cut off by a partition that synced alone, a leader that saw nobody ready)
+   does not: the others form their own group for that round, and the small group's members then
+   give way to the majority's state (``state_sync.rival_lineage``). The ``closed`` refusal says
+   how big the closed group is, so a joiner can tell.
 """
 from __future__ import annotations
 
@@ -87,6 +92,8 @@ class Matchmaker:
         self.adaptive = True
         self.handler_name = f"p2pdiloco.{run_id}.join"
         self._slots: Dict[Tuple[int, int], _Slot] = {}
+        #: recently finalized groups by (fragment, round): the training loop reads a sync's group id here
+        self.groups: Dict[Tuple[int, int], Group] = {}
         node.add_handler(self.handler_name, self._handle_join)
 
     def _key(self, frag: int, round_: int) -> str:
@@ -107,7 +114,7 @@ class Matchmaker:
         slot = self._slot(frag, round_)
         key = self._key(frag, round_)
         ttl = self.matchmaking_timeout * 3
-        await self._check_not_missed(frag, round_)
+        await self._check_not_missed(frag, round_, expected)
         start = time.monotonic()
         hard_deadline = start + self.matchmaking_timeout
         deadline = hard_deadline
@@ -118,6 +125,7 @@ class Matchmaker:
         await self.node.astore(key, {"t": time.time()}, ttl=ttl, subkey=me)
         ready: Set[str] = {me}
         waiting_for: Set[str] = set()
+        peers: Dict[str, Dict[str, Any]] = {}
         last_eval = -1e9
         while True:
             ready |= {p for p in await self.node.aget_subkeys(key) if not self.node.gate.banned(p)}
@@ -131,26 +139,33 @@ class Matchmaker:
                                                   hard_deadline)
             if len(ready) >= expected or time.monotonic() >= deadline:
                 break
-            await self._check_not_missed(frag, round_)
+            await self._check_not_missed(frag, round_, expected)
             await asyncio.sleep(0.1)
-        await self._check_not_missed(frag, round_)
+        if sync_step is not None and ready == {me} and len(peers) > 1:
+            # About to sync alone while others are live: give the DHT a moment, then make sure they are
+            # not past this round already (their group record or progress may not have reached us yet).
+            await asyncio.sleep(min(1.0, self.join_grace))
+            ready |= {p for p in await self.node.aget_subkeys(key) if not self.node.gate.banned(p)}
+            self._check_not_behind(await self._live_peers(), frag, round_, sync_step)
+        await self._check_not_missed(frag, round_, expected)
         candidates = sorted(ready)
         tried: Set[str] = set()
         while candidates:
             leader = candidates[0]
             if leader == me:
-                return await self._lead(slot, frag, round_, set(candidates) - {me}, waiting_for - ready)
+                return self._remember(await self._lead(slot, frag, round_, set(candidates) - {me},
+                                                       waiting_for - ready, expected))
             tried.add(leader)
             slot.leader = leader
             slot.decided.set()
             try:
-                group, hint = await self._join(leader, frag, round_)
+                group, hint = await self._join(leader, frag, round_, expected)
             except MatchmakingFailed:
                 slot.closed = True
                 raise
             if group is not None:
                 slot.final = group
-                return group
+                return self._remember(group)
             candidates.remove(leader)
             if hint and hint not in tried and hint in ready:
                 candidates.remove(hint) if hint in candidates else None
@@ -159,8 +174,14 @@ class Matchmaker:
             slot.decided.clear()
         raise MatchmakingFailed(f"no group could be formed for fragment {frag}, round {round_}")  # pragma: no cover
 
+    def _remember(self, group: Group) -> Group:
+        self.groups[(group.frag, group.round)] = group
+        while len(self.groups) > 64:
+            del self.groups[next(iter(self.groups))]
+        return group
+
     async def _lead(self, slot: _Slot, frag: int, round_: int, expected_joiners: Set[str],
-                    unseen: Set[str] = frozenset()) -> Group:
+                    unseen: Set[str] = frozenset(), due: Optional[int] = None) -> Group:
         """Admit joiners for up to ``join_grace`` seconds: everyone we saw ready, plus the live peers due
         at this sync whose ready record we did not see (DHT views differ: a record we missed must not
         split the round into two groups). Ready records are re-read meanwhile."""
@@ -178,7 +199,7 @@ class Matchmaker:
             expected_joiners |= set((await self.node.aget_subkeys(key)).keys()) - {me}
         slot.closed = True
         try:
-            await self._check_not_missed(frag, round_)
+            await self._check_not_missed(frag, round_, due)
         except RoundMissed:
             for fut in slot.joiners.values():
                 if not fut.done():
@@ -237,16 +258,18 @@ class Matchmaker:
     def _group_key(self, frag: int, round_: int) -> str:
         return f"{self.run_id}:group:{frag}:{round_}"
 
-    async def _check_not_missed(self, frag: int, round_: int) -> None:
-        """Raise MatchmakingFailed when a group for this round already closed without us."""
+    async def _check_not_missed(self, frag: int, round_: int, due: Optional[int] = None) -> None:
+        """Raise RoundMissed when a group for this round already closed without us and holds at least
+        half of the ``due`` peers (a smaller one, e.g. one side of a partition, is not the round)."""
         me = self.node.peer_id_str
         for leader, value in (await self.node.aget_subkeys(self._group_key(frag, round_))).items():
             members = value.get("members")
-            if isinstance(members, list) and me not in members:
+            if isinstance(members, list) and me not in members and (due is None or 2 * len(members) >= due):
                 raise RoundMissed(f"missed the group for fragment {frag}, round {round_}: "
                                         f"{len(members)} peer(s) synced it without us")
 
-    async def _join(self, leader: str, frag: int, round_: int) -> Tuple[Optional[Group], Optional[str]]:
+    async def _join(self, leader: str, frag: int, round_: int,
+                    due: Optional[int] = None) -> Tuple[Optional[Group], Optional[str]]:
         """Ask ``leader`` to admit us. (group, None) when admitted, (None, hint) when refused."""
         from hivemind.p2p import PeerID
 
@@ -278,6 +301,11 @@ class Matchmaker:
                 return None, None
             return Group(gid=gid, members=tuple(members), my_index=members.index(me), frag=frag, round=round_), None
         reason = reply.get("reason")
+        size = reply.get("size")
+        if reason == "closed" and due is not None and isinstance(size, int) and 2 * size < due:
+            logger.info(f"[{self.node.short_id}] leader {leader[-6:]} closed a group of {size} of the {due} peers due "
+                        f"for fragment {frag} round {round_}; forming one with the others")
+            return None, None
         if reason == "closed":
             raise RoundMissed(f"missed the group for fragment {frag}, round {round_} (it closed before we joined)")
         hint = reply.get("hint")
@@ -314,7 +342,8 @@ class Matchmaker:
                 await write_frame(writer, {"t": "refuse", "reason": "not leader", "hint": slot.leader}, traffic=traffic)
                 return
             if slot.closed:
-                await write_frame(writer, {"t": "refuse", "reason": "closed"}, traffic=traffic)
+                size = len(slot.final.members) if slot.final is not None else None
+                await write_frame(writer, {"t": "refuse", "reason": "closed", "size": size}, traffic=traffic)
                 return
             fut = slot.joiners.get(sender) or asyncio.get_running_loop().create_future()
             slot.joiners[sender] = fut

@@ -42,7 +42,7 @@ from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_
                        refuse_bad_request, write_frame)
 
 __all__ = ["StateServer", "Download", "download_state", "state_digest", "fragment_digest", "pick_target",
-           "in_minority"]
+           "in_minority", "rival_lineage"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,34 @@ def in_minority(peers: Peers, me: str, step: int, digest: str) -> bool:
             counts[v["digest"]] += 1
     best = max(counts.items(), key=lambda kv: (kv[1], [-ord(c) for c in kv[0]]))
     return best[0] != digest
+
+
+def rival_lineage(peers: Peers, me: str, my_gids: Set[str], step: int, digest: str) -> Optional[Peers]:
+    """The live peers of a *rival lineage* we must give way to, or None.
+
+    Every peer publishes ``gid``, the id of the group of its last successful sync. Peers whose
+    ``gid`` is one of our recent groups (``my_gids``) share our history, merely a round behind or
+    ahead; peers with another ``gid`` trained in groups we were not part of: after a partition heals,
+    the other side. When those outnumber our side (us included) -- or tie and hold the larger
+    (step, digest) -- we are the minority history and adopt theirs, even if our step count is ahead
+    (an isolated peer trains alone faster). Peers without a gid (just joined or caught up) count for
+    nobody. Returns the rival peers (pass them to :func:`download_state` with ``min_step=-1``)."""
+    ours, theirs = 1, {}
+    for pid, v in peers.items():
+        gid = v.get("gid")
+        if pid == me or not isinstance(gid, str) or not gid:
+            continue
+        if gid in my_gids:
+            ours += 1
+        elif isinstance(v.get("synced_step"), int) and v.get("digest") != digest:
+            theirs[pid] = v
+    if len(theirs) < ours:
+        return None
+    if len(theirs) == ours:
+        best = max(((v["synced_step"], str(v.get("digest"))) for v in theirs.values()), default=None)
+        if best is None or best <= (step, digest):
+            return None
+    return theirs
 
 
 @dataclass

@@ -1,0 +1,119 @@
+"""Network partition, then heal (reliability.md row 11), on an emulated network of namespaces.
+
+Three volunteers and a bootstrap peer on three hosts of an EmulatedWAN (p2pdiloco/bench/wan.py):
+h0 (bootstrap + a), h1 (b), h2 (c). The partition takes h2's switch port down
+(``ip -n <switch> link set p2 down``): {a, b} | {c}. Each side must go on (or wait) without
+crashing; after ``link set p2 up`` all three must hold one state within two outer steps of the
+swarm, and every sync all three share afterwards must give them one digest.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elastic_support import FAST, ok_syncs, read_events, wait_for
+
+pytestmark = [pytest.mark.netem]
+
+H = 10
+_missing = [tool for tool in ("ip", "tc") if subprocess.run(["which", tool], capture_output=True).returncode]
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "p2pdiloco.cli", *args]
+
+
+class NsPeers:
+    """CLI processes started inside the emulated hosts; output files in tmp_path."""
+
+    def __init__(self, tmp_path):
+        self.tmp = tmp_path
+        self.procs = {}
+
+    def start(self, host, name, *args):
+        out = open(self.tmp / f"{name}.out", "w")
+        err = open(self.tmp / f"{name}.err", "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        p = host.popen(_cli(*args), stdout=out, stderr=err, cwd=str(self.tmp), env=env)
+        self.procs[name] = p
+        return p
+
+    def err(self, name):
+        return (self.tmp / f"{name}.err").read_text()
+
+    def alive(self):
+        return [n for n, p in self.procs.items() if p.poll() is None]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.geteuid() != 0 or bool(_missing), reason="needs root and iproute2 (ip netns) for the emulated network")
+def test_partition_then_heal_converges(tmp_path):
+    from p2pdiloco.bench.wan import EmulatedWAN, LinkSpec
+
+    peers = NsPeers(tmp_path)
+    dirs = {n: tmp_path / n for n in "abc"}
+    t_heal = None
+
+    def back_together():
+        return [r for r in ok_syncs(dirs["c"]) if r["time"] > t_heal and r["group_size"] == 3][:2]
+
+    with EmulatedWAN(3, LinkSpec(rate_mbit=1000)) as wan:
+        h0, h1, h2 = wan.hosts
+        boot = peers.start(h0, "boot", "bootstrap", "--identity", str(tmp_path / "boot.key"),
+                           "--host-maddrs", f"/ip4/{h0.address}/tcp/0")
+        addr = wait_for(lambda: next((l.strip() for l in (tmp_path / "boot.out").read_text().splitlines()
+                                      if h0.address in l and "/p2p/" in l), None), 90, "the bootstrap address")
+        # the tiny model (0.14 s per step): rounds take compute time, as on real volunteers
+        settings = [*FAST, "model.preset=tiny", "swarm.run_id=partition", f"inner.sync_every={H}", "train.max_outer_steps=1000",
+                    "swarm.min_peers_to_start=3", "swarm.matchmaking_timeout=10", "swarm.allreduce_timeout=10"]
+        for host, name in ((h0, "a"), (h1, "b"), (h2, "c")):
+            args = ["join", "--initial-peers", addr]
+            for s in (*settings, f"train.run_dir={tmp_path / name}", f"swarm.host_maddrs=/ip4/{host.address}/tcp/0"):
+                args += ["--set", s]
+            peers.start(host, name, *args)
+        wait_for(lambda: all(len([r for r in ok_syncs(d) if r["group_size"] == 3]) >= 2 for d in dirs.values()),
+                 150, "three-peer syncs before the partition", peers, list("abc"))
+
+        subprocess.run(["ip", "-n", wan.switch_netns, "link", "set", "p2", "down"], check=True)
+        t_part = time.time()
+        # both sides go on: the majority side as a pair, the isolated peer alone (min_group_size 1)
+        wait_for(lambda: len([r for r in ok_syncs(dirs["a"]) if r["time"] > t_part and r["group_size"] == 2]) >= 3
+                 and len([r for r in ok_syncs(dirs["c"]) if r["time"] > t_part and r["group_size"] == 1]) >= 3,
+                 120, "both sides to progress during the partition", peers, list("abc"))
+        subprocess.run(["ip", "-n", wan.switch_netns, "link", "set", "p2", "up"], check=True)
+        t_heal = time.time()
+        assert peers.alive() == ["boot", "a", "b", "c"], "a peer crashed during the partition"
+
+        wait_for(lambda: len(back_together()) >= 2, 150, "the three peers to sync together again", peers, list("abc"))
+        for name in ("c", "a", "b"):
+            p = peers.procs[name]
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(60) == 0, peers.err(name)[-3000:]
+        boot.send_signal(signal.SIGTERM)
+        boot.wait(30)
+
+    # during the partition each side had its own consistent state
+    during = {n: [r for r in ok_syncs(d) if t_part < r["time"] < t_heal] for n, d in dirs.items()}
+    a_d = {r["step"]: r["digest"] for r in during["a"]}
+    assert all(a_d.get(r["step"], r["digest"]) == r["digest"] for r in during["b"])
+    # after healing the isolated peer gave way to the majority's history (it was ahead in steps) ...
+    caught = [r for r in read_events(dirs["c"], "catch_up") if r["time"] > t_heal]
+    assert caught, "the isolated peer never adopted the majority's state"
+    a_digest = {r["step"]: r["digest"] for r in ok_syncs(dirs["a"])}
+    assert caught[0]["digest"] == a_digest[caught[0]["step"]]
+    # ... within two outer steps of the swarm after the link came back
+    rounds = [r for r in ok_syncs(dirs["a"]) if t_heal < r["time"] <= caught[0]["time"]]
+    assert len(rounds) <= 2, f"converged only after {len(rounds)} outer steps: {[r['step'] for r in rounds]}"
+    # and every sync all three completed afterwards gave them one digest
+    together = back_together()[0]["time"]
+    since = max(r["time"] for r in caught if r["time"] < together)
+    after = {n: {r["step"]: r["digest"] for r in ok_syncs(d) if r["time"] > since} for n, d in dirs.items()}
+    shared = sorted(set(after["a"]) & set(after["b"]) & set(after["c"]))
+    assert len(shared) >= 2 and all(len({after[n][s] for n in "abc"}) == 1 for s in shared), after
+    print(f"partition: converged {len(rounds)} outer step(s) after healing, "
+          f"{caught[0]['time'] - t_heal:.1f} s after the link came back")
