@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from p2pdiloco.bench.hivemind_dp import read_iface_bytes
+from p2pdiloco.bench.hivemind_dp import _count_partial_averages, read_iface_bytes
 from p2pdiloco.bench.run import BASELINES, MATRICES, MODES, format_table, summarize_mode
 
 _missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
@@ -37,6 +37,24 @@ def test_read_iface_bytes(tmp_path):
     assert read_iface_bytes("eth0", str(tmp_path / "missing")) is None
 
 
+def test_partial_averages_are_counted_across_fork():
+    """hivemind reports a partial average only as a warning, in its forked averager process."""
+    import logging
+    import multiprocessing
+
+    counter = _count_partial_averages()
+
+    def child():
+        log = logging.getLogger("hivemind.averaging.partition")
+        log.warning("Averaging: received 66.7% results")
+        log.warning("something else")
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0 and counter.value == 1
+
+
 def test_every_matrix_names_known_modes():
     for name, modes in MATRICES.items():
         assert modes, name
@@ -56,7 +74,7 @@ def _peer(t0, shift, val_at, sync_s):
         _ev("sync", t0 + 10, step=5, fragment=0, outer_step=1, ok=True, val_loss=val_at[0], sync_seconds=sync_s),
         _ev("sync", t0 + 15, step=10, fragment=0, outer_step=2, ok=False, val_loss=val_at[0], sync_seconds=1.0),
         _ev("sync", t0 + 20, step=10, fragment=0, outer_step=2, ok=True, val_loss=val_at[1], sync_seconds=sync_s),
-        _ev("summary", t0 + 20, inner_steps=10, bytes_sent=900, failed_syncs=1),
+        _ev("summary", t0 + 20, inner_steps=10, bytes_sent=900, failed_syncs=1, val_loss_end=val_at[1]),
     ]
 
 
@@ -83,7 +101,7 @@ def test_summarize_mode_on_fixture():
     # utilization = 1 - (time blocked in syncs) / wall, per peer, averaged
     assert m["utilization_per_peer"] == [pytest.approx(1 - 5 / 19.5, abs=1e-4), pytest.approx(1 - 7 / 19.5, abs=1e-4)]
     assert m["failed_syncs"] == 2
-    assert m["val_loss_final"] == 3.0
+    assert m["val_loss_final"] == 3.0 and m["val_loss_final_spread"] == 0.0
     baseline = summarize_mode(peers, samples, tokens_per_step=1024, baseline=True)
     assert baseline["counted_bytes_sent_per_peer"] is None   # hivemind counts nothing of its own
     # overlapped modes: the loop's own total of time blocked on the network wins over sync durations

@@ -22,10 +22,11 @@ replicas stay equal. Matchmaking uses ``target_group_size = peers`` (without it 
 waits the full matchmaking time; hivemind-notes trap 6). hivemind 1.1.12 forwards ``averager_opts``
 to the state averager only, not to the gradient averager (despite its docstring), so the group size
 reaches the gradient averager through ``grad_averager_factory``. Every peer waits before its first
-batch until all ``--peers`` have announced themselves in the DHT, and after it until hivemind's
-progress tracker sees them all (a peer is only visible there once it has accumulated samples): a
-peer that believes it is alone takes optimiser steps on its local gradients, and with parameter
-averaging off its replica would never rejoin the others. Gradients go uncompressed (fp32) or as
+batch until all ``--peers`` have announced themselves in the DHT; its first batch is accumulated
+and reported without ``step()``, and it waits until hivemind's progress tracker sees every peer (a
+peer is only visible there once it has accumulated samples) before finishing the step. Otherwise
+the tracker's first time-based estimate lets a peer that believes it is alone step on its local
+gradients, and with parameter averaging off its replica would never rejoin the others. Gradients go uncompressed (fp32) or as
 fp16 (``--grad-compression fp16``); hivemind's 8-bit codecs are avoided (trap 1).
 
 It writes ``<train.run_dir>/metrics.jsonl`` in the format of ``p2pdiloco join``:
@@ -38,8 +39,10 @@ It writes ``<train.run_dir>/metrics.jsonl`` in the format of ``p2pdiloco join``:
   previous event (accumulation, matchmaking, all-reduce, the optimiser step; also as
   ``wait_seconds``, the name ``p2pdiloco join`` uses for time blocked on a sync), ``compute_seconds``
   = forward/backward time, ``eval_seconds``, ``group_size`` = peers in hivemind's progress
-  tracker when the step began, ``ok`` = false when hivemind fell back to local gradients
-  (failed or skipped all-reduce; counted as ``failed_syncs``). ``bytes_sent``/``bytes_received`` are **interface** bytes (``/proc/net/dev`` of
+  tracker when the step began, ``ok`` = false (with ``error``) when hivemind fell back to local
+  gradients (failed or skipped all-reduce) or averaged only part of the gradient (trap 2: it keeps
+  local values for the parts that did not arrive and warns "Averaging: received NN% results");
+  both count as ``failed_syncs``. ``bytes_sent``/``bytes_received`` are **interface** bytes (``/proc/net/dev`` of
   ``--iface`` in this process's network namespace, everything: gradients, DHT, framing, TCP/IP
   and Ethernet headers) since the start event; hivemind has no counter of its own. The same values
   are also under ``iface_bytes_sent``/``iface_bytes_received``; ``null`` when the interface is missing.
@@ -101,8 +104,14 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="global steps to train (default: train.max_outer_steps * inner.sync_every)")
     p.add_argument("--eval-every", type=int, default=0, help="validate every this many steps (default: inner.sync_every)")
     p.add_argument("--grad-compression", choices=("none", "fp16"), default="none")
-    p.add_argument("--matchmaking-time", type=float, default=5.0, help="hivemind matchmaking_time, s")
+    p.add_argument("--matchmaking-time", type=float, default=15.0,
+                   help="hivemind matchmaking_time, s: how long a late peer may still join a step's group (the group "
+                        "starts as soon as all --peers are in; hivemind suggests 10-15 s over the internet)")
     p.add_argument("--averaging-timeout", type=float, default=120.0, help="hivemind averaging_timeout, s")
+    p.add_argument("--next-chunk-timeout", type=float, default=0.0,
+                   help="hivemind next_chunk_timeout, s: a peer silent this long is dropped from the average "
+                        "(default: averaging timeout / 2; hivemind's default, matchmaking_time, is too short for a "
+                        "10 Mbit/s link shared by 3 senders on a busy machine)")
     p.add_argument("--refresh-period", type=float, default=0.2,
                    help="hivemind progress tracker min_refresh_period, s (its default 0.5 adds latency to every step)")
     p.add_argument("--iface", default="eth0", help="interface whose counters are the byte counts")
@@ -188,6 +197,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
                              batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
         warmup = cfg.inner.warmup_steps
         compression = Float16Compression() if args.grad_compression == "fp16" else NoCompression()
+        partial = _count_partial_averages()  # before the averagers fork, so they inherit the handler
         opt = hivemind.Optimizer(
             dht=dht,
             run_id=run_id,
@@ -205,6 +215,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
             average_state_every=_NEVER,
             matchmaking_time=args.matchmaking_time,
             averaging_timeout=args.averaging_timeout,
+            next_chunk_timeout=args.next_chunk_timeout or args.averaging_timeout / 2,
             grad_compression=compression,
             grad_averager_factory=functools.partial(_LockstepGradientAverager, target_group_size=args.peers),
             tracker_opts=dict(min_refresh_period=args.refresh_period),
@@ -253,12 +264,16 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
             _, loss = model(x, y)
             loss.backward()
             t1 = time.perf_counter()
-            epoch_before, fallbacks_before = opt.local_epoch, fallbacks[0]
+            epoch_before, fallbacks_before, partial_before = opt.local_epoch, fallbacks[0], partial.value
             group_size = opt.tracker.global_progress.num_peers
-            opt.step()
-            opt.zero_grad(set_to_none=True)
             if batches == 0:
+                # The first batch is only accumulated and reported: hivemind's epoch-time estimate is
+                # meaningless before any step and would let step() finish the epoch alone, unaveraged.
+                opt._check_and_accumulate_gradients(x.shape[0], None)
                 _await_tracker(opt, args.peers, args.averaging_timeout, stop)
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
             # lockstep: one batch per peer per step. Wait until hivemind says the global batch is
             # complete, then let it average and step without accumulating anything new (batch_size=0).
             while opt.local_epoch == epoch_before and not stop:
@@ -282,7 +297,12 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
                 val = val_loss()
             eval_s = time.perf_counter() - t_eval
             sent, recv = iface()
-            ok = fallbacks[0] == fallbacks_before
+            error = None
+            if fallbacks[0] != fallbacks_before:
+                error = "all-reduce failed or skipped: hivemind stepped with this peer's local gradients"
+            elif partial.value != partial_before:
+                error = "partial average: hivemind kept local values for the parts that did not arrive (trap 2)"
+            ok = error is None
             failed += not ok
             metrics.write("sync", step=batches, fragment=0, outer_step=epoch, ok=ok,
                           loss=sum(window["losses"]) / len(window["losses"]), val_loss=val if fresh else None,
@@ -290,7 +310,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
                           wait_seconds=round(window["sync"], 4),
                           compute_seconds=round(window["compute"], 4), eval_seconds=round(eval_s, 4),
                           samples=window["samples"], bytes_sent=sent, bytes_received=recv,
-                          iface_bytes_sent=sent, iface_bytes_received=recv, digest=None, error=None)
+                          iface_bytes_sent=sent, iface_bytes_received=recv, digest=None, error=error)
             totals["compute"] += window["compute"]
             totals["sync"] += window["sync"]
             totals["eval"] += eval_s
@@ -321,6 +341,27 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
             except Exception as e:  # shutting down: report, do not mask the real outcome
                 logger.warning(f"hivemind.Optimizer shutdown failed: {e!r}")
         dht.shutdown()
+
+
+def _count_partial_averages() -> Any:
+    """A shared counter of hivemind's "Averaging: received NN% results" warnings.
+
+    hivemind's averagers run in forked processes and report a partial average (some parts missing,
+    local values kept for them; hivemind-notes trap 2) only as that warning, so a handler on its
+    logger increments a counter in shared memory that this process can read.
+    """
+    import multiprocessing
+
+    counter = multiprocessing.get_context("fork").Value("i", 0)
+
+    class _Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("Averaging: received"):
+                with counter.get_lock():
+                    counter.value += 1
+
+    logging.getLogger("hivemind.averaging.partition").addHandler(_Handler(logging.WARNING))
+    return counter
 
 
 def _await_tracker(opt: Any, peers: int, timeout: float, stop: List[int]) -> None:

@@ -450,6 +450,8 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
     if not baseline and all(summaries):
         counted = sum(int(s.get("bytes_sent") or 0) for s in summaries) / n
     failed = sum(int(s.get("failed_syncs") or 0) for s in summaries if s)
+    # every replica should end with the same model: a spread means they diverged
+    finals = [float(s["val_loss_end"]) for s in summaries if s and s.get("val_loss_end") is not None]
     return {
         "peers": n,
         "wall_seconds": round(wall, 2),
@@ -457,6 +459,8 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
         "inner_steps_per_peer": inner_steps,
         "val_loss_start": val0,
         "val_loss_final": curve[-1]["val_loss"],
+        "val_loss_final_per_peer": finals,
+        "val_loss_final_spread": max(finals) - min(finals) if finals else None,
         "bytes_sent_per_peer": sum(sent) / n,
         "bytes_sent_per_peer_max": max(sent),
         "bytes_received_per_peer": sum(recv) / n,
