@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import random
 import struct
 import time
@@ -59,16 +58,16 @@ _WEIRD = [0, -1, 2**31, 2**63 - 1, -2**63, 1e308, float("nan"), float("inf"), ""
 MUST_REFUSE = {"length0", "length_huge", "types", "nested"}
 
 
-def _mutate(rng: random.Random, seed: bytes, header: dict):
-    kind, data = _mutate_kind(rng, seed, header)
+def _mutate(rng: random.Random, seed: bytes, header: dict, force: int = -1):
+    kind, data = _mutate_kind(rng, seed, header, force)
     if kind == "length":
         n = struct.unpack(">I", data[:4])[0]
         kind = "length0" if n == 0 else "length_huge" if n > MAX_HEADER else "length"
     return kind, data
 
 
-def _mutate_kind(rng: random.Random, seed: bytes, header: dict):
-    kind = rng.randrange(9)
+def _mutate_kind(rng: random.Random, seed: bytes, header: dict, force: int = -1):
+    kind = rng.randrange(9) if force < 0 else force
     names = ["flip", "truncate", "length", "field", "types", "nested", "garbage", "payload_lie", "junk"]
     return names[kind], _mutation(kind, rng, seed, header)
 
@@ -103,12 +102,12 @@ def _mutation(kind: int, rng: random.Random, seed: bytes, header: dict) -> bytes
         body = b"\x91" * depth + b"\x00"
         return struct.pack(">I", len(body)) + body
     if kind == 6:  # random garbage
-        return os.urandom(rng.randrange(1, 2048))
+        return rng.randbytes(rng.randrange(1, 2048))
     if kind == 7:  # a valid frame with a declared payload size that is a lie
         h = dict(header, n=rng.choice([2**40, -5, 3, 10**7]))
         body = msgpack.packb(h, use_bin_type=True)
-        return struct.pack(">I", len(body)) + body + os.urandom(rng.randrange(64))
-    return seed + os.urandom(rng.randrange(1, 256))  # trailing junk
+        return struct.pack(">I", len(body)) + body + rng.randbytes(rng.randrange(64))
+    return seed + rng.randbytes(rng.randrange(1, 256))  # trailing junk
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +146,25 @@ def test_fuzz_every_handler(pair):
     kinds: dict = {}
     target_id = PeerID.from_base58(target.peer_id_str)
 
-    async def one(handler: str) -> None:
-        seed = rng.choice(seeds[handler])
-        header = msgpack.unpackb(seed[4:4 + struct.unpack(">I", seed[:4])[0]], raw=False)
-        kind, data = _mutate(rng, seed, header)
+    def messages(n: int, coverage: bool):
+        """n mutated messages, round-robin over the handlers, drawn up front from the seeded RNG (the
+        same messages every run); with ``coverage`` every complete-but-invalid kind 8x per handler."""
+        out = []
+        for i in range(n):
+            handler = ("join", "part", "state")[i % 3]
+            force = -1
+            if coverage and i < 3 * 8 * 3:  # kinds 2 (length lies), 4 (types), 5 (nesting)
+                force = (2, 4, 5)[(i // 3) % 3]
+            seed = rng.choice(seeds[handler])
+            header = msgpack.unpackb(seed[4:4 + struct.unpack(">I", seed[:4])[0]], raw=False)
+            kind, data = _mutate(rng, seed, header, force)
+            if force == 2:  # make the length lie one that is complete on arrival
+                data = struct.pack(">I", rng.choice([0, MAX_HEADER + 1, 2**32 - 1])) + data[4:]
+                kind = "length0" if data[:4] == b"\0\0\0\0" else "length_huge"
+            out.append((handler, kind, data))
+        return out
+
+    async def one(handler: str, kind: str, data: bytes) -> None:
         _, reader, writer = await attacker.p2p.call_binary_stream_handler(target_id, f"p2pdiloco.{RUN}.{handler}")
         refused = False
         try:
@@ -170,12 +184,10 @@ def test_fuzz_every_handler(pair):
             k[0] += 1
             k[1] += refused
 
-    async def fuzz(n: int) -> None:
-        handlers = ["join", "part", "state"]
-
+    async def fuzz(batch) -> None:
         async def worker(k: int) -> None:
-            for i in range(k, n, 8):
-                await one(handlers[i % 3])
+            for i in range(k, len(batch), 8):
+                await one(*batch[i])
 
         await asyncio.gather(*(worker(k) for k in range(8)))
 
@@ -190,9 +202,9 @@ def test_fuzz_every_handler(pair):
                 "inflight": target.gate.inflight()}
 
     t0 = time.time()
-    attacker.call(fuzz(N_WARMUP), timeout=240)
+    attacker.call(fuzz(messages(N_WARMUP, coverage=True)), timeout=240)
     before = settle()
-    attacker.call(fuzz(N_MEASURED), timeout=240)
+    attacker.call(fuzz(messages(N_MEASURED, coverage=False)), timeout=240)
     after = settle()
     elapsed = time.time() - t0
     print(f"\nfuzz: {counts['sent']} messages in {elapsed:.1f} s; replies {counts['replies']} "

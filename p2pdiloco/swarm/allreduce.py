@@ -61,9 +61,9 @@ __all__ = ["Group", "AllReducer", "make_group_id", "shard_bounds"]
 logger = logging.getLogger(__name__)
 
 #: parts for groups this owner has not formed yet wait for it; at most this many such groups at once
-MAX_PENDING_ROUNDS = 64
+MAX_PENDING_ROUNDS = 256
 #: ... and at most this many opened by one sender
-MAX_PENDING_PER_PEER = 8
+MAX_PENDING_PER_PEER = 16
 
 
 def make_group_id(run_id: str, frag: int, round_: int, members: Sequence[str]) -> str:

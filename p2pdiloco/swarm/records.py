@@ -28,10 +28,14 @@ Defences (reliability.md row 9):
   and the newer one is kept until it expires (a newer record is never replaced by an older one);
 * **malformed** records: schema-checked on store and again on read, by the reader's own code.
 
-What signing cannot stop: a peer lying in *its own* records (e.g. claiming a huge step). Readers
-treat those as unverified claims: :func:`p2pdiloco.swarm.state_sync.pick_target` needs two
-matching claims before anyone downloads state, and a group record counts only when its writer is
-the group's leader (its smallest member).
+What signing cannot stop: a peer lying in *its own* records. Readers treat those as unverified
+claims: :func:`p2pdiloco.swarm.state_sync.pick_target` needs two matching claims of a step before
+anyone downloads state (when two or more other peers are live; with a single other peer there is
+nobody to corroborate it), a group record counts only when its writer is the group's leader (its
+smallest member), and the run's fingerprint is the one most peers claim. Known limits: a peer can
+still claim a group (led by itself) that leaves someone out, which makes that peer skip the round
+and catch up; a ``next_sync`` claim makes others wait for it up to the matchmaking timeout; and
+several identities of one attacker (Sybils) count as several peers.
 """
 from __future__ import annotations
 
