@@ -533,7 +533,8 @@ def _plot(results: Dict[str, Any], out: str) -> List[str]:
     paths = []
     specs = [
         ("loss_vs_tokens.png", "tokens (all peers)", lambda c: c["tokens"], "val_loss", "validation loss vs tokens"),
-        ("loss_vs_time.png", "wall-clock seconds", lambda c: c["seconds"], "val_loss", "validation loss vs wall time"),
+        ("loss_vs_time.png", "wall-clock seconds (symlog)", lambda c: c["seconds"], "val_loss",
+         "validation loss vs wall time"),
     ]
     for fname, xlabel, xf, _, title in specs:
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
@@ -541,6 +542,9 @@ def _plot(results: Dict[str, Any], out: str) -> List[str]:
             ax.plot([xf(c) for c in m["curve"]], [c["val_loss"] for c in m["curve"]], marker=".", label=name)
         if target is not None:
             ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:.3f}")
+        if fname == "loss_vs_time.png":
+            ax.set_xscale("symlog", linthresh=10)  # the baseline takes far longer: keep the others readable
+            ax.set_xlim(left=0)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss (nats/token)")
         ax.set_title(title, fontsize=10)
@@ -640,11 +644,11 @@ def _git_state() -> Dict[str, Any]:
     """The commit benchmarked and the files that differed from it (the tree is what ran)."""
     def git(*a: str) -> str:
         try:
-            return subprocess.run(["git", "-C", _REPO, *a], capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(["git", "-C", _REPO, *a], capture_output=True, text=True, timeout=10).stdout.rstrip()
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    return {"commit": git("rev-parse", "HEAD"),
+    return {"commit": git("rev-parse", "HEAD").strip(),
             "modified": [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]}
 
 
@@ -777,7 +781,23 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="swarm.allreduce_timeout / hivemind averaging_timeout, s (default: sized for the link)")
     p.add_argument("--out", default=None, help="output directory (default bench_results/<UTC date-time>)")
     p.add_argument("--cleanup-stale", action="store_true", help="first remove namespaces of dead benchmark runs")
+    p.add_argument("--replot", metavar="DIR", help="only redraw the plots and table of DIR/results.json (no root needed)")
     return p
+
+
+def replot(out: str) -> Dict[str, Any]:
+    """Redraw the plots and table of an existing run from its results.json."""
+    path = os.path.join(out, "results.json")
+    if not os.path.isfile(path):
+        raise UserError(f"{path} not found: give the output directory of a benchmark run")
+    with open(path) as f:
+        results = json.load(f)
+    results["plots"] = _plot(results, out)
+    table = format_table(results)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    return results
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -789,6 +809,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.out = os.path.join("bench_results", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        if args.replot:
+            replot(args.replot)
+            return 0
         results = run_benchmark(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
