@@ -2,19 +2,33 @@
 
 The public API is what ``__all__`` lists; everything else is internal and may change.
 """
-from .api import join_swarm, leave_swarm, model_signature
-from .config import RunConfig, load_config
-from .data import BatchStream, Corpus, DataConfig, evaluate, load_corpus
-from .diloco.core import DiLoCo, SyncReport
-from .errors import (
-    CheckpointError,
-    ConfigError,
-    P2PDilocoError,
-    SyncFailed,
-    UserError,
-    WireError,
-)
-from .model import GPT, ModelConfig, build_model
+import importlib
+from typing import Any
+
+# Lazy exports (PEP 562): `p2pdiloco bootstrap` and `status` need no torch, so importing the package
+# must not import it. Each public name is loaded from its module on first use.
+_EXPORTS = {
+    "join_swarm": ".api", "leave_swarm": ".api", "model_signature": ".api",
+    "RunConfig": ".config", "load_config": ".config",
+    "BatchStream": ".data", "Corpus": ".data", "DataConfig": ".data", "evaluate": ".data", "load_corpus": ".data",
+    "DiLoCo": ".diloco.core", "SyncReport": ".diloco.core",
+    "CheckpointError": ".errors", "ConfigError": ".errors", "P2PDilocoError": ".errors", "SyncFailed": ".errors",
+    "UserError": ".errors", "WireError": ".errors",
+    "GPT": ".model", "ModelConfig": ".model", "build_model": ".model",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'p2pdiloco' has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(list(globals()) + list(_EXPORTS))
+
 
 __version__ = "0.1.0"
 
