@@ -170,8 +170,9 @@ class CompressionConfig:
 
     #: fp32 (lossless), fp16, or a 4-bit blockwise codec: e3m0 (Streaming DiLoCo), nf4, fp4
     codec: str = "fp32"
-    #: carry what a lossy codec / the low-rank projection dropped into the next round (per peer)
-    error_feedback: bool = True
+    #: carry what a lossy codec / the low-rank projection dropped into the next round (per peer).
+    #: Off by default: measured no gain with 4-bit and a loss with low-rank (docs/compression.md)
+    error_feedback: bool = False
     #: send 2-D blocks as low-rank factors P (rows x r) and Q (cols x r): 2 all-reduces per sync (+1 tiny)
     lowrank: bool = False
     #: initial and largest rank per matrix

@@ -94,13 +94,13 @@ def _cfg(*sets):
 # ---- configuration ------------------------------------------------------------------------------
 def test_config_keys_validation_and_fingerprint():
     cfg = _cfg("compression.codec=nf4", "compression.lowrank=true", "compression.rank=8", "compression.min_rank=2",
-               "compression.energy_target=0.8", "compression.min_numel=100", "compression.error_feedback=false",
+               "compression.energy_target=0.8", "compression.min_numel=100", "compression.error_feedback=true",
                "compression.adaptive=false")
     c = cfg.compression
     assert (c.codec, c.lowrank, c.rank, c.min_rank, c.energy_target, c.min_numel, c.error_feedback, c.adaptive) == \
-        ("nf4", True, 8, 2, 0.8, 100, False, False)
+        ("nf4", True, 8, 2, 0.8, 100, True, False)
     base = _cfg().fingerprint()
-    for s in ("compression.lowrank=true", "compression.rank=2", "compression.error_feedback=false",
+    for s in ("compression.lowrank=true", "compression.rank=2", "compression.error_feedback=true",
               "compression.codec=e3m0", "compression.energy_target=0.5"):
         assert _cfg(s).fingerprint() != base, s
     for bad, key in [("compression.rank=0", "compression.rank"), ("compression.min_rank=5", "compression.min_rank"),
@@ -116,9 +116,9 @@ def test_make_reducer_picks_by_config():
     assert isinstance(make_reducer(_cfg(), params), PlainReducer)
     assert isinstance(make_reducer(_cfg("compression.codec=fp32", "compression.error_feedback=true"), params),
                       PlainReducer)  # lossless: nothing to feed back
-    assert isinstance(make_reducer(_cfg("compression.codec=e3m0", "compression.error_feedback=false"), params),
-                      PlainReducer)
-    assert isinstance(make_reducer(_cfg("compression.codec=e3m0"), params), QuantizedReducer)
+    assert isinstance(make_reducer(_cfg("compression.codec=e3m0"), params), PlainReducer)  # feedback is opt-in
+    assert isinstance(make_reducer(_cfg("compression.codec=e3m0", "compression.error_feedback=true"), params),
+                      QuantizedReducer)
     lr = make_reducer(_cfg("compression.codec=e3m0", "compression.lowrank=true", "compression.min_numel=1000"),
                       params)
     assert isinstance(lr, LowRankReducer) and lr.comp.lowrank_indices == [0] and lr.comp.small_indices == [1]
@@ -254,7 +254,7 @@ def test_lowrank_reducer_phases_codecs_and_exact_recovery():
 def test_lowrank_reducer_with_4bit_factors_is_identical_and_feeds_back():
     gen = torch.Generator().manual_seed(4)
     group = SimGroup(3, codec=E3M0)
-    reds = _lowrank_reducers(3, E3M0, rank=2)
+    reds = _lowrank_reducers(3, E3M0, rank=2, error_feedback="true")
     true_sum = applied = torch.zeros(sum(s.numel() for s in SHAPES))
     for _ in range(4):
         deltas = [torch.randn(true_sum.numel(), generator=gen) for _ in range(3)]
@@ -285,7 +285,7 @@ def _lowrank_residual(red):
 
 def test_lowrank_reducer_failed_sync_leaves_state_and_next_round_works():
     gen = torch.Generator().manual_seed(5)
-    reds = _lowrank_reducers(2, FP32, rank=2)
+    reds = _lowrank_reducers(2, FP32, rank=2, error_feedback="true")
     SimGroup(2).run(reds, _lowrank_deltas(gen, 2, 2))
     before = [r.state_dict() for r in reds]
     with pytest.raises(SyncFailed):
@@ -339,8 +339,8 @@ class _Stream:
         pass
 
 
-@pytest.mark.parametrize("sets", [["compression.codec=e3m0"],
-                                  ["compression.codec=e3m0", "compression.lowrank=true"]])
+@pytest.mark.parametrize("sets", [["compression.codec=e3m0", "compression.error_feedback=true"],
+                                  ["compression.codec=e3m0", "compression.lowrank=true", "compression.error_feedback=true"]])
 def test_reducer_state_survives_a_checkpoint(tmp_path, sets):
     """Save after two syncs, restore into fresh objects through the real checkpoint files: the
     next sync of the restored peer is bitwise the same as the original's."""
@@ -381,7 +381,7 @@ def test_reducer_state_survives_a_checkpoint(tmp_path, sets):
 
 def test_adopting_swarm_state_resets_residuals():
     cfg = load_config("peers/tiny-cpu.toml", ["inner.sync_every=1", "compression.codec=e3m0",
-                                              "compression.lowrank=true"])
+                                              "compression.lowrank=true", "compression.error_feedback=true"])
     torch.manual_seed(0)
     m = build_model(cfg.model)
     d = DiLoCo(m, cfg)
@@ -400,7 +400,7 @@ def test_state_dict_does_not_wait_for_a_sync_in_flight():
     """Checkpoints are taken while a background sync may run (streaming overlap): state_dict
     returns at once the state after the last completed sync."""
     gen = torch.Generator().manual_seed(6)
-    (red,) = _lowrank_reducers(1, E3M0, rank=2)
+    (red,) = _lowrank_reducers(1, E3M0, rank=2, error_feedback="true")
     SimGroup(1, codec=E3M0).run([red], _lowrank_deltas(gen, 1, 2))
     done = red.state_dict()
     entered, release = threading.Event(), threading.Event()

@@ -232,7 +232,7 @@ def test_lowrank_over_the_swarm_recovers_rank_r_and_agrees(clean, codec_name):
     0.6 of it in relative L2 and error feedback keeps the rest for later rounds."""
     codec = get_codec(codec_name)
     cfg = load_config(None, [f"compression.codec={codec_name}", "compression.lowrank=true", "compression.rank=3",
-                             "compression.min_numel=1000"])
+                             "compression.min_numel=1000", "compression.error_feedback=true"])
     reds = [make_reducer(cfg, [torch.zeros(s) for s in SHAPES]) for _ in range(3)]
     refs = [make_reducer(cfg, [torch.zeros(s) for s in SHAPES]) for _ in range(3)]
     weights = [1.0, 2.0, 1.0]

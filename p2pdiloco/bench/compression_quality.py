@@ -44,10 +44,11 @@ SETTINGS: Dict[str, Tuple[str, ...]] = {
     "e3m0-ef": ("compression.codec=e3m0", "compression.error_feedback=true"),
     "nf4": ("compression.codec=nf4", "compression.error_feedback=false"),
     "nf4-ef": ("compression.codec=nf4", "compression.error_feedback=true"),
-    "lowrank": ("compression.codec=fp32", "compression.lowrank=true"),
-    "e3m0-lowrank": ("compression.codec=e3m0", "compression.lowrank=true"),
-    "e3m0-lowrank-r16": ("compression.codec=e3m0", "compression.lowrank=true", "compression.rank=16"),
-    "e3m0-lowrank-noef": ("compression.codec=e3m0", "compression.lowrank=true", "compression.error_feedback=false"),
+    "lowrank": ("compression.codec=fp32", "compression.lowrank=true", "compression.error_feedback=false"),
+    "e3m0-lowrank": ("compression.codec=e3m0", "compression.lowrank=true", "compression.error_feedback=false"),
+    "e3m0-lowrank-ef": ("compression.codec=e3m0", "compression.lowrank=true", "compression.error_feedback=true"),
+    "e3m0-lowrank-r16-ef": ("compression.codec=e3m0", "compression.lowrank=true", "compression.rank=16",
+                            "compression.error_feedback=true"),
 }
 
 
@@ -149,7 +150,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--set", action="append", default=[], help="section.key=value override (repeatable)")
     ap.add_argument("--peers", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--settings", default="fp32,e3m0,e3m0-ef,e3m0-lowrank", help=f"any of {', '.join(SETTINGS)}")
+    ap.add_argument("--settings", default="fp32,e3m0,e3m0-ef,e3m0-lowrank,e3m0-lowrank-ef", help=f"any of {', '.join(SETTINGS)}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
