@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import msgpack
 import pytest
@@ -212,7 +212,6 @@ def test_bad_contributions_never_reach_honest_parameters(nodes, monkeypatch):
 
     from torch import nn
 
-    from p2pdiloco import swarm as _  # noqa: F401
     from p2pdiloco.config import RunConfig
     from p2pdiloco.diloco.core import DiLoCo
     import p2pdiloco.swarm.swarm as swarm_mod

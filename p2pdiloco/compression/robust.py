@@ -35,7 +35,7 @@ result (encoded once, sent to every member) is the same bytes for everyone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 import torch
 

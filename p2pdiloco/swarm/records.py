@@ -46,7 +46,7 @@ from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import msgpack
-from pydantic.v1 import BaseModel, Extra, StrictBool, StrictFloat, StrictInt, StrictStr, conint, conlist, constr, root_validator
+from pydantic.v1 import BaseModel, Extra, StrictBool, StrictFloat, StrictInt, conint, conlist, constr, root_validator
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
