@@ -57,7 +57,7 @@ def test_kill_during_checkpoint_write_then_resume_exactly(procs, tmp_path):
     with open(find_checkpoint(str(run_dir)), "r+b") as f:
         f.truncate(1000)
     r = procs.start(*join_args(None, run_dir, *run, "train.max_outer_steps=6"), name="r")
-    assert procs.wait(r, 60) == 2
+    assert procs.wait(r, 120) == 2
     err = procs.err("r")
     assert "Traceback" not in err and [l for l in err.splitlines() if l.startswith("error:")] == [
         l for l in err.splitlines() if "corrupt" in l], err[-2000:]

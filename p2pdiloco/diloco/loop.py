@@ -43,6 +43,8 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
     from ..swarm.swarm import Swarm
 
     faults.install_from_env()  # P2PDILOCO_FAULTS: fault injection for tests (p2pdiloco/faults.py)
+    stop = stop_flag if stop_flag is not None else []
+    _install_signal_handlers(stop)  # from the start: a SIGTERM while starting up still leaves cleanly
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = cfg.train.resolved_device()
@@ -150,8 +152,6 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
         swarm.start_publishing()
         _wait_for_peers(swarm, cfg, me)
 
-        stop = stop_flag if stop_flag is not None else []
-        _install_signal_handlers(stop)
         state = {"losses": [], "val": val0, "syncs": 0, "failed": 0, "samples": 0, "steps": 0}
         t_start = time.time()
         bar = _ProgressLine(cfg, me)

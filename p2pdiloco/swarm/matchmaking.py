@@ -24,11 +24,17 @@
    the swarm (claimed by enough peers, see ``state_sync.pick_target``) at or beyond its own
    ``sync_step`` is *behind* (a straggler that woke up): it raises :class:`RoundMissed` before it
    announces anything, so it never contributes to a round that is already over.
-6. Only a group holding at least half of the peers due at the round makes the others miss it. A
-   smaller one (a peer cut off by a partition that synced alone, a leader that saw nobody ready)
-   does not: the others form their own group for that round, and the small group's members then
-   give way to the majority's state (``state_sync.rival_lineage``). The ``closed`` refusal says
-   how big the closed group is, so a joiner can tell.
+6. A group that formed without us makes us miss the round only if it is *our* round: it holds one
+   of the peers of our latest group (our history went on without us), or, when we have no
+   recent partners (just joined), at least half of the live peers. A group of peers we have not
+   been syncing with (the other side of a partition, an isolated peer that ran ahead alone) is
+   not: we form our own group for that round, and the minority history later gives way
+   (``state_sync.rival_lineage``). The ``closed`` refusal says how big the closed group is.
+7. DHT views differ (a record not yet replicated, a node that just died). So a leader also waits
+   (``join_grace``) for the peers due now whose ready record it did not see, a peer first asks
+   such unseen peers with a smaller id (briefly) before it leads itself, and a peer about to
+   sync alone while others are live re-reads the DHT once more before it does: a missed record
+   must not split a round into two groups.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
 
 from ..errors import MatchmakingFailed, RoundMissed, WireError
 from .allreduce import Group, make_group_id
@@ -92,6 +98,7 @@ class Matchmaker:
         self.adaptive = True
         self.handler_name = f"p2pdiloco.{run_id}.join"
         self._slots: Dict[Tuple[int, int], _Slot] = {}
+        self._live_count = 1  # live peers (us included) at the last read of the progress records
         #: recently finalized groups by (fragment, round): the training loop reads a sync's group id here
         self.groups: Dict[Tuple[int, int], Group] = {}
         node.add_handler(self.handler_name, self._handle_join)
@@ -114,14 +121,13 @@ class Matchmaker:
         slot = self._slot(frag, round_)
         key = self._key(frag, round_)
         ttl = self.matchmaking_timeout * 3
+        if sync_step is not None:
+            self._check_not_behind(await self._live_peers(), frag, round_, sync_step)
         await self._check_not_missed(frag, round_, expected)
         start = time.monotonic()
         hard_deadline = start + self.matchmaking_timeout
         deadline = hard_deadline
         first_seen: Dict[Tuple[str, Any], float] = {}
-        if sync_step is not None:
-            peers = await self._live_peers()
-            self._check_not_behind(peers, frag, round_, sync_step)
         await self.node.astore(key, {"t": time.time()}, ttl=ttl, subkey=me)
         ready: Set[str] = {me}
         waiting_for: Set[str] = set()
@@ -148,18 +154,28 @@ class Matchmaker:
             ready |= {p for p in await self.node.aget_subkeys(key) if not self.node.gate.banned(p)}
             self._check_not_behind(await self._live_peers(), frag, round_, sync_step)
         await self._check_not_missed(frag, round_, expected)
-        candidates = sorted(ready)
+        # Live peers due now whose ready record we did not see and whose id is smaller than ours may be
+        # leading already (DHT views differ): ask them first, briefly, rather than lead a split group.
+        unseen = waiting_for - ready
+        candidates = sorted(ready | {u for u in unseen if u < me})
         tried: Set[str] = set()
         while candidates:
             leader = candidates[0]
             if leader == me:
-                return self._remember(await self._lead(slot, frag, round_, set(candidates) - {me},
-                                                       waiting_for - ready, expected))
+                led = await self._lead(slot, frag, round_, (set(candidates) & ready) - {me}, unseen, expected,
+                                       skip=tried)
+                if isinstance(led, Group):
+                    return self._remember(led)
+                ready.add(led)  # stepped down for a smaller ready peer: join it
+                candidates = sorted(set(candidates) | {led})
+                tried.discard(led)
+                continue
             tried.add(leader)
             slot.leader = leader
             slot.decided.set()
             try:
-                group, hint = await self._join(leader, frag, round_, expected)
+                group, hint = await self._join(leader, frag, round_, expected,
+                                               timeout=None if leader in ready else 2 * self.join_grace)
             except MatchmakingFailed:
                 slot.closed = True
                 raise
@@ -167,7 +183,7 @@ class Matchmaker:
                 slot.final = group
                 return self._remember(group)
             candidates.remove(leader)
-            if hint and hint not in tried and hint in ready:
+            if hint and hint not in tried and (hint in ready or hint in unseen) and len(tried) < 8:
                 candidates.remove(hint) if hint in candidates else None
                 candidates.insert(0, hint)
             slot.leader = None
@@ -181,10 +197,13 @@ class Matchmaker:
         return group
 
     async def _lead(self, slot: _Slot, frag: int, round_: int, expected_joiners: Set[str],
-                    unseen: Set[str] = frozenset(), due: Optional[int] = None) -> Group:
+                    unseen: Set[str] = frozenset(), due: Optional[int] = None,
+                    skip: Set[str] = frozenset()) -> Union[Group, str]:
         """Admit joiners for up to ``join_grace`` seconds: everyone we saw ready, plus the live peers due
         at this sync whose ready record we did not see (DHT views differ: a record we missed must not
-        split the round into two groups). Ready records are re-read meanwhile."""
+        split the round into two groups). Ready records are re-read meanwhile; if one shows a ready
+        peer with a smaller id than ours, we were not the leader after all: we step down before
+        closing anything (our joiners are sent there) and return that peer's id."""
         me = self.node.peer_id_str
         slot.leading = True
         slot.decided.set()
@@ -196,7 +215,18 @@ class Matchmaker:
                 await asyncio.wait_for(slot.joined_event.wait(), timeout=max(0.01, min(0.3, grace_end - time.monotonic())))
             except asyncio.TimeoutError:
                 pass
-            expected_joiners |= set((await self.node.aget_subkeys(key)).keys()) - {me}
+            seen = {p for p in await self.node.aget_subkeys(key) if not self.node.gate.banned(p)} - {me}
+            smaller = sorted(p for p in seen - expected_joiners if p < me and p not in slot.joiners and p not in skip)
+            expected_joiners |= seen
+            if smaller:
+                slot.leading, slot.leader = False, smaller[0]
+                for fut in slot.joiners.values():
+                    if not fut.done():
+                        fut.set_result(smaller[0])  # -> "not leader", hint: the real leader
+                slot.joiners.clear()
+                logger.info(f"[{self.node.short_id}] {smaller[0][-6:]} is ready too and has a smaller id: it leads "
+                            f"fragment {frag} round {round_}")
+                return smaller[0]
         slot.closed = True
         try:
             await self._check_not_missed(frag, round_, due)
@@ -228,7 +258,9 @@ class Matchmaker:
 
     async def _live_peers(self) -> Dict[str, Dict[str, Any]]:
         peers = await self.node.aget_subkeys(f"{self.run_id}:progress")
-        return {pid: v for pid, v in peers.items() if not v.get("gone") and not self.node.gate.banned(pid)}
+        live = {pid: v for pid, v in peers.items() if not v.get("gone") and not self.node.gate.banned(pid)}
+        self._live_count = len(set(live) | {self.node.peer_id_str})
+        return live
 
     def _check_not_behind(self, peers: Dict[str, Dict[str, Any]], frag: int, round_: int, sync_step: int) -> None:
         """Raise RoundMissed when the swarm verifiably synced at or beyond ``sync_step`` already."""
@@ -258,18 +290,36 @@ class Matchmaker:
     def _group_key(self, frag: int, round_: int) -> str:
         return f"{self.run_id}:group:{frag}:{round_}"
 
+    def _partners(self) -> Set[str]:
+        """The peers of our latest group of each fragment: our current history (lineage)."""
+        latest: Dict[int, Group] = {}
+        for g in self.groups.values():
+            if g.frag not in latest or g.round > latest[g.frag].round:
+                latest[g.frag] = g
+        return {m for g in latest.values() for m in g.members} - {self.node.peer_id_str}
+
+    def _authoritative(self, members: Sequence[str], due: Optional[int]) -> bool:
+        """Does a group that formed without us mean we missed the round? Yes if it holds one of our
+        recent group partners (our own history went on without us). If we have none (we just joined
+        or synced alone), yes if it holds at least half of the live peers. A group of peers we have
+        not been syncing with (the other side of a partition) is not our round."""
+        partners = self._partners()
+        if partners:
+            return bool(partners & set(members))
+        return due is None or 2 * len(members) >= max(due, self._live_count)
+
     async def _check_not_missed(self, frag: int, round_: int, due: Optional[int] = None) -> None:
-        """Raise RoundMissed when a group for this round already closed without us and holds at least
-        half of the ``due`` peers (a smaller one, e.g. one side of a partition, is not the round)."""
+        """Raise RoundMissed when a group for this round already closed without us and counts as our
+        round (:meth:`_authoritative`)."""
         me = self.node.peer_id_str
         for leader, value in (await self.node.aget_subkeys(self._group_key(frag, round_))).items():
             members = value.get("members")
-            if isinstance(members, list) and me not in members and (due is None or 2 * len(members) >= due):
+            if isinstance(members, list) and me not in members and self._authoritative(members, due):
                 raise RoundMissed(f"missed the group for fragment {frag}, round {round_}: "
                                         f"{len(members)} peer(s) synced it without us")
 
-    async def _join(self, leader: str, frag: int, round_: int,
-                    due: Optional[int] = None) -> Tuple[Optional[Group], Optional[str]]:
+    async def _join(self, leader: str, frag: int, round_: int, due: Optional[int] = None,
+                    timeout: Optional[float] = None) -> Tuple[Optional[Group], Optional[str]]:
         """Ask ``leader`` to admit us. (group, None) when admitted, (None, hint) when refused."""
         from hivemind.p2p import PeerID
 
@@ -285,7 +335,7 @@ class Matchmaker:
             await write_frame(writer, {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_},
                               traffic=traffic)
             reply, _ = await asyncio.wait_for(read_frame(reader, 0, traffic, leader),
-                                              timeout=self.matchmaking_timeout + self.join_grace + 10)
+                                              timeout=timeout or self.matchmaking_timeout + self.join_grace + 10)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, WireError) as e:
             logger.info(f"[{self.node.short_id}] join with {leader[-6:]} failed ({type(e).__name__}); trying the next")
             return None, None
@@ -302,8 +352,8 @@ class Matchmaker:
             return Group(gid=gid, members=tuple(members), my_index=members.index(me), frag=frag, round=round_), None
         reason = reply.get("reason")
         size = reply.get("size")
-        if reason == "closed" and due is not None and isinstance(size, int) and 2 * size < due:
-            logger.info(f"[{self.node.short_id}] leader {leader[-6:]} closed a group of {size} of the {due} peers due "
+        if reason == "closed" and isinstance(size, int) and not self._authoritative([leader] * size, due):
+            logger.info(f"[{self.node.short_id}] leader {leader[-6:]} closed a group of {size} outside our history "
                         f"for fragment {frag} round {round_}; forming one with the others")
             return None, None
         if reason == "closed":
@@ -349,7 +399,9 @@ class Matchmaker:
             slot.joiners[sender] = fut
             slot.joined_event.set()
             group = await fut
-            if group is None:
+            if isinstance(group, str):  # we stepped down: a peer with a smaller id leads this round
+                await write_frame(writer, {"t": "refuse", "reason": "not leader", "hint": group}, traffic=traffic)
+            elif group is None:
                 await write_frame(writer, {"t": "refuse", "reason": "group too small"}, traffic=traffic)
             else:
                 await write_frame(writer, {"t": "group", "gid": group.gid, "members": list(group.members)},
