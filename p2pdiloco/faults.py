@@ -68,7 +68,9 @@ PHASES = {
 
 #: what a fault does
 ACTIONS = {
-    "stall": "sleep `seconds` (in a network handler only that request waits: a very slow peer)",
+    "stall": "sleep `seconds`: at state.serve only that reply waits (a very slow donor); in the all-reduce "
+             "phases the peer's whole network thread stops (a frozen peer); at step and checkpoint.write "
+             "the training loop stops",
     "fail": "raise SyncFailed at that point",
     "kill": "SIGKILL this peer and its DHT/daemon children, as a crashed machine",
     "exit": "os._exit(code) without any cleanup",
