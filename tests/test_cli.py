@@ -47,9 +47,8 @@ def test_unreachable_bootstrap_gives_up_after_bounded_wait(tmp_path):
     res = run_cli("join", "--initial-peers", f"/ip4/127.0.0.1/tcp/9/p2p/{GOOD_ID}", "--config", TINY,
                   "--set", "swarm.bootstrap_timeout=3", cwd=tmp_path)
     assert_user_error(res, "none of the initial peers answered within 3 s")
-    assert time.time() - t0 < 60
-    # the bounded wait retried rather than failing on the first attempt
-    assert res.stderr.count("retrying") >= 1, res.stderr
+    # it kept trying for the whole bounded wait (not giving up at the first refusal), then stopped
+    assert 3 <= time.time() - t0 < 60
 
 
 @pytest.mark.timeout(60)
