@@ -19,7 +19,7 @@ from p2pdiloco.data import BatchStream, load_corpus
 from p2pdiloco.metrics import read_metrics
 from p2pdiloco.model import build_model
 
-H = 10
+H = 20
 OUTER_STEPS = 6
 SETTINGS = [f"inner.sync_every={H}", f"train.max_outer_steps={OUTER_STEPS}", "inner.batch_size=4",
             "swarm.run_id=swarmtest", "train.progress_bar=false", "swarm.min_peers_to_start=3"]
