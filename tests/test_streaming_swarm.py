@@ -46,7 +46,7 @@ def test_streaming_swarm_matches_reference(procs, tmp_path, mode):
         assert all(r["ok"] and r["group_size"] == 2 for r in syncs[i]), syncs[i]
         for r in syncs[i]:
             assert r["sync_bytes"] > 0 and r["wait_seconds"] >= 0 and r["overlapped_steps"] >= 0
-            assert r["peak_bytes_per_s"] >= 0
+            assert r["peak_bytes_per_s"] >= 0 and r["group_wait_seconds"] >= 0
         # the step the result reached the model: tau after tau steps; delay/eager at the fragment's next
         # send (the last rounds of each fragment are applied when the run ends, at step 24)
         lag = int(MODES[mode][1].split("=")[1]) if mode == "tau" else H

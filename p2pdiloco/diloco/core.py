@@ -59,6 +59,8 @@ class SyncReport:
     wait_seconds: float = 0.0  # how long the training loop blocked on this sync
     overlapped_steps: int = 0  # inner steps taken while its all-reduce was in flight
     peak_bytes_per_s: float = 0.0  # peak traffic (sent + received, 1 s window) since the previous report
+    #: more fields for the sync event: the reducer's info() (after a success) and group_wait_seconds
+    #: (how long the sync waited for its group: 0 when formation, started ahead of time, was done)
     extra: Dict[str, object] = field(default_factory=dict)
 
 
@@ -297,7 +299,9 @@ class DiLoCo:
         traffic = self.swarm.node.traffic if self.swarm is not None else None
         sent0, recv0 = traffic.snapshot() if traffic else (0, 0)
         try:
+            t0 = time.perf_counter()
             group = job.group.result()
+            job.group_wait = time.perf_counter() - t0  # > 0: group formation was not ready at the send
             job.group_size = group.size
             if self.swarm is None:
                 allreduce = self._solo_allreduce
@@ -358,7 +362,8 @@ class DiLoCo:
                             missed=job.missed, applied_step=self.inner_step, wait_seconds=waited,
                             overlapped_steps=job.overlapped_steps,
                             peak_bytes_per_s=self.meter.take_peak() if self.meter is not None else 0.0,
-                            extra=job.extra if job.ok else {})
+                            extra={**(job.extra if job.ok else {}),
+                                   "group_wait_seconds": round(job.group_wait, 4)})
         if notify:
             self._notify(report)
         return report

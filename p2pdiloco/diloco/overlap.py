@@ -4,8 +4,9 @@ A fragment's sync is a :class:`SyncJob`. At its *send step* the training loop ta
 pseudo-gradient and hands the job to a :class:`SyncWorker`, a background thread that runs the jobs in
 submission order (``reducer.reduce`` with its all-reduce calls); training goes on meanwhile. Group
 formation for an upcoming sync is queued ``prepare_steps`` inner steps early on a second worker (so
-it never waits behind an all-reduce in flight), and at the send step only the all-reduce is left. When the averaged Δ arrives, the worker
-applies it to the fragment's **global copy** at once, under ``DiLoCo.state_lock``:
+it never waits behind an all-reduce in flight), and at the send step only the all-reduce is left.
+When the averaged Δ arrives, the worker applies it to the fragment's **global copy** at once, under
+``DiLoCo.state_lock``:
 ``(θ, b) ← OuterOpt(θ, b, Δ)`` — the global copy and the Nesterov momentum only ever take true
 averages, in round order. The job's *due step* is when the loop applies the result to the model;
 if the job is not finished then, the loop waits and records the wait. A failed job (``SyncFailed``:
@@ -31,12 +32,13 @@ What the model gets, per mode (fragment p, round k sent after inner step s_k, ``
     W_m ← OuterOpt'(θ, b, Δ~_m(k)), a *look-ahead* (:func:`lookahead`) that changes neither θ nor b,
     with the estimate of the round-k average
 
-        Δ~_m(k) = [Δ(k−1) − Δ_m(k−1)/M'] + Δ_m(k)/M
+        Δ~_m(k) = [Δ(k−1) − Δ_m(k−1)/M] + Δ_m(k)/M
 
-    (algorithm.md §3c): the stale terms of the other peers plus this peer's fresh one. M' is the size
-    of round k−1's group, M of round k's (the same in a stable swarm; weights are taken as equal).
-    With no previous average (the first round, after a failed round or a state download) the
-    bracket is 0. **The correction**: the paper's exact rule was not available to us; ours is that
+    (algorithm.md §3c): the stale terms of the other peers plus this peer's fresh one. M is the size
+    of round k−1's group (peers' weights taken as equal, as they are with equal batch sizes). With
+    no previous average (the first round, after a failed round or a state download) the bracket is
+    0 and M is the size of round k's group (formed ahead of time; waited for if it is not yet).
+    With a compressing reducer Δ_m is what the peer handed to the reducer, not its decoded share. **The correction**: the paper's exact rule was not available to us; ours is that
     Δ~ never enters the global copy. θ and b are advanced only by true averages, as the results
     arrive; W_m, which differs between peers, is rebuilt from the global copy at every round, so
     the deviation of round k is dropped at s_{k+1} and does not accumulate.
@@ -56,7 +58,12 @@ What the model gets, per mode (fragment p, round k sent after inner step s_k, ``
 
 When a run stops, :meth:`DiLoCo.finish` waits for the jobs in flight and applies them, so a run of
 ``n`` outer steps applies ``n`` averages in every mode; in ``delay``/``eager`` the model then takes
-the global copy.
+the global copy. A state download (:meth:`DiLoCo.load_snapshot`) drops the jobs in flight: a result
+that arrives later belongs to the state left behind and is discarded (an epoch counter).
+
+Memory on the outer device besides the global copy and momentum: each job in flight holds its Δ_m
+(one fragment; in ``delay``/``eager`` up to all P fragments at once, i.e. one model's worth);
+``delay``/``eager`` keep the start points W_m (one model), ``eager`` the stale terms (one model).
 """
 from __future__ import annotations
 
@@ -102,6 +109,7 @@ class SyncJob:
     error: str = ""
     missed: bool = False
     extra: dict = field(default_factory=dict)  # the reducer's info() after a successful sync
+    group_wait: float = 0.0        # seconds the worker waited for the group (formation not done in time)
     # counted by the loop
     overlapped_steps: int = 0      # inner steps completed while the job was still running
 
