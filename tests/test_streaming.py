@@ -679,3 +679,51 @@ def test_finish_applies_what_is_in_flight():
         assert d.outer[0].steps == 2 and not d._inflight
         # delay/eager: the model ends on the global copy
         assert all(torch.equal(a, b) for a, b in zip(d.local[0], d.outer[0].params))
+
+
+def test_checkpoint_keeps_the_start_points():
+    """delay/eager: where each fragment's inner phase started is part of a checkpoint (else a resumed
+    peer would measure its progress from the wrong point)."""
+    cfg = make_cfg("inner.sync_every=4", "streaming.mode=eager", "streaming.fragments=2")
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    d = DiLoCo(model, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stream = BatchStream(load_corpus(cfg.data).train, shard=0, num_shards=cfg.data.num_shards, batch_size=2,
+                         seq_len=cfg.model.seq_len, seed=0)
+    init = [p.detach().clone() for p in d.outer[0].params]
+    for step in range(6):  # fragment 0 restarted at step 4 from a look-ahead of its first round
+        _inner_step(cfg, model, opt, stream, step)
+        d.after_inner_step(2)
+    state = d.overlap_state_dict()
+    assert not torch.equal(state["start"][0][0], init[0])
+    d2 = DiLoCo(build_model(cfg.model), cfg)
+    d2.load_overlap_state(state)
+    assert all(torch.equal(a, b) for s, s2 in zip(d._start, d2._start) for a, b in zip(s, s2))
+    d2.load_overlap_state(None)  # an older checkpoint: start from the global copy
+    assert all(torch.equal(a, b) for s, o in zip(d2._start, d2.outer) for a, b in zip(s, o.params))
+    d.close()
+    d2.close()
+
+
+@pytest.mark.timeout(120)
+def test_exit_with_a_sync_in_flight_is_clean(tmp_path):
+    """A program that stops without finish() while a background sync runs torch code exits normally
+    (a daemon thread stopped inside a torch kernel would abort the process)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "from p2pdiloco.config import load_config\n"
+        "from p2pdiloco.diloco.core import DiLoCo\n"
+        "from p2pdiloco.model import build_model\n"
+        f"cfg = load_config({TINY!r}, ['inner.sync_every=4', 'streaming.mode=eager', 'streaming.fragments=2'])\n"
+        "d = DiLoCo(build_model(cfg.model), cfg)\n"
+        "for _ in range(6):\n"
+        "    d.after_inner_step(2)\n"
+        "print('inflight', len(d._inflight))\n")
+    for _ in range(2):
+        res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+        assert res.returncode == 0 and "inflight 2" in res.stdout, (res.returncode, res.stderr[-2000:])
+        assert "terminate called" not in res.stderr

@@ -130,7 +130,7 @@ class DiLoCo:
         # two background threads: all-reduces in send order, and group formation in schedule order, so
         # forming the group of an upcoming sync never waits behind an all-reduce still in flight
         self._worker = SyncWorker("p2pdiloco-sync")
-        self._matchmaking = SyncWorker("p2pdiloco-groups")
+        self._matchmaking = SyncWorker("p2pdiloco-groups", torch_work=False)  # network and DHT only
         self.meter: Optional[BandwidthMeter] = BandwidthMeter(swarm.node.traffic) if swarm is not None else None
 
     # ---- schedule ---------------------------------------------------------------------------------

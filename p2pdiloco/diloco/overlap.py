@@ -67,11 +67,13 @@ Memory on the outer device besides the global copy and momentum: each job in fli
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -116,12 +118,19 @@ class SyncJob:
 
 class SyncWorker:
     """One daemon thread running submitted callables in order (a daemon, unlike a ThreadPoolExecutor
-    worker, so a sync stuck in the network never keeps the process from exiting)."""
+    worker, so a sync stuck in the network never keeps the process from exiting). A worker that runs
+    torch code (``torch_work``) is given up to ``EXIT_GRACE`` seconds at interpreter exit to finish
+    what it started: a thread stopped inside a torch kernel aborts the process ("terminate called
+    without an active exception")."""
 
-    def __init__(self, name: str = "p2pdiloco-sync"):
+    EXIT_GRACE = 15.0
+
+    def __init__(self, name: str = "p2pdiloco-sync", torch_work: bool = True):
         self._q: "queue.Queue[Optional[Tuple[concurrent.futures.Future, Callable, tuple]]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        if torch_work:
+            _WORKERS.add(self)
 
     def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -143,6 +152,19 @@ class SyncWorker:
 
     def close(self) -> None:
         self._q.put(None)
+
+
+_WORKERS: "weakref.WeakSet[SyncWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_workers_at_exit() -> None:
+    workers = list(_WORKERS)
+    for w in workers:
+        w.close()
+    deadline = time.monotonic() + SyncWorker.EXIT_GRACE
+    for w in workers:
+        w._thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class BandwidthMeter:
