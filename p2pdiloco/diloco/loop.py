@@ -159,7 +159,8 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
 
         def on_sync(rep: SyncReport) -> None:
             sent, recv = node.traffic.snapshot()
-            train_loss = sum(state["losses"]) / max(1, len(state["losses"]))
+            # null, not 0.0, when no inner step happened since the last event (overlapped modes)
+            train_loss = sum(state["losses"]) / len(state["losses"]) if state["losses"] else None
             state["losses"].clear()
             if rep.ok:
                 state["syncs"] += 1
