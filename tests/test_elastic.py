@@ -117,7 +117,7 @@ def test_tampered_and_stalled_donors_are_rejected_or_the_joiner_stops_cleanly(pr
     reasons = [r["reason"] for rs in rejected.values() for r in rs]
     assert all(r["donor"] == ids["a"] for rs in rejected.values() for r in rs), rejected
     assert [f["action"] for f in fired][:1] == ["tamper"] and "stall" in [f["action"] for f in fired], fired
-    assert sum("does not match the swarm's digest" in r for r in reasons) == 1, reasons  # the one tampered copy
+    assert sum("does not match" in r and "digest" in r for r in reasons) == 1, reasons  # the one tampered copy
     assert len(reasons) >= len(fired) - 1  # (a stall may still be pending when the requester has moved on)
     assert any("does not match" in r["reason"] or "stalled" in r["reason"] for r in rejected["j1"])
     # J2: only a stalled donor; it gave up within the bounded time, one clear line, never trained

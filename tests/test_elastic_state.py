@@ -133,6 +133,22 @@ def test_donors_that_moved_on_lead_to_a_new_target_without_refetching(donors):
     assert sum(d.calls for d in ds) == 2  # the newer fragments that came back were kept, not fetched again
 
 
+@pytest.mark.timeout(60)
+def test_a_tampered_copy_of_a_newer_sync_is_rejected_not_stashed(donors):
+    """A donor that moved on sends fragments of its newer sync; they are checked against the digest it
+    claims for that sync when they arrive, so a tampered copy is reported (and never reused)."""
+    joiner, ds = donors
+    newer = make_state(20, 2)
+    for d in ds:
+        d.snap = newer
+    ds[0].server.tamper = faults.tamper_bytes
+    answers = [claims(ds[:2], 10, 1), claims(ds[:2], 20, 2)]
+    got = download_state(joiner, "t", lambda: answers.pop(0) if len(answers) > 1 else answers[0], NUMELS, timeout=5)
+    assert got.step == 20 and got.payload == newer[1]
+    assert list(got.donors) == [ds[1].node.peer_id_str]
+    assert [d for d, _ in got.rejected] == [ds[0].node.peer_id_str]
+    assert "does not match the digest it claims" in got.rejected[0][1]
+
 def test_pick_target_needs_corroboration_and_well_formed_digests():
     d = "0123456789abcdef-fedcba9876543210"
     me = "me"

@@ -141,7 +141,28 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             return evaluate(model, corpus.val, batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
                             max_batches=cfg.train.eval_batches, device=device)
 
-        catch_up(wait=0, joining=True)  # joining a run in progress: start from the swarm's state, not from scratch
+        def join_run() -> None:
+            """Joining a run in progress: start from the swarm's verified state, not from scratch.
+            For a moment the live peers' records can disagree (one published its latest sync, the other
+            not yet: no corroborated target) or not be visible yet to our fresh DHT node; keep looking
+            for a bounded time while the run has clearly started without us."""
+            deadline = time.time() + 3 * cfg.swarm.progress_period + 2  # a progress record's lifetime
+            while not catch_up(wait=0, joining=True):
+                peers = {pid: v for pid, v in swarm.live_peers().items() if pid != node.peer_id_str}
+                ahead = [v for v in peers.values()
+                         if isinstance(v.get("synced_step"), int) and v["synced_step"] > diloco.synced_step]
+                if not ahead and (peers or not swarm.run_existed):
+                    return  # a fresh run (or we are level with it): nothing to fetch
+                if time.time() >= deadline:
+                    if ahead:
+                        logger.warning(f"[{me}] the run is in progress but its peers do not agree on one state "
+                                       "yet; starting from our own and catching up at the first sync")
+                    else:
+                        logger.info(f"[{me}] run {cfg.swarm.run_id!r} has no live peer; starting it afresh")
+                    return
+                time.sleep(0.5)
+
+        join_run()
         val0 = val_loss()
         metrics.write("start", peer=node.peer_id_str, shard=shard, params=count_parameters(model), val_loss=val0,
                       fingerprint=cfg.fingerprint(), digest=diloco.digest(), step=diloco.inner_step)

@@ -262,18 +262,22 @@ def _check_reply(header: Dict[str, Any], payload: bytes, frags: List[int], step:
             or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in outer_steps)):
         raise ValueError("malformed outer step counters")
     m_step = meta.get("step")
-    if isinstance(m_step, int) and not isinstance(m_step, bool) and m_step > step \
-            and _valid_digest(meta.get("digest"), len(numels)):
-        raise _Moved(meta)
-    if m_step != step or meta.get("digest") != digest:
+    moved = (isinstance(m_step, int) and not isinstance(m_step, bool) and m_step > step
+             and _valid_digest(meta.get("digest"), len(numels)))
+    if not moved and (m_step != step or meta.get("digest") != digest):
         raise ValueError(f"serves step {m_step!r} digest {meta.get('digest')!r}, not the swarm's")
-    parts = digest.split("-")
+    # a newer sync's fragments are checked against the digest the donor claims for it now (a bad copy
+    # is caught here, not silently dropped later), and against the swarm's digest if that sync is used
+    parts = meta["digest"].split("-") if moved else digest.split("-")
+    whose = "the digest it claims" if moved else "the swarm's digest"
     off = 0
     for f in frags:
         size = bounds[f][1] - bounds[f][0]
         if fragment_digest(payload[off: off + size]) != parts[f]:
-            raise ValueError(f"fragment {f} does not match the swarm's digest (tampered or corrupt)")
+            raise ValueError(f"fragment {f} does not match {whose} (tampered or corrupt)")
         off += size
+    if moved:
+        raise _Moved(meta)
     return meta
 
 

@@ -52,6 +52,8 @@ class Swarm:
         self._progress: Dict[str, Any] = {}
         self._progress_lock = threading.Lock()
         self._fingerprint: Optional[Dict[str, Any]] = None
+        #: other peers' fingerprint records were found when we joined: the run exists (or did, within FINGERPRINT_TTL)
+        self.run_existed = False
         self._stop = threading.Event()
         self._publisher: Optional[threading.Thread] = None
 
@@ -72,6 +74,7 @@ class Swarm:
             time.sleep(0.2)  # two first peers racing: read back what the other one published
             claims = self.node.get_subkeys(key)
         claims.pop(self.peer_id, None)
+        self.run_existed = bool(claims)
         existing = run_fingerprint(claims, mine)
         if existing.get("fp") != fp:
             theirs = existing.get("fields") if isinstance(existing.get("fields"), dict) else {}
