@@ -10,7 +10,8 @@ import torch
 
 from p2pdiloco import faults
 from p2pdiloco.errors import ConfigError, SyncFailed
-from p2pdiloco.swarm.state_sync import StateServer, download_state, in_minority, pick_target, state_digest
+from p2pdiloco.swarm.state_sync import (StateServer, download_state, in_minority, pick_target, rival_lineage,
+                                        state_digest)
 from p2pdiloco.swarm.timeouts import Timeouts, allreduce_bytes
 
 NUMELS = [3000, 2000]  # two fragments
@@ -163,6 +164,39 @@ def test_pick_target_needs_corroboration_and_well_formed_digests():
     assert pick_target(bad, me) is None
     assert pick_target({"a": {"synced_step": 7, "digest": d}}, me, num_frags=3) is None
     assert in_minority({"a": {"synced_step": 5, "digest": "x"}, "b": {"synced_step": 5, "digest": "x"}}, me, 5, "y")
+
+
+def test_a_record_missing_from_a_dht_read_does_not_hand_over_the_majoritys_history():
+    """After a partition heals, the majority side {me, b} may read only the isolated peer's record
+    (far ahead in steps, trained alone). b trained with us in our last group: it still counts, so
+    neither the behind check nor the lineage rule lets the lone claim win."""
+    d_c, d_us = "1" * 16, "2" * 16
+    only_c = {"c": {"synced_step": 230, "digest": d_c, "gid": "g-c"}}
+    assert pick_target(only_c, "me", min_step=99) == (230, d_c, ["c"])  # without what we know: fooled
+    assert pick_target(only_c, "me", min_step=99, companions={"b"}) is None
+    assert rival_lineage(only_c, "me", {"g-us"}, 90, d_us) == only_c
+    assert rival_lineage(only_c, "me", {"g-us"}, 90, d_us, companions={"b"}) is None
+    # b seen in another lineage (it moved over): it no longer counts for us, and c's side wins
+    both = dict(only_c, b={"synced_step": 230, "digest": d_c, "gid": "g-c"})
+    assert rival_lineage(both, "me", {"g-us"}, 90, d_us, companions={"b"}) == both
+    assert pick_target(both, "me", min_step=99, companions={"b"}) == (230, d_c, ["b", "c"])
+
+
+def test_companions_count_while_their_record_is_fresh_and_not_after_goodbye():
+    from types import SimpleNamespace
+
+    from p2pdiloco.swarm.matchmaking import Matchmaker
+
+    mm = Matchmaker(SimpleNamespace(peer_id_str="me", add_handler=lambda *a: None), "t", matchmaking_timeout=5)
+    mm.record_lifetime = 0.3
+    mm.set_companions(["me", "b", "c"])
+    assert mm.companions == {"b", "c"}
+    mm.note_seen({"b": {"gone": True}}, {})  # b said goodbye
+    assert mm.companions == {"c"}
+    time.sleep(0.4)  # c's record missing from every read for longer than a record lives: cut off
+    assert mm.companions == set()
+    mm.note_seen({"c": {}}, {"c": {}})
+    assert mm.companions == {"c"}
 
 
 def test_fault_rules_are_validated_with_clear_errors():

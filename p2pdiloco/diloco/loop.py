@@ -110,7 +110,9 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                     got = download_state(node, cfg.swarm.run_id, peers or swarm.live_peers, numels,
                                          timeout=swarm.timeouts.transfer(8 * sum(numels)),
                                          min_step=diloco.synced_step if min_step is None else min_step,
-                                         on_target=announce)
+                                         on_target=announce,
+                                         # a rival lineage (peers given) was already judged by majority
+                                         companions=() if peers else swarm.matchmaker.companions)
                 except SyncFailed as e:
                     metrics.write("catch_up_failed", step=diloco.inner_step, error=str(e),
                                   seconds=round(time.time() - t_try, 3))
@@ -123,6 +125,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                         metrics.write("state_rejected", donor=donor, reason=why, step=got.step)
                     diloco.load_snapshot(got.meta, got.payload)
                     recent_gids.clear()  # we left our history for theirs
+                    swarm.matchmaker.set_companions(())
                     logger.info(f"[{me}] caught up with the swarm: step {diloco.inner_step}, digest {diloco.digest()} "
                                 f"from {len(got.donors)} donor(s) in {got.seconds:.1f} s")
                     metrics.write("catch_up", step=diloco.inner_step, digest=diloco.digest(),
@@ -146,7 +149,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             For a moment the live peers' records can disagree (one published its latest sync, the other
             not yet: no corroborated target) or not be visible yet to our fresh DHT node; keep looking
             for a bounded time while the run has clearly started without us."""
-            deadline = time.time() + 3 * cfg.swarm.progress_period + 2  # a progress record's lifetime
+            deadline = time.time() + swarm.matchmaker.record_lifetime  # a progress record's lifetime
             while not catch_up(wait=0, joining=True):
                 peers = {pid: v for pid, v in swarm.live_peers().items() if pid != node.peer_id_str}
                 ahead = [v for v in peers.values()
@@ -189,6 +192,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                 if group is not None:  # published: peers that trained in other groups are a rival lineage
                     recent_gids.append(group.gid)
                     swarm.update_progress(gid=group.gid)
+                    swarm.matchmaker.set_companions(group.members)
                 state["val"] = val_loss()
             else:
                 state["failed"] += 1
@@ -240,26 +244,29 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                 # A failed round may have completed for the others (a reply lost on its way to us only).
                 # Then our θ is stale: adopt theirs rather than contribute against an old base.
                 catch_up(wait=3 * cfg.swarm.progress_period)
-            if time.time() - last_check >= cfg.swarm.progress_period and diloco.synced_step:
+            if (time.time() - last_check >= cfg.swarm.progress_period and diloco.synced_step
+                    and (peers := swarm.peers_view()) is not None):
                 # Diverged from the majority at the same step (a group-formation race, a healed
-                # partition)? Give way and adopt their verified state.
+                # partition)? Give way and adopt their verified state. (The records were read in the
+                # background: no DHT wait in the training loop.)
                 last_check = time.time()
-                peers = swarm.live_peers()
-                if pick_target(peers, node.peer_id_str, diloco.next_sync_step() - 1, len(numels)) is not None:
+                companions = swarm.matchmaker.companions
+                if pick_target(peers, node.peer_id_str, diloco.next_sync_step() - 1, len(numels),
+                               companions=companions) is not None:
                     # Behind (we were stopped, or slow): the swarm already did our next sync without us.
                     # Re-sync now instead of training on, and never send a contribution for a past round.
                     logger.warning(f"[{me}] the swarm is past our next sync (step {diloco.next_sync_step()}); "
                                    "catching up")
                     catch_up(wait=0)
                 elif (rivals := rival_lineage(peers, node.peer_id_str, set(recent_gids), diloco.synced_step,
-                                              diloco.digest())) is not None:
+                                              diloco.digest(), companions)) is not None:
                     # They trained in groups we were not in (a healed partition) and outnumber us: we are
                     # the minority history. Adopt theirs, even if our step count is ahead.
                     logger.warning(f"[{me}] {len(rivals)} peer(s) trained in other groups and outnumber ours; "
                                    "adopting their state")
                     catch_up(wait=0, min_step=-1, peers=lambda: rival_lineage(
                         swarm.live_peers(), node.peer_id_str, set(recent_gids), diloco.synced_step,
-                        diloco.digest()) or {})
+                        diloco.digest(), swarm.matchmaker.companions) or {})
                 elif in_minority(peers, node.peer_id_str, *diloco.sync_point()):
                     logger.warning(f"[{me}] our state at step {diloco.synced_step} differs from the majority's; "
                                    "adopting theirs")

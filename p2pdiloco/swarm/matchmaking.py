@@ -101,7 +101,32 @@ class Matchmaker:
         self._live_count = 1  # live peers (us included) at the last read of the progress records
         #: recently finalized groups by (fragment, round): the training loop reads a sync's group id here
         self.groups: Dict[Tuple[int, int], Group] = {}
+        #: how long a peer's progress record lives (the swarm sets it): see :attr:`companions`
+        self.record_lifetime = 8.0
+        self._companions: Set[str] = set()
+        self._seen: Dict[str, float] = {}  # peer -> when its record was last in a read (monotonic)
         node.add_handler(self.handler_name, self._handle_join)
+
+    def set_companions(self, members) -> None:
+        """The members of our last successful group (the training loop calls this after each one)."""
+        now = time.monotonic()
+        self._companions = set(members) - {self.node.peer_id_str}
+        self._seen.update((pid, now) for pid in self._companions)
+
+    def note_seen(self, records: Dict[str, Dict[str, Any]], live: Dict[str, Dict[str, Any]]) -> None:
+        """Called with every read of the progress records (all of them, and the live ones)."""
+        now = time.monotonic()
+        self._seen.update((pid, now) for pid in live)
+        self._companions -= set(records) - set(live)  # said goodbye (or banned): no longer on our side
+
+    @property
+    def companions(self) -> Set[str]:
+        """The other members of our last successful group whose record we read within one record
+        lifetime. A DHT read can miss a record: such a peer still counts as with us
+        (:func:`~p2pdiloco.swarm.state_sync.pick_target`, ``rival_lineage``); one unseen for longer
+        is gone or cut off and counts for nobody."""
+        now = time.monotonic()
+        return {pid for pid in self._companions if now - self._seen.get(pid, 0.0) <= self.record_lifetime}
 
     def _key(self, frag: int, round_: int) -> str:
         return f"{self.run_id}:mm:{frag}:{round_}"
@@ -259,12 +284,13 @@ class Matchmaker:
     async def _live_peers(self) -> Dict[str, Dict[str, Any]]:
         peers = await self.node.aget_subkeys(f"{self.run_id}:progress")
         live = {pid: v for pid, v in peers.items() if not v.get("gone") and not self.node.gate.banned(pid)}
+        self.note_seen(peers, live)
         self._live_count = len(set(live) | {self.node.peer_id_str})
         return live
 
     def _check_not_behind(self, peers: Dict[str, Dict[str, Any]], frag: int, round_: int, sync_step: int) -> None:
         """Raise RoundMissed when the swarm verifiably synced at or beyond ``sync_step`` already."""
-        target = pick_target(peers, self.node.peer_id_str, min_step=sync_step - 1)
+        target = pick_target(peers, self.node.peer_id_str, min_step=sync_step - 1, companions=self.companions)
         if target is not None:
             raise RoundMissed(f"behind: the swarm already synced step {target[0]} (claimed by {len(target[2])} "
                               f"peer(s)); not contributing to fragment {frag} round {round_} of step {sync_step}")

@@ -296,7 +296,7 @@ class RecordBook:
 
         The DHT process has already checked signatures; here the owner's peer id is derived from
         its public key, the envelope and schema are checked again, and per (key, owner) the record
-        with the highest ``seq`` seen so far wins until it expires.
+        with the highest ``seq`` seen so far wins until it expires, whether this read returned it or not.
         """
         out: Dict[str, Dict[str, Any]] = {}
         now = _dht_time()
@@ -327,6 +327,13 @@ class RecordBook:
                     continue
                 self._latest[(key, peer)] = (env["s"], expiration, env["d"])
             out[peer] = dict(env["d"])
+        # A DHT read returns one node's copy of the dictionary (the one that expires last), which can lack
+        # records other nodes hold (right after a partition heals, the far side's node answers with only
+        # its own peers). A record we verified stays in the view until it expires, read again or not.
+        with self._lock:
+            for (k, peer), (_, expiration, data) in self._latest.items():
+                if k == key and peer not in out and expiration > now:
+                    out[peer] = dict(data)
         self._sweep(now)
         return out
 

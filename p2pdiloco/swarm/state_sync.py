@@ -34,7 +34,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .. import faults
 from ..errors import SyncFailed, WireError
@@ -136,10 +136,15 @@ def _valid_digest(digest: Any, num_frags: Optional[int]) -> bool:
         len(p) == 16 and all(c in "0123456789abcdef" for c in p) for p in parts)
 
 
-def pick_target(peers: Peers, me: str, min_step: int = 0,
-                num_frags: Optional[int] = None) -> Optional[Tuple[int, str, List[str]]]:
+def pick_target(peers: Peers, me: str, min_step: int = 0, num_frags: Optional[int] = None,
+                companions: Iterable[str] = ()) -> Optional[Tuple[int, str, List[str]]]:
     """(step, digest, donors) the swarm agrees on beyond ``min_step``, or None when there is nothing
-    trustworthy to fetch. Claims with a malformed digest (or the wrong fragment count) are ignored."""
+    trustworthy to fetch. Claims with a malformed digest (or the wrong fragment count) are ignored.
+
+    A claim needs a second, matching one when we know of two or more other peers: the live ones in
+    ``peers`` plus ``companions`` (the members of our last successful group: a DHT read can miss a
+    record, and a peer we just trained with is not gone because its record was not in this read).
+    With a single other peer its claim is all there is (a 2-peer swarm cannot outvote a liar)."""
     claims: Counter = Counter()
     donors: Dict[Tuple[int, str], List[str]] = {}
     for pid, v in peers.items():
@@ -151,7 +156,7 @@ def pick_target(peers: Peers, me: str, min_step: int = 0,
         donors.setdefault((step, digest), []).append(pid)
     if not claims:
         return None
-    others = sum(1 for pid in peers if pid != me)
+    others = len((set(peers) | set(companions)) - {me})
     needed = 2 if others >= 2 else 1
     # furthest ahead first, then most supported
     for (step, digest), count in sorted(claims.items(), key=lambda kv: (-kv[0][0], -kv[1], kv[0][1])):
@@ -172,7 +177,8 @@ def in_minority(peers: Peers, me: str, step: int, digest: str) -> bool:
     return best[0] != digest
 
 
-def rival_lineage(peers: Peers, me: str, my_gids: Set[str], step: int, digest: str) -> Optional[Peers]:
+def rival_lineage(peers: Peers, me: str, my_gids: Set[str], step: int, digest: str,
+                  companions: Iterable[str] = ()) -> Optional[Peers]:
     """The live peers of a *rival lineage* we must give way to, or None.
 
     Every peer publishes ``gid``, the id of the group of its last successful sync. Peers whose
@@ -181,8 +187,10 @@ def rival_lineage(peers: Peers, me: str, my_gids: Set[str], step: int, digest: s
     the other side. When those outnumber our side (us included) -- or tie and hold the larger
     (step, digest) -- we are the minority history and adopt theirs, even if our step count is ahead
     (an isolated peer trains alone faster). Peers without a gid (just joined or caught up) count for
-    nobody. Returns the rival peers (pass them to :func:`download_state` with ``min_step=-1``)."""
-    ours, theirs = 1, {}
+    nobody. ``companions`` (the members of our last successful group) that are missing from ``peers``
+    count for our side: a DHT read that misses a record must not hand the majority's history to the
+    minority. Returns the rival peers (pass them to :func:`download_state` with ``min_step=-1``)."""
+    ours, theirs = 1 + len(set(companions) - set(peers) - {me}), {}
     for pid, v in peers.items():
         gid = v.get("gid")
         if pid == me or not isinstance(gid, str) or not gid:
@@ -421,7 +429,8 @@ async def _download_target(node, run_id: str, step: int, digest: str, donors: Li
 
 def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], frag_numels: Sequence[int],
                    timeout: float, min_step: int = 0, *, on_target: Optional[Callable[[int], None]] = None,
-                   max_targets: int = 4, hedge_after: Optional[float] = None) -> Optional[Download]:
+                   max_targets: int = 4, hedge_after: Optional[float] = None,
+                   companions: Iterable[str] = ()) -> Optional[Download]:
     """Fetch and verify the swarm's state newer than ``min_step``; None if there is none to catch up to.
 
     :param peers: the live peers' progress records, or a callable returning fresh ones (needed to
@@ -429,6 +438,7 @@ def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], 
     :param timeout: bound of one request to one donor, seconds.
     :param hedge_after: after this many seconds without an answer a fragment is also asked of
         another donor (default: a third of ``timeout``, at least 2 s).
+    :param companions: the members of our last successful group (see :func:`pick_target`).
     :param on_target: called with the target step once it is chosen, before anything is fetched
         (the joiner announces itself then, so the next round's group waits for it).
     :raises SyncFailed: nobody delivered a verified copy; the message names each donor and why.
@@ -440,7 +450,8 @@ def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], 
     bad: Dict[str, str] = {}  # donors that failed us once are not asked again in this download
     stash = _Stash()
     for attempt in range(1, max_targets + 1):
-        target = pick_target(get_peers(), node.peer_id_str, min_step, num_frags=len(frag_numels))
+        target = pick_target(get_peers(), node.peer_id_str, min_step, num_frags=len(frag_numels),
+                             companions=companions)
         if target is None:
             if result.rejected:
                 break

@@ -46,11 +46,15 @@ class Swarm:
         self.progress_period = progress_period
         self.matchmaker = Matchmaker(node, run_id, matchmaking_timeout=matchmaking_timeout,
                                      min_group_size=min_group_size)
+        # the progress records' ttl: three periods, plus room for a DHT store that waits on an unreachable
+        # node (hivemind's wait_timeout, 3 s) before the next publish gets through
+        self.matchmaker.record_lifetime = 3 * progress_period + 5
         self.allreducer = AllReducer(node, run_id, timeout=allreduce_timeout, robust=robust)
         #: derives the all-reduce / state-download timeouts from measured speed (swarm/timeouts.py)
         self.timeouts = Timeouts(allreduce_timeout)
         self._progress: Dict[str, Any] = {}
         self._progress_lock = threading.Lock()
+        self._view: Optional[Dict[str, Dict[str, Any]]] = None
         self._fingerprint: Optional[Dict[str, Any]] = None
         #: other peers' fingerprint records were found when we joined: the run exists (or did, within FINGERPRINT_TTL)
         self.run_existed = False
@@ -95,24 +99,44 @@ class Swarm:
     def publish_progress(self) -> None:
         with self._progress_lock:
             value = dict(self._progress, t=time.time())
-        self.node.store(f"{self.run_id}:progress", value, ttl=3 * self.progress_period + 2, subkey=self.peer_id)
+        self.node.store(f"{self.run_id}:progress", value, ttl=self.matchmaker.record_lifetime, subkey=self.peer_id)
         if self._fingerprint is not None:
             self.node.store(f"{self.run_id}:fingerprint", self._fingerprint, ttl=FINGERPRINT_TTL, subkey=self.peer_id)
 
     def start_publishing(self) -> None:
-        def loop() -> None:
+        """Publish our progress record every progress_period, and read everyone's (:meth:`peers_view`),
+        in a background thread: a DHT call can wait seconds on an unreachable node, and the training
+        loop must not."""
+        def publish() -> None:
             while not self._stop.wait(self.progress_period):
                 try:
                     self.publish_progress()
                 except Exception as e:  # the DHT may be shutting down
                     logger.debug(f"progress publish failed: {e}")
 
-        self._publisher = threading.Thread(target=loop, name="p2pdiloco-progress", daemon=True)
+        def read() -> None:  # its own thread: a slow read must not delay our record (and vice versa)
+            while not self._stop.wait(self.progress_period):
+                try:
+                    view = self.live_peers()
+                    with self._progress_lock:
+                        self._view = view
+                except Exception as e:
+                    logger.debug(f"progress read failed: {e}")
+
+        self._publisher = threading.Thread(target=publish, name="p2pdiloco-progress", daemon=True)
         self._publisher.start()
+        threading.Thread(target=read, name="p2pdiloco-peers", daemon=True).start()
+
+    def peers_view(self) -> Optional[Dict[str, Dict[str, Any]]]:
+        """The live peers as of the publisher's last read (None before its first), without waiting."""
+        with self._progress_lock:
+            return self._view
 
     def live_peers(self) -> Dict[str, Dict[str, Any]]:
         peers = self.node.get_subkeys(f"{self.run_id}:progress")
-        return {pid: v for pid, v in peers.items() if not v.get("gone") and not self.node.gate.banned(pid)}
+        live = {pid: v for pid, v in peers.items() if not v.get("gone") and not self.node.gate.banned(pid)}
+        self.matchmaker.note_seen(peers, live)
+        return live
 
     def wait_for_peers(self, n: int, timeout: float) -> int:
         """Block until ``n`` peers (this one included) are live or ``timeout`` passes; returns the count."""
@@ -159,6 +183,6 @@ class Swarm:
         try:  # say goodbye: drop our progress record so nobody waits for us
             # a record only replaces one that expires earlier, so the goodbye gets the usual lifetime
             self.node.store(f"{self.run_id}:progress", {"gone": True, "t": time.time()},
-                            ttl=3 * self.progress_period + 3, subkey=self.peer_id)
+                            ttl=self.matchmaker.record_lifetime + 1, subkey=self.peer_id)
         except Exception:
             pass
