@@ -474,12 +474,17 @@ def test_record_book_keeps_the_newer_record():
     assert list(book.decode(key, found(new)).values()) == [{"step": 2}]
     assert list(book.decode(key, found(old)).values()) == [{"step": 2}]
     assert book.stale == 1
-    # wrong kind under this key, junk, foreign subkeys: dropped and counted
+    # wrong kind under this key, junk, foreign subkeys: dropped and counted; the verified record
+    # stays in the view until it expires (a read that lacks it, or replaces it with junk, changes nothing)
     ready = book.encode("r:mm:0:1", {"t": 1.0})
-    assert book.decode(key, found(ready)) == {}
-    assert book.decode(key, found(b"\x93\x01\x02")) == {}
-    assert book.decode(key, ValueWithExpiration({b"someone": ValueWithExpiration(new, exp)}, exp)) == {}
+    mine = {book.peer_id: {"step": 2}}
+    assert book.decode(key, found(ready)) == mine
+    assert book.decode(key, found(b"\x93\x01\x02")) == mine
+    assert book.decode(key, ValueWithExpiration({b"someone": ValueWithExpiration(new, exp)}, exp)) == mine
+    assert book.decode(key, None) == mine
     assert sum(book.rejected.values()) == 3
+    fresh = RecordBook(RSAPrivateKey())
+    assert fresh.decode(key, found(ready)) == {} and fresh.decode(key, found(b"\x93\x01\x02")) == {}
     # a group record counts only when written by the group's leader (its smallest member)
     me = book.peer_id
     g = book.encode("r:group:0:1", {"members": sorted([me, "QmZZZZ"])})

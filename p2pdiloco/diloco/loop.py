@@ -104,10 +104,18 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             """Adopt the swarm's verified state if it is ahead of ours; poll up to ``wait`` seconds.
             A failed download while ``joining`` stops the peer (JoinFailed); later it keeps our state."""
             deadline = time.time() + wait
+            read: Dict[str, Dict[str, Any]] = {}  # the records the target was picked from
+
+            def source() -> Dict[str, Dict[str, Any]]:
+                view = (peers or swarm.live_peers)()
+                read.clear()
+                read.update(view)
+                return view
+
             while True:
                 t_try = time.time()
                 try:
-                    got = download_state(node, cfg.swarm.run_id, peers or swarm.live_peers, numels,
+                    got = download_state(node, cfg.swarm.run_id, source, numels,
                                          timeout=swarm.timeouts.transfer(8 * sum(numels)),
                                          min_step=diloco.synced_step if min_step is None else min_step,
                                          on_target=announce,
@@ -124,14 +132,20 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                     for donor, why in got.rejected:
                         metrics.write("state_rejected", donor=donor, reason=why, step=got.step)
                     diloco.load_snapshot(got.meta, got.payload)
-                    recent_gids.clear()  # we left our history for theirs
-                    swarm.matchmaker.set_companions(())
+                    # we left our history for the donors': their last group is our lineage now (else
+                    # the lineage rule would see them as rivals again and again), they are our side
+                    gids = [g for g in dict.fromkeys(read.get(d, {}).get("gid") for d in got.donors)
+                            if isinstance(g, str) and g]
+                    recent_gids.clear()
+                    recent_gids.extend(gids)
+                    swarm.matchmaker.set_companions(got.donors)
                     logger.info(f"[{me}] caught up with the swarm: step {diloco.inner_step}, digest {diloco.digest()} "
                                 f"from {len(got.donors)} donor(s) in {got.seconds:.1f} s")
                     metrics.write("catch_up", step=diloco.inner_step, digest=diloco.digest(),
                                   outer_step=diloco.outer_round(), donors=got.donors, seconds=round(got.seconds, 3),
                                   rejected=len(got.rejected))
-                    swarm.update_progress(step=diloco.inner_step, synced_step=diloco.synced_step, gid="",
+                    swarm.update_progress(step=diloco.inner_step, synced_step=diloco.synced_step,
+                                          gid=gids[0] if gids else "",
                                           round=diloco.outer_round(), digest=diloco.digest(),
                                           next_sync=diloco.next_sync_step())
                     swarm.publish_progress()

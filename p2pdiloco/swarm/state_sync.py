@@ -186,10 +186,10 @@ def rival_lineage(peers: Peers, me: str, my_gids: Set[str], step: int, digest: s
     ahead; peers with another ``gid`` trained in groups we were not part of: after a partition heals,
     the other side. When those outnumber our side (us included) -- or tie and hold the larger
     (step, digest) -- we are the minority history and adopt theirs, even if our step count is ahead
-    (an isolated peer trains alone faster). Peers without a gid (just joined or caught up) count for
-    nobody. ``companions`` (the members of our last successful group) that are missing from ``peers``
-    count for our side: a DHT read that misses a record must not hand the majority's history to the
-    minority. Returns the rival peers (pass them to :func:`download_state` with ``min_step=-1``)."""
+    (an isolated peer trains alone faster). Peers without a gid (just joined) count for nobody; one
+    that caught up publishes its donors' gid. ``companions`` (the members of our last successful
+    group) that are missing from ``peers`` count for our side: a DHT read that misses a record must
+    not hand the majority's history to the minority. Returns the rival peers (pass them to :func:`download_state` with ``min_step=-1``)."""
     ours, theirs = 1 + len(set(companions) - set(peers) - {me}), {}
     for pid, v in peers.items():
         gid = v.get("gid")
