@@ -73,9 +73,11 @@ MODES: Dict[str, Tuple[str, ...]] = {
     "diloco-fp4": ("compression.codec=fp4",),
     "diloco-lowrank": ("compression.lowrank=true",),
     "delay-fp32": ("streaming.mode=delay",),
+    "eager-fp32": ("streaming.mode=eager",),
     "eager-nf4": ("streaming.mode=eager", "compression.codec=nf4"),
     "streaming4-fp32": ("streaming.fragments=4",),
     "streaming4-nf4": ("streaming.fragments=4", "compression.codec=nf4"),
+    "streaming4-tau4-fp32": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5"),
     "streaming4-tau4-e3m0": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5", "compression.codec=e3m0"),
     "streaming4-eager-nf4": ("streaming.fragments=4", "streaming.mode=eager", "compression.codec=nf4"),
 }
@@ -91,11 +93,13 @@ MATRICES: Dict[str, Tuple[str, ...]] = {
     "smoke": ("diloco-fp32",),
     "quick": ("hivemind-dp", "diloco-fp32", "streaming4-tau4-e3m0"),
     "full": ("hivemind-dp", "diloco-fp32", "diloco-fp16", "diloco-nf4", "streaming4-tau4-e3m0"),
+    # issue 4: peak rate with P fragments at equal bytes, overlap vs blocking, eager and one-step delay
+    "streaming": ("diloco-fp32", "streaming4-fp32", "streaming4-tau4-fp32", "eager-fp32", "delay-fp32"),
 }
 
 #: default budget of each matrix in outer rounds (inner steps per peer = rounds * H), sized for
 #: about 20 minutes on 2 cores at 10 Mbit/s (the data-parallel baseline needs ~8 s per step there)
-MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4}
+MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4, "streaming": 4}
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _DEFAULT_CONFIG = os.path.join(_REPO, "peers", "tiny-cpu.toml")
