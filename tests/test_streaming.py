@@ -200,7 +200,7 @@ def reference_run(cfg, shards: Sequence[int], outer_steps: int, fail: Sequence[T
       tau:   Δ_m = θ − θ_m at s_k; at s_k + tau: θ ← SGD(θ, Δ), θ_m ← lerp(θ_m, θ, 1 − alpha)
       delay: Δ_m = W_m − θ_m at s_k; apply Δ(k−1) to θ; W_m ← θ; θ_m ← W_m
       eager: as delay, but W_m ← SGD step on a copy of (θ, momentum) with
-             Δ~ = Δ(k−1) − Δ_m(k−1)/M + Δ_m(k)/M   (Δ_m(k)/M alone without a previous average)
+             Δ~ = Δ(k−1) − Δ_m(k−1)/M + Δ_m(k)/M   (Δ_m(k) alone without a previous average)
     A failed round applies nothing; delay/eager then resend their Δ_m with the next round.
     The run stops after outer_steps·H inner steps; rounds still in flight are then applied
     (delay/eager: every model takes θ).
@@ -288,7 +288,7 @@ def reference_run(cfg, shards: Sequence[int], outer_steps: int, fail: Sequence[T
                         if mode == "delay":
                             new = [gparams[n].detach().clone() for n in frag_names[p]]
                         else:
-                            est = (prev_avg - prev["deltas"][m] / M) + deltas[m] / M if have_prev else deltas[m] / M
+                            est = (prev_avg - prev["deltas"][m] / M) + deltas[m] / M if have_prev else deltas[m]
                             new = sgd_lookahead(p, est)
                         start[m][p] = new
                         for dst, src in zip(local(m, p), new):

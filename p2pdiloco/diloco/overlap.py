@@ -36,8 +36,11 @@ What the model gets, per mode (fragment p, round k sent after inner step s_k, ``
 
     (algorithm.md §3c): the stale terms of the other peers plus this peer's fresh one. M is the size
     of round k−1's group (peers' weights taken as equal, as they are with equal batch sizes). With
-    no previous average (the first round, after a failed round or a state download) the bracket is
-    0 and M is the size of round k's group (formed ahead of time; waited for if it is not yet).
+    no previous average (the first round, after a failed round or a state download) Δ~_m(k) = Δ_m(k):
+    the peer's own fresh pseudo-gradient stands in for the whole average. (Taking the others' terms
+    as 0, i.e. Δ_m(k)/M, restarted every peer barely past the old global copy; its next
+    pseudo-gradient then repeated the first, and on top of the first average it overshot: measured
+    in the streaming benchmark, docs/benchmark.md.)
     With a compressing reducer Δ_m is what the peer handed to the reducer, not its decoded share. **The correction**: the paper's exact rule was not available to us; ours is that
     Δ~ never enters the global copy. θ and b are advanced only by true averages, as the results
     arrive; W_m, which differs between peers, is rebuilt from the global copy at every round, so
