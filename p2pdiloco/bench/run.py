@@ -79,6 +79,7 @@ MODES: Dict[str, Tuple[str, ...]] = {
     "streaming4-nf4": ("streaming.fragments=4", "compression.codec=nf4"),
     "streaming4-tau4-fp32": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5"),
     "streaming4-tau4-e3m0": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5", "compression.codec=e3m0"),
+    "streaming4-eager-fp32": ("streaming.fragments=4", "streaming.mode=eager"),
     "streaming4-eager-nf4": ("streaming.fragments=4", "streaming.mode=eager", "compression.codec=nf4"),
 }
 
@@ -94,7 +95,8 @@ MATRICES: Dict[str, Tuple[str, ...]] = {
     "quick": ("hivemind-dp", "diloco-fp32", "streaming4-tau4-e3m0"),
     "full": ("hivemind-dp", "diloco-fp32", "diloco-fp16", "diloco-nf4", "streaming4-tau4-e3m0"),
     # issue 4: peak rate with P fragments at equal bytes, overlap vs blocking, eager and one-step delay
-    "streaming": ("diloco-fp32", "streaming4-fp32", "streaming4-tau4-fp32", "eager-fp32", "delay-fp32"),
+    "streaming": ("diloco-fp32", "streaming4-fp32", "streaming4-tau4-fp32", "eager-fp32", "streaming4-eager-fp32",
+                  "delay-fp32"),
 }
 
 #: default budget of each matrix in outer rounds (inner steps per peer = rounds * H), sized for
