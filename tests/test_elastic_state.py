@@ -187,15 +187,16 @@ def test_companions_count_while_their_record_is_fresh_and_not_after_goodbye():
 
     from p2pdiloco.swarm.matchmaking import Matchmaker
 
-    mm = Matchmaker(SimpleNamespace(peer_id_str="me", add_handler=lambda *a: None), "t", matchmaking_timeout=5)
+    node = SimpleNamespace(peer_id_str="me", add_handler=lambda *a: None, gate=SimpleNamespace(banned=lambda pid: False))
+    mm = Matchmaker(node, "t", matchmaking_timeout=5)
     mm.record_lifetime = 0.3
     mm.set_companions(["me", "b", "c"])
     assert mm.companions == {"b", "c"}
-    mm.note_seen({"b": {"gone": True}}, {})  # b said goodbye
+    assert mm.live_of({"b": {"gone": True}}) == {}  # b said goodbye
     assert mm.companions == {"c"}
     time.sleep(0.4)  # c's record missing from every read for longer than a record lives: cut off
     assert mm.companions == set()
-    mm.note_seen({"c": {}}, {"c": {}})
+    assert mm.live_of({"c": {}}) == {"c": {}}
     assert mm.companions == {"c"}
 
 

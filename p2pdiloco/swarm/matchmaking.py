@@ -113,11 +113,14 @@ class Matchmaker:
         self._companions = set(members) - {self.node.peer_id_str}
         self._seen.update((pid, now) for pid in self._companions)
 
-    def note_seen(self, records: Dict[str, Dict[str, Any]], live: Dict[str, Dict[str, Any]]) -> None:
-        """Called with every read of the progress records (all of them, and the live ones)."""
+    def live_of(self, records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+        """The live peers among a read of the progress records (no goodbye, not banned); every read
+        goes through here, so it also keeps :attr:`companions` up to date."""
+        live = {pid: v for pid, v in records.items() if not v.get("gone") and not self.node.gate.banned(pid)}
         now = time.monotonic()
         self._seen.update((pid, now) for pid in live)
         self._companions -= set(records) - set(live)  # said goodbye (or banned): no longer on our side
+        return live
 
     @property
     def companions(self) -> Set[str]:
@@ -282,9 +285,7 @@ class Matchmaker:
         return group
 
     async def _live_peers(self) -> Dict[str, Dict[str, Any]]:
-        peers = await self.node.aget_subkeys(f"{self.run_id}:progress")
-        live = {pid: v for pid, v in peers.items() if not v.get("gone") and not self.node.gate.banned(pid)}
-        self.note_seen(peers, live)
+        live = self.live_of(await self.node.aget_subkeys(f"{self.run_id}:progress"))
         self._live_count = len(set(live) | {self.node.peer_id_str})
         return live
 

@@ -60,6 +60,7 @@ class Swarm:
         self.run_existed = False
         self._stop = threading.Event()
         self._publisher: Optional[threading.Thread] = None
+        self._reader: Optional[threading.Thread] = None
 
     @property
     def peer_id(self) -> str:
@@ -125,18 +126,16 @@ class Swarm:
 
         self._publisher = threading.Thread(target=publish, name="p2pdiloco-progress", daemon=True)
         self._publisher.start()
-        threading.Thread(target=read, name="p2pdiloco-peers", daemon=True).start()
+        self._reader = threading.Thread(target=read, name="p2pdiloco-peers", daemon=True)
+        self._reader.start()
 
     def peers_view(self) -> Optional[Dict[str, Dict[str, Any]]]:
-        """The live peers as of the publisher's last read (None before its first), without waiting."""
+        """The live peers as of the background reader's last read (None before its first), without waiting."""
         with self._progress_lock:
             return self._view
 
     def live_peers(self) -> Dict[str, Dict[str, Any]]:
-        peers = self.node.get_subkeys(f"{self.run_id}:progress")
-        live = {pid: v for pid, v in peers.items() if not v.get("gone") and not self.node.gate.banned(pid)}
-        self.matchmaker.note_seen(peers, live)
-        return live
+        return self.matchmaker.live_of(self.node.get_subkeys(f"{self.run_id}:progress"))
 
     def wait_for_peers(self, n: int, timeout: float) -> int:
         """Block until ``n`` peers (this one included) are live or ``timeout`` passes; returns the count."""
@@ -178,8 +177,9 @@ class Swarm:
 
     def shutdown(self) -> None:
         self._stop.set()
-        if self._publisher is not None:
-            self._publisher.join(timeout=2)
+        for thread in (self._publisher, self._reader):
+            if thread is not None:
+                thread.join(timeout=2)
         try:  # say goodbye: drop our progress record so nobody waits for us
             # a record only replaces one that expires earlier, so the goodbye gets the usual lifetime
             self.node.store(f"{self.run_id}:progress", {"gone": True, "t": time.time()},
