@@ -62,8 +62,13 @@ def test_join_mid_run_from_several_donors_then_leave_cleanly(procs, tmp_path):
     jev = read_events(tmp_path / "j")
     kinds = [r["event"] for r in jev]
     assert "catch_up" in kinds and kinds.index("catch_up") < kinds.index("start"), kinds[:6]
-    first_sync = next(r for r in jev if r["event"] == "sync")
-    assert first_sync["ok"], first_sync
+    # Its download may land while the swarm's next round is already forming (rounds are 0.4 s apart
+    # here): then it misses that one round, says so, and downloads again. Never a failed contribution.
+    first_sync = next(r for r in jev if r["event"] == "sync" and r["ok"])
+    early = [r for r in jev if r["event"] == "sync" and r["time"] < first_sync["time"]]
+    assert len(early) <= 1 and all(r["group_size"] == 0 for r in early), early
+    assert all(any(c["event"] == "catch_up" and r["time"] <= c["time"] <= first_sync["time"] for c in jev)
+               for r in early), "a missed round without a new download"
     last_catch = [r for r in jev if r["event"] == "catch_up" and r["time"] <= first_sync["time"]][-1]
     step = last_catch["step"]
     # what it downloaded is exactly the state the others held after their sync at that step

@@ -200,6 +200,74 @@ def test_companions_count_while_their_record_is_fresh_and_not_after_goodbye():
     assert mm.companions == {"c"}
 
 
+def _fake_matchmaker(records):
+    from types import SimpleNamespace
+
+    from p2pdiloco.swarm.matchmaking import Matchmaker
+
+    async def aget_subkeys(key):
+        return dict(records.get(key, {}))
+
+    async def astore(*args, **kwargs):
+        raise AssertionError("announced itself")
+
+    node = SimpleNamespace(peer_id_str="me", add_handler=lambda *a: None, aget_subkeys=aget_subkeys, astore=astore,
+                           gate=SimpleNamespace(banned=lambda pid: False))
+    return Matchmaker(node, "t", matchmaking_timeout=5)
+
+
+def test_a_closed_group_is_our_missed_round_only_if_it_went_on_from_our_history():
+    """After a heal, the isolated peer c's group records from the partition (it synced rounds 16, 17,
+    ... alone) are still in the DHT when the majority, which last synced round 15 with c, reaches
+    round 16. They name their base, c's own lone history: not our round. (Counting them because c
+    was our partner made the majority skip round after round: tests/test_partition.py.)"""
+    import asyncio
+
+    from p2pdiloco.errors import RoundMissed
+    from p2pdiloco.swarm.allreduce import Group, make_group_id
+
+    records = {}
+    mm = _fake_matchmaker(records)
+    ours = make_group_id("t", 0, 15, ["c", "me", "x"])
+    mm.add_lineage(ours)
+    mm.groups[(0, 15)] = Group(gid=ours, members=("c", "me", "x"), my_index=1, frag=0, round=15)
+    c_alone = make_group_id("t", 0, 15, ["c"])
+    assert c_alone != make_group_id("t", 0, 15, ["c"], base="abc") != make_group_id("t", 0, 15, ["c"], base="abd")
+
+    records["t:group:0:16"] = {"c": {"members": ["c"], "base": c_alone}}
+    asyncio.run(mm._check_not_missed(0, 16))  # another history: we form our own group
+    assert not mm._authoritative(["c"], None, c_alone)
+    records["t:group:0:16"] = {"c": {"members": ["c"]}}  # without its base it holds a partner: counted
+    with pytest.raises(RoundMissed):
+        asyncio.run(mm._check_not_missed(0, 16))
+    records["t:group:0:16"] = {"c": {"members": ["c", "x"], "base": ours}}  # our history went on without us
+    with pytest.raises(RoundMissed, match="synced it without us"):
+        asyncio.run(mm._check_not_missed(0, 16))
+    # having adopted c's state, c's history is ours
+    mm.adopt_lineage([c_alone])
+    records["t:group:0:16"] = {"c": {"members": ["c"], "base": c_alone}}
+    with pytest.raises(RoundMissed):
+        asyncio.run(mm._check_not_missed(0, 16))
+    assert mm.base == c_alone and mm.lineage() == {c_alone}
+
+
+def test_matchmaking_stops_before_announcing_when_a_rival_history_outnumbers_ours():
+    import asyncio
+
+    from p2pdiloco.errors import RoundMissed
+
+    records = {"t:progress": {"a": {"synced_step": 450, "digest": "1" * 16, "gid": "g-ab"},
+                              "b": {"synced_step": 450, "digest": "1" * 16, "gid": "g-ab"}}}
+    mm = _fake_matchmaker(records)
+    mm.add_lineage("g-c")
+    seen = []
+    mm.give_way = lambda peers: seen.append(set(peers)) or (
+        "outnumbered" if rival_lineage(peers, "me", mm.lineage(), 750, "2" * 16) else None)
+    with pytest.raises(RoundMissed, match="outnumbered"):
+        asyncio.run(mm.form_group(0, 26, 3, sync_step=780))  # the fake node's astore would fail the test
+    assert seen == [{"a", "b"}]
+
+
 def test_fault_rules_are_validated_with_clear_errors():
     for spec, word in [("{", "not valid JSON"), ('{"phase": "nope", "action": "kill"}', "unknown phase"),
                        ('{"phase": "step", "action": "explode"}', "unknown action"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
 import signal
 import sys
 import time
@@ -92,8 +91,26 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                           outer_step=diloco.outer_round())
 
         numels = [o.numel for o in diloco.outer]
-        #: ids of the groups of our recent syncs: our lineage (state_sync.rival_lineage)
-        recent_gids: deque = deque(maxlen=2 * diloco.num_fragments + 2)
+        recent = 2 * diloco.num_fragments + 2  # how many of our lineage's latest groups identify our side
+
+        def rivals(peers: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, Dict[str, Any]]]:
+            """The peers of a rival history that outnumbers ours (a healed partition), or None
+            (state_sync.rival_lineage). Our synced step and digest as last published: this also runs
+            on the network thread (Matchmaker.give_way), never waiting on a background sync."""
+            own = swarm.own_progress()
+            step, digest = own.get("synced_step"), own.get("digest")
+            if not isinstance(step, int) or not step or not isinstance(digest, str):
+                return None  # nothing synced yet: a fresh run, or a joiner that catches up at its first sync
+            return rival_lineage(peers, node.peer_id_str, swarm.matchmaker.lineage(recent), step, digest,
+                                 swarm.matchmaker.companions)
+
+        def adopt_rivals() -> bool:
+            """Give way to the rival history: adopt its verified state, even if our step count is ahead."""
+            return catch_up(wait=0, min_step=-1, peers=lambda: rivals(swarm.live_peers()) or {})
+
+        swarm.matchmaker.give_way = lambda peers: (
+            f"{len(found)} peer(s) of another history outnumber ours: adopting their state instead"
+            if (found := rivals(peers)) else None)
 
         def announce(target_step: int) -> None:
             # before the download: the next round's group waits for us (our first contribution lands there)
@@ -136,8 +153,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                     # the lineage rule would see them as rivals again and again), they are our side
                     gids = [g for g in dict.fromkeys(read.get(d, {}).get("gid") for d in got.donors)
                             if isinstance(g, str) and g]
-                    recent_gids.clear()
-                    recent_gids.extend(gids)
+                    swarm.matchmaker.adopt_lineage(gids)
                     swarm.matchmaker.set_companions(got.donors)
                     logger.info(f"[{me}] caught up with the swarm: step {diloco.inner_step}, digest {diloco.digest()} "
                                 f"from {len(got.donors)} donor(s) in {got.seconds:.1f} s")
@@ -204,7 +220,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                 state["syncs"] += 1
                 group = swarm.matchmaker.groups.get((rep.fragment, rep.round))
                 if group is not None:  # published: peers that trained in other groups are a rival lineage
-                    recent_gids.append(group.gid)
+                    swarm.matchmaker.add_lineage(group.gid)
                     swarm.update_progress(gid=group.gid)
                     swarm.matchmaker.set_companions(group.members)
                 state["val"] = val_loss()
@@ -252,8 +268,13 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             faults.set_step(diloco.inner_step + 1)
             faults.fire("step")  # fault-injection hook: after this step's update, before its syncs
             reports = diloco.after_inner_step(x.shape[0])
-            if any(r.missed for r in reports) and not catch_up(wait=cfg.swarm.allreduce_timeout):
-                logger.warning(f"[{me}] missed a round and found no verified state to catch up to yet")
+            if any(r.missed for r in reports):
+                # our history went on without us (catch up), or another one outnumbers ours (give way)
+                if rivals(swarm.live_peers()) is not None:
+                    logger.warning(f"[{me}] peers of another history outnumber ours; adopting their state")
+                    adopt_rivals()
+                elif not catch_up(wait=cfg.swarm.allreduce_timeout):
+                    logger.warning(f"[{me}] missed a round and found no verified state to catch up to yet")
             elif any(not r.ok and not r.missed for r in reports):
                 # A failed round may have completed for the others (a reply lost on its way to us only).
                 # Then our θ is stale: adopt theirs rather than contribute against an old base.
@@ -272,15 +293,12 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                     logger.warning(f"[{me}] the swarm is past our next sync (step {diloco.next_sync_step()}); "
                                    "catching up")
                     catch_up(wait=0)
-                elif (rivals := rival_lineage(peers, node.peer_id_str, set(recent_gids), diloco.synced_step,
-                                              diloco.digest(), companions)) is not None:
+                elif (found := rivals(peers)) is not None:
                     # They trained in groups we were not in (a healed partition) and outnumber us: we are
                     # the minority history. Adopt theirs, even if our step count is ahead.
-                    logger.warning(f"[{me}] {len(rivals)} peer(s) trained in other groups and outnumber ours; "
+                    logger.warning(f"[{me}] {len(found)} peer(s) trained in other groups and outnumber ours; "
                                    "adopting their state")
-                    catch_up(wait=0, min_step=-1, peers=lambda: rival_lineage(
-                        swarm.live_peers(), node.peer_id_str, set(recent_gids), diloco.synced_step,
-                        diloco.digest(), swarm.matchmaker.companions) or {})
+                    adopt_rivals()
                 elif in_minority(peers, node.peer_id_str, *diloco.sync_point()):
                     logger.warning(f"[{me}] our state at step {diloco.synced_step} differs from the majority's; "
                                    "adopting theirs")

@@ -66,8 +66,11 @@ MAX_PENDING_ROUNDS = 256
 MAX_PENDING_PER_PEER = 16
 
 
-def make_group_id(run_id: str, frag: int, round_: int, members: Sequence[str]) -> str:
-    blob = "\n".join([run_id, str(frag), str(round_), *members]).encode()
+def make_group_id(run_id: str, frag: int, round_: int, members: Sequence[str], base: str = "") -> str:
+    """The group's id. ``base`` is the id of the group the leader's state came from (its last successful
+    sync): chaining ids keeps two histories that reuse a round number and members (a peer alone on each
+    side of a partition) apart."""
+    blob = "\n".join([run_id, str(frag), str(round_), *members, *([f"base:{base}"] if base else [])]).encode()
     return hashlib.sha256(blob).hexdigest()[:24]
 
 

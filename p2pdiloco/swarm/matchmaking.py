@@ -24,12 +24,18 @@
    the swarm (claimed by enough peers, see ``state_sync.pick_target``) at or beyond its own
    ``sync_step`` is *behind* (a straggler that woke up): it raises :class:`RoundMissed` before it
    announces anything, so it never contributes to a round that is already over.
-6. A group that formed without us makes us miss the round only if it is *our* round: it holds one
-   of the peers of our latest group (our history went on without us), or, when we have no
-   recent partners (just joined), at least half of the live peers. A group of peers we have not
-   been syncing with (the other side of a partition, an isolated peer that ran ahead alone) is
-   not: we form our own group for that round, and the minority history later gives way
-   (``state_sync.rival_lineage``). The ``closed`` refusal says how big the closed group is.
+6. A group that formed without us makes us miss the round only if it is *our* round: it went on
+   from our history. Every group names its *base*, the group its leader's state came from (the
+   leader's last successful sync; the group id chains it), and we know our *lineage* (the groups
+   we synced in or adopted when catching up, and the groups we formed). A base in our lineage: our
+   history went on without us. Another base: another history (the other side of a partition, an
+   isolated peer that ran ahead alone; also a record left from before a heal, which reuses the
+   round numbers): we form our own group for that round, and the minority history gives way
+   (``state_sync.rival_lineage``). Without a base or a lineage (a fresh run, a peer that just
+   joined from scratch) the group counts if it holds one of our latest group's peers or, when we
+   have none, at least half of the live peers. The ``closed`` refusal carries size and base.
+   While waiting for a group, a peer that sees a rival history outnumbering its own (the caller's
+   :attr:`Matchmaker.give_way` hook) stops at once: it is to adopt that state, not sync this round.
 7. DHT views differ (a record not yet replicated, a node that just died). So a leader also waits
    (``join_grace``) for the peers due now whose ready record it did not see, a peer first asks
    such unseen peers with a smaller id (briefly) before it leads itself, and a peer about to
@@ -41,8 +47,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import threading
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Set, Tuple, Union
 
 from ..errors import MatchmakingFailed, RoundMissed, WireError
 from .allreduce import Group, make_group_id
@@ -65,6 +73,7 @@ class _Slot:
     joiners: Dict[str, asyncio.Future] = field(default_factory=dict)
     joined_event: asyncio.Event = field(default_factory=asyncio.Event)
     final: Optional[Group] = None
+    base: str = ""                         # the base of the group we led (see the module docstring, item 6)
     closed: bool = False
 
 
@@ -105,7 +114,39 @@ class Matchmaker:
         self.record_lifetime = 8.0
         self._companions: Set[str] = set()
         self._seen: Dict[str, float] = {}  # peer -> when its record was last in a read (monotonic)
+        self._lineage: deque = deque(maxlen=64)  # ids of our successful (or adopted) groups, newest last
+        self._formed: deque = deque(maxlen=64)  # ids of the groups we formed since we last adopted a lineage
+        self._lineage_lock = threading.Lock()  # fed by the training loop, read here
+        #: set by the training loop: given the live peers' records, a reason to stop matchmaking and adopt
+        #: a rival history's state instead (see the module docstring, item 6), or None
+        self.give_way: Optional[Callable[[Dict[str, Dict[str, Any]]], Optional[str]]] = None
         node.add_handler(self.handler_name, self._handle_join)
+
+    # ---- lineage ----------------------------------------------------------------------------------
+    def add_lineage(self, gid: str) -> None:
+        """A sync in group ``gid`` succeeded: it is now the base of the groups we lead."""
+        with self._lineage_lock:
+            self._lineage.append(gid)
+
+    def adopt_lineage(self, gids: Iterable[str]) -> None:
+        """We caught up with other peers' state: their groups are our history now."""
+        with self._lineage_lock:
+            self._lineage.clear()
+            self._lineage.extend(g for g in gids if isinstance(g, str) and g)
+            self._formed.clear()  # groups of the history we left
+
+    def lineage(self, last: Optional[int] = None) -> Set[str]:
+        """Our history's group ids (the ``last`` few; all kept when None) plus every group we formed
+        lately (a sync still in flight, or one whose reply we lost, is still our history)."""
+        with self._lineage_lock:
+            gids, formed = list(self._lineage), set(self._formed)
+        return set(gids[-last:] if last else gids) | formed
+
+    @property
+    def base(self) -> str:
+        """The group our state came from (our last successful sync), "" before the first."""
+        with self._lineage_lock:
+            return self._lineage[-1] if self._lineage else ""
 
     def set_companions(self, members) -> None:
         """The members of our last successful group (the training loop calls this after each one)."""
@@ -150,7 +191,7 @@ class Matchmaker:
         key = self._key(frag, round_)
         ttl = self.matchmaking_timeout * 3
         if sync_step is not None:
-            self._check_not_behind(await self._live_peers(), frag, round_, sync_step)
+            self._check_not_behind(await self._live_peers(check=True), frag, round_, sync_step)
         await self._check_not_missed(frag, round_, expected)
         start = time.monotonic()
         hard_deadline = start + self.matchmaking_timeout
@@ -166,7 +207,7 @@ class Matchmaker:
             now = time.monotonic()
             if sync_step is not None and now - last_eval >= self.reevaluate_period:
                 last_eval = now
-                peers = await self._live_peers()
+                peers = await self._live_peers(check=True)
                 waiting_for = expected_peers(peers, me, sync_step)
                 expected = 1 + len(waiting_for | (ready - {me}))
                 deadline = self._derived_deadline(peers, waiting_for - ready, sync_step, first_seen, start,
@@ -219,6 +260,8 @@ class Matchmaker:
         raise MatchmakingFailed(f"no group could be formed for fragment {frag}, round {round_}")  # pragma: no cover
 
     def _remember(self, group: Group) -> Group:
+        with self._lineage_lock:
+            self._formed.append(group.gid)
         self.groups[(group.frag, group.round)] = group
         while len(self.groups) > 64:
             del self.groups[next(iter(self.groups))]
@@ -269,11 +312,12 @@ class Matchmaker:
                 if not fut.done():
                     fut.set_result(None)
             raise MatchmakingFailed(f"only {len(members)} peer(s) ready, swarm.min_group_size is {self.min_group_size}")
-        gid = make_group_id(self.run_id, frag, round_, members)
+        base = self.base
+        gid = make_group_id(self.run_id, frag, round_, members, base)
         group = Group(gid=gid, members=members, my_index=members.index(me), frag=frag, round=round_)
-        slot.final = group
+        slot.final, slot.base = group, base
         # One group per (fragment, round): announce it so a late peer knows it missed the round
-        await self.node.astore(self._group_key(frag, round_), {"members": list(members)},
+        await self.node.astore(self._group_key(frag, round_), {"members": list(members), "base": base},
                                ttl=self.matchmaking_timeout * 10, subkey=me)
         for fut in slot.joiners.values():
             if not fut.done():
@@ -284,9 +328,13 @@ class Matchmaker:
                         f"{len(missing)} ready peer(s) that did not join in time")
         return group
 
-    async def _live_peers(self) -> Dict[str, Dict[str, Any]]:
+    async def _live_peers(self, check: bool = False) -> Dict[str, Dict[str, Any]]:
+        """The live peers' progress records; with ``check``, raise RoundMissed when the caller's
+        :attr:`give_way` hook says a rival history outnumbers ours (we are to adopt its state)."""
         live = self.live_of(await self.node.aget_subkeys(f"{self.run_id}:progress"))
         self._live_count = len(set(live) | {self.node.peer_id_str})
+        if check and self.give_way is not None and (why := self.give_way(live)):
+            raise RoundMissed(why)
         return live
 
     def _check_not_behind(self, peers: Dict[str, Dict[str, Any]], frag: int, round_: int, sync_step: int) -> None:
@@ -325,13 +373,19 @@ class Matchmaker:
                 latest[g.frag] = g
         return {m for g in latest.values() for m in g.members} - {self.node.peer_id_str}
 
-    def _authoritative(self, members: Sequence[str], due: Optional[int]) -> bool:
-        """Does a group that formed without us mean we missed the round? Yes if it holds one of our
-        recent group partners (our own history went on without us). If we have none (we just joined
-        or synced alone), yes if it holds at least half of the live peers. A group of peers we have
-        not been syncing with (the other side of a partition) is not our round.
+    def _authoritative(self, members: Sequence[str], due: Optional[int], base: Any = None) -> bool:
+        """Does a group that formed without us mean we missed the round? When it names its base and we
+        have a lineage: yes exactly if the base is in our lineage (our history went on without us); a
+        group from another history (the other side of a partition, or its records left from before
+        the heal: round numbers repeat) is not our round. Otherwise (a fresh run, a peer that joined
+        from scratch): yes if it holds one of our recent group partners, or, if we have none, at
+        least half of the live peers.
         (Counting only groups with at least half of our last group split a pair of survivors into two
         lone peers that never re-paired: tests/test_elastic_faults.py straggler test.)"""
+        if isinstance(base, str) and base:
+            mine = self.lineage()
+            if mine:
+                return base in mine
         partners = self._partners()
         if partners:
             return bool(partners & set(members))
@@ -343,7 +397,8 @@ class Matchmaker:
         me = self.node.peer_id_str
         for leader, value in (await self.node.aget_subkeys(self._group_key(frag, round_))).items():
             members = value.get("members")
-            if isinstance(members, list) and me not in members and self._authoritative(members, due):
+            if (isinstance(members, list) and me not in members
+                    and self._authoritative(members, due, value.get("base"))):
                 raise RoundMissed(f"missed the group for fragment {frag}, round {round_}: "
                                         f"{len(members)} peer(s) synced it without us")
 
@@ -375,13 +430,17 @@ class Matchmaker:
             if (not isinstance(members, list) or me not in members or leader not in members
                     or not all(isinstance(m, str) for m in members) or members != sorted(set(members))):
                 return None, None
-            gid = make_group_id(self.run_id, frag, round_, members)
+            base = reply.get("base", "")
+            if not isinstance(base, str) or len(base) > 64:
+                return None, None
+            gid = make_group_id(self.run_id, frag, round_, members, base)
             if reply.get("gid") != gid:
                 return None, None
             return Group(gid=gid, members=tuple(members), my_index=members.index(me), frag=frag, round=round_), None
         reason = reply.get("reason")
         size = reply.get("size")
-        if reason == "closed" and isinstance(size, int) and not self._authoritative([leader] * size, due):
+        if reason == "closed" and isinstance(size, int) and not self._authoritative([leader] * size, due,
+                                                                                    reply.get("base")):
             logger.info(f"[{self.node.short_id}] leader {leader[-6:]} closed a group of {size} outside our history "
                         f"for fragment {frag} round {round_}; forming one with the others")
             return None, None
@@ -422,7 +481,8 @@ class Matchmaker:
                 return
             if slot.closed:
                 size = len(slot.final.members) if slot.final is not None else None
-                await write_frame(writer, {"t": "refuse", "reason": "closed", "size": size}, traffic=traffic)
+                await write_frame(writer, {"t": "refuse", "reason": "closed", "size": size, "base": slot.base},
+                                  traffic=traffic)
                 return
             fut = slot.joiners.get(sender) or asyncio.get_running_loop().create_future()
             slot.joiners[sender] = fut
@@ -433,8 +493,8 @@ class Matchmaker:
             elif group is None:
                 await write_frame(writer, {"t": "refuse", "reason": "group too small"}, traffic=traffic)
             else:
-                await write_frame(writer, {"t": "group", "gid": group.gid, "members": list(group.members)},
-                                  traffic=traffic)
+                await write_frame(writer, {"t": "group", "gid": group.gid, "members": list(group.members),
+                                           "base": slot.base}, traffic=traffic)
         except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.info(f"[{self.node.short_id}] bad join request from {sender[-6:]}: {e}")
             await refuse_bad_request(self.node, sender, e, writer)  # says why; counts toward a ban

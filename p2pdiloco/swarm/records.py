@@ -134,6 +134,8 @@ class GroupRecord(_Open):
     """``<run>:group:<frag>:<round>``: the members of the round's one group, written by its leader."""
 
     members: conlist(PeerIdStr, min_items=1, max_items=4096)
+    #: the id of the group the leader's state came from ("" at the start of a run)
+    base: Optional[constr(strict=True, max_length=64, regex=r"^[0-9a-f]*$")] = None
 
 
 class FingerprintRecord(_Open):

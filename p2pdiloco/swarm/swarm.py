@@ -6,7 +6,7 @@ Records in the DHT (values are msgpack maps, keys prefixed with the run id):
     <run>:progress  [peer id]    {step, round, next_sync, sps, samples, sent, recv, loss, val_loss,
                                   digest, last_sync, t}          refreshed every progress_period
     <run>:mm:<frag>:<round> [peer id]                            matchmaking (see matchmaking.py)
-    <run>:group:<frag>:<round> [leader id]  {members}            the one group of that round
+    <run>:group:<frag>:<round> [leader id]  {members, base}      the one group of that round
 
 ``form_group()`` forms the one group for (fragment, round); ``allreduce()`` averages a vector in it
 (a compressor may call it several times per sync, one *phase* each).
@@ -96,6 +96,11 @@ class Swarm:
     def update_progress(self, **fields: Any) -> None:
         with self._progress_lock:
             self._progress.update(fields)
+
+    def own_progress(self) -> Dict[str, Any]:
+        """A copy of our progress record as last updated (not necessarily published yet)."""
+        with self._progress_lock:
+            return dict(self._progress)
 
     def publish_progress(self) -> None:
         with self._progress_lock:
