@@ -101,8 +101,12 @@ class StreamingConfig:
       - ``"delay"``: naive one-step delay (DiLoCoX, arXiv 2506.21263): the average of round r is
         applied at the end of round r+1; the next inner phase starts from the global copy without it.
       - ``"eager"``: Eager Updates (arXiv 2502.12996): like ``delay``, but each peer starts the next
-        inner phase from OuterOpt(global copy, Δ~) where Δ~ puts its own fresh pseudo-gradient in
-        place of its stale term; the global copy itself only ever takes true averages.
+        inner phase from OuterOpt(global copy, Δ~), an estimate of the round's average that uses its
+        own fresh pseudo-gradient; the global copy itself only ever takes true averages.
+        ``eager_estimate`` picks Δ~: ``"fresh"`` (default) the peer's fresh pseudo-gradient alone,
+        ``"paper"`` the paper's formula (the others' stale terms plus our fresh one, divided by M).
+        Measured: fresh is within ~1% of no overlap, paper oscillates (docs/benchmark.md); outer lr
+        0.5 suits eager better than 0.7.
 
       See :mod:`p2pdiloco.diloco.overlap` for the exact rules.
     """
@@ -119,6 +123,8 @@ class StreamingConfig:
     #: start group formation this many inner steps before a sync, in the background, so it is off the
     #: critical path (capped at H/P - 1; 0 = form the group at the sync step). Not part of the fingerprint.
     prepare_steps: int = 2
+    #: mode "eager": the estimate of the round's average the next inner phase starts from, "fresh" or "paper"
+    eager_estimate: str = "fresh"
 
     MODES = ("tau", "delay", "eager")
 
@@ -139,6 +145,10 @@ class StreamingConfig:
             raise ConfigError(f"streaming.tau and streaming.alpha apply to streaming.mode='tau' only; mode "
                               f"{self.mode!r} applies each average one outer step later by construction. Remove "
                               "streaming.tau/streaming.alpha or use streaming.mode=tau")
+        if self.eager_estimate not in ("fresh", "paper"):
+            raise ConfigError(f"streaming.eager_estimate ({self.eager_estimate!r}) must be 'fresh' (the peer's own "
+                              "fresh pseudo-gradient stands in for the round's average) or 'paper' (the Eager "
+                              "Updates formula: the other peers' stale terms plus our fresh one)")
         if not isinstance(self.prepare_steps, int) or self.prepare_steps < 0:
             raise ConfigError(f"streaming.prepare_steps ({self.prepare_steps!r}) must be an integer >= 0")
 

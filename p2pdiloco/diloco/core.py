@@ -122,7 +122,8 @@ class DiLoCo:
         self._groups: Dict[Tuple[int, int], concurrent.futures.Future] = {}  # (frag, round) -> Group
         # delay/eager: the point each fragment's current inner phase started from (W_m)
         self._start: List[Optional[List[torch.Tensor]]] = [None] * P
-        # eager: Δ(k−1) − Δ_m(k−1)/M' (the other peers' stale terms); None without a previous average
+        self.eager_estimate = st.eager_estimate
+        # eager_estimate "paper": Δ(k−1) − Δ_m(k−1)/M' (the other peers' stale terms); None without one
         self._others: List[Optional[torch.Tensor]] = [None] * P
         self._others_m: List[int] = [1] * P
         if self.mode != "tau":
@@ -235,12 +236,12 @@ class DiLoCo:
         outer = self.outer[p]
         if self.mode == "eager":
             others = self._others[p]
-            # No previous average to take the others' stale terms from (the first round, or after a
-            # failed one): our own fresh pseudo-gradient stands in for the whole average. The literal
-            # formula (the others' terms = 0, i.e. Δ_m/M) restarts every peer from barely past the old
-            # global copy; its next pseudo-gradient then repeats the first one, and applied on top of
-            # the first average it overshot (benchmark: validation 5.55 -> 6.70 where blocking had 3.63).
-            estimate = delta.clone() if others is None else others + delta / self._others_m[p]
+            if self.eager_estimate == "fresh" or others is None:
+                # our fresh pseudo-gradient stands in for the round's average (overlap.py, ``eager``);
+                # also the paper's rule's first round: no previous average to take the others' terms from
+                estimate = delta
+            else:  # "paper": the other peers' stale terms plus our fresh one
+                estimate = others + delta / self._others_m[p]
             self._others[p] = None
         with self.state_lock:
             start = [x.clone() for x in outer.params] if self.mode == "delay" else lookahead(outer, estimate)
@@ -310,7 +311,8 @@ class DiLoCo:
             job.failed = True
             logger.warning(f"sync of fragment {p} round {job.round} failed, keeping local progress: {e}")
         else:
-            others = avg - job.delta / job.group_size if self.mode == "eager" else None
+            others = (avg - job.delta / job.group_size
+                      if self.mode == "eager" and self.eager_estimate == "paper" else None)
             with self.state_lock:
                 if job.epoch == self._epoch:
                     self.outer[p].step(avg)

@@ -30,17 +30,23 @@ What the model gets, per mode (fragment p, round k sent after inner step s_k, ``
 
 ``eager`` (Eager Updates, arXiv 2502.12996). As ``delay``, but at s_k the next phase starts from
     W_m ← OuterOpt'(θ, b, Δ~_m(k)), a *look-ahead* (:func:`lookahead`) that changes neither θ nor b,
-    with the estimate of the round-k average
+    with an estimate Δ~_m(k) of round k's average, which is still on the wire
+    (``streaming.eager_estimate``):
 
-        Δ~_m(k) = [Δ(k−1) − Δ_m(k−1)/M] + Δ_m(k)/M
+    - ``fresh`` (default): Δ~_m(k) = Δ_m(k), the peer's own fresh pseudo-gradient stands in for the
+      whole average.
+    - ``paper``: Δ~_m(k) = [Δ(k−1) − Δ_m(k−1)/M] + Δ_m(k)/M (algorithm.md §3c), the other peers'
+      stale terms plus our fresh one; M is the size of round k−1's group. With no previous average
+      (the first round, after a failed round or a state download) it is Δ_m(k), as ``fresh``.
 
-    (algorithm.md §3c): the stale terms of the other peers plus this peer's fresh one. M is the size
-    of round k−1's group (peers' weights taken as equal, as they are with equal batch sizes). With
-    no previous average (the first round, after a failed round or a state download) Δ~_m(k) = Δ_m(k):
-    the peer's own fresh pseudo-gradient stands in for the whole average. (Taking the others' terms
-    as 0, i.e. Δ_m(k)/M, restarted every peer barely past the old global copy; its next
-    pseudo-gradient then repeated the first, and on top of the first average it overshot: measured
-    in the streaming benchmark, docs/benchmark.md.)
+    Why ``fresh`` is the default: θ here already holds every peer's terms up to round k−1, applied
+    once as true averages. The paper's formula belongs to a trajectory in which the others' terms of
+    round k−1 arrive only now; on top of our θ it applies them a second time as a prediction of
+    round k, and since every inner phase starts from such a prediction, the next pseudo-gradients
+    pull back and the estimate oscillates. (Its exact counterpart on θ, Δ_m(k)/M, leaves (M−1)/M of
+    the update one round late, like the naive delay.) Measured in one process (4 peers, tiny model,
+    H = 20, 10 outer steps; ``python -m p2pdiloco.bench.eager``, numbers in docs/benchmark.md):
+    fresh is within about 1% of no overlap, paper is not.
     With a compressing reducer Δ_m is what the peer handed to the reducer, not its decoded share. **The correction**: the paper's exact rule was not available to us; ours is that
     Δ~ never enters the global copy. θ and b are advanced only by true averages, as the results
     arrive; W_m, which differs between peers, is rebuilt from the global copy at every round, so
@@ -66,7 +72,8 @@ that arrives later belongs to the state left behind and is discarded (an epoch c
 
 Memory on the outer device besides the global copy and momentum: each job in flight holds its Δ_m
 (one fragment; in ``delay``/``eager`` up to all P fragments at once, i.e. one model's worth);
-``delay``/``eager`` keep the start points W_m (one model), ``eager`` the stale terms (one model).
+``delay``/``eager`` keep the start points W_m (one model), ``eager`` with the ``paper`` estimate the
+stale terms (one model).
 """
 from __future__ import annotations
 
