@@ -173,3 +173,17 @@ def test_smoke_benchmark_across_shaped_wan(tmp_path):
     for name in ("loss_vs_tokens.png", "loss_vs_time.png", "bytes_vs_time.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "table.md").exists()
+
+
+def test_in_process_overlap_comparison_runs_each_variant_and_peers_agree():
+    """bench.eager: the network taken out, every peer of a variant ends on one global copy, the
+    variants differ (eager restarts from its estimate), and an unknown variant is a clear error."""
+    from p2pdiloco.bench.eager import main, run_variant
+    from conftest import TINY
+
+    sets = ["model.d_model=32", "model.n_heads=2", "model.seq_len=32", "inner.batch_size=2", "inner.sync_every=4"]
+    runs = {v: run_variant(TINY, sets, v, peers=2, outer_steps=2, eval_batches=2) for v in ("blocking", "eager@0.5")}
+    assert all(r["peers_agree"] and len(r["val_after_each_outer_step"]) == 2 for r in runs.values()), runs
+    assert runs["eager@0.5"]["outer_lr"] == 0.5
+    assert runs["blocking"]["final_val_loss"] != runs["eager@0.5"]["final_val_loss"]
+    assert main(["--variants", "blocking,guess"]) == 2

@@ -619,3 +619,36 @@ def test_nothing_from_the_network_is_unpickled():
                     if not (isinstance(ext, ast.Constant) and ext.value == 0):
                         offenders.append(f"{path}:{node.lineno}: msgpack decode without max_ext_len=0")
     assert not offenders, "\n".join(offenders)
+
+
+def test_a_failed_first_dial_is_retried_and_counted_other_errors_are_not():
+    import asyncio
+    from types import SimpleNamespace
+
+    calls = []
+
+    class P2P:
+        def __init__(self, errors):
+            self.errors = list(errors)
+
+        async def call_binary_stream_handler(self, peer, name):
+            calls.append(peer)
+            if self.errors:
+                raise self.errors.pop(0)
+            return None, "reader", "writer"
+
+    def reducer(errors):
+        node = SimpleNamespace(p2p=P2P(errors), short_id="me", add_handler=lambda *a: None)
+        return AllReducer(node, "r", timeout=5)
+
+    ar = reducer([RuntimeError("Connect failed. msg=failed to dial: all dials failed")])
+    assert asyncio.run(ar._connect("peer", backoff=0.01)) == (None, "reader", "writer")
+    assert ar.stats["dial_retries"] == 1 and len(calls) == 2
+    ar = reducer([RuntimeError("failed to dial")] * 3)
+    with pytest.raises(RuntimeError, match="dial"):
+        asyncio.run(ar._connect("peer", backoff=0.01))
+    assert ar.stats["dial_retries"] == 2
+    ar = reducer([ValueError("protocol not supported")])
+    with pytest.raises(ValueError):
+        asyncio.run(ar._connect("peer", backoff=0.01))
+    assert ar.stats["dial_retries"] == 0

@@ -77,6 +77,7 @@ MODES: Dict[str, Tuple[str, ...]] = {
     "eager-nf4": ("streaming.mode=eager", "compression.codec=nf4"),
     "streaming4-fp32": ("streaming.fragments=4",),
     "streaming4-nf4": ("streaming.fragments=4", "compression.codec=nf4"),
+    "streaming4-e3m0": ("streaming.fragments=4", "compression.codec=e3m0"),
     "streaming4-tau4-fp32": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5"),
     "streaming4-tau4-e3m0": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5", "compression.codec=e3m0"),
     "streaming4-eager-fp32": ("streaming.fragments=4", "streaming.mode=eager"),
@@ -97,11 +98,13 @@ MATRICES: Dict[str, Tuple[str, ...]] = {
     # issue 4: peak rate with P fragments at equal bytes, overlap vs blocking, eager and one-step delay
     "streaming": ("diloco-fp32", "streaming4-fp32", "streaming4-tau4-fp32", "eager-fp32", "streaming4-eager-fp32",
                   "delay-fp32"),
+    # issue 4: utilization of the same fragments and codec, blocking vs tau overlap
+    "overlap": ("streaming4-e3m0", "streaming4-tau4-e3m0"),
 }
 
 #: default budget of each matrix in outer rounds (inner steps per peer = rounds * H), sized for
 #: about 20 minutes on 2 cores at 10 Mbit/s (the data-parallel baseline needs ~8 s per step there)
-MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4, "streaming": 4}
+MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4, "streaming": 4, "overlap": 4}
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _DEFAULT_CONFIG = os.path.join(_REPO, "peers", "tiny-cpu.toml")

@@ -140,7 +140,7 @@ class AllReducer:
     """Serves the ``part`` handler and runs all-reduce rounds. Lives on the node's event loop.
 
     Counters for tests and operators: ``stats`` (``parts_dropped``, ``dropped:<check>``,
-    ``replies_rejected``, ``rounds``) and ``dropped_log`` (the last 256 ``(peer, gid, phase, reason)``).
+    ``replies_rejected``, ``rounds``, ``dial_retries``) and ``dropped_log`` (the last 256 ``(peer, gid, phase, reason)``).
     """
 
     def __init__(self, node, run_id: str, timeout: float, robust: Optional[RobustConfig] = None):
@@ -392,6 +392,23 @@ class AllReducer:
         misbehaving peer overrides; everything else it runs is the real code.)"""
         return part, weight
 
+    async def _connect(self, peer, attempts: int = 3, backoff: float = 0.3):
+        """Open a stream to ``peer``'s part handler. The first dial to a peer we have not talked to yet
+        sometimes fails at once ("all dials failed": no address known yet, a connection still being
+        set up); that would fail the round for the whole group, so it is retried briefly (the
+        round's timeout still bounds the whole exchange)."""
+        for attempt in range(attempts):
+            try:
+                return await self.node.p2p.call_binary_stream_handler(peer, self.handler_name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if attempt == attempts - 1 or "dial" not in str(e).lower():
+                    raise
+                self.stats["dial_retries"] += 1
+                logger.info(f"[{self.node.short_id}] dialing {str(peer)[-6:]} failed ({str(e)[:120]}); retrying")
+                await asyncio.sleep(backoff * (attempt + 1))
+
     async def _send_part(self, group: Group, phase: str, j: int, part: torch.Tensor, weight: float,
                          codec: Codec) -> torch.Tensor:
         from hivemind.p2p import PeerID
@@ -399,8 +416,7 @@ class AllReducer:
         owner = group.members[j]
         traffic: Traffic = self.node.traffic
         sent_part, sent_weight = self._outgoing(group, phase, j, part, weight)
-        _, reader, writer = await self.node.p2p.call_binary_stream_handler(PeerID.from_base58(owner),
-                                                                           self.handler_name)
+        _, reader, writer = await self._connect(PeerID.from_base58(owner))
         try:
             header = {"t": "part", "v": PROTOCOL_VERSION, "gid": group.gid, "phase": phase, "idx": group.my_index,
                       "w": float(sent_weight), "codec": codec.codec_id, "numel": sent_part.numel()}
