@@ -546,7 +546,7 @@ def _pick(state_sync, peers, me, min_step):
 
 # ---- row 8: versions and deserialization ----------------------------------------------------------
 @pytest.mark.timeout(120)
-def test_peer_speaking_version_2_gets_a_clear_refusal(nodes):
+def test_peer_speaking_another_protocol_version_gets_a_clear_refusal(nodes):
     from hivemind.p2p import PeerID
     from p2pdiloco.swarm.matchmaking import Matchmaker
     from p2pdiloco.swarm.state_sync import StateServer
@@ -567,13 +567,14 @@ def test_peer_speaking_version_2_gets_a_clear_refusal(nodes):
         finally:
             writer.close()
 
-    for handler, header in [("join", {"t": "join", "v": 2, "frag": 0, "round": 0}),
-                            ("part", {"t": "part", "v": 2, "gid": "g", "phase": "d", "idx": 0, "w": 1.0,
+    future = PROTOCOL_VERSION + 1
+    for handler, header in [("join", {"t": "join", "v": future, "frag": 0, "round": 0}),
+                            ("part", {"t": "part", "v": future, "gid": "g", "phase": "d", "idx": 0, "w": 1.0,
                                       "codec": 0, "numel": 0}),
-                            ("state", {"t": "state", "v": 2})]:
+                            ("state", {"t": "state", "v": future})]:
         reply = client.call(ask(handler, header), timeout=30)
         assert reply["t"] in ("refuse", "abort"), reply
-        assert "protocol version 2 is not supported" in reply["reason"], reply
+        assert f"protocol version {future} is not supported" in reply["reason"], reply
         assert f"speaks version {PROTOCOL_VERSION}" in reply["reason"] and "upgrade" in reply["reason"]
     assert server.gate.offences[client.peer_id_str] == 0  # an old/new peer is not an attacker
     # and a whole peer on another version is stopped earlier, by the run fingerprint, naming the field

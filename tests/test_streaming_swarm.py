@@ -51,7 +51,7 @@ def test_streaming_swarm_matches_reference(procs, tmp_path, mode):
         # send (the last rounds of each fragment are applied when the run ends, at step 24)
         lag = int(MODES[mode][1].split("=")[1]) if mode == "tau" else H
         assert [r["applied_step"] for r in syncs[i]] == [min(r["step"] + lag, 24) for r in syncs[i]]
-        assert summaries[i]["streaming_mode"] == mode and summaries[i]["network_wait_seconds"] >= 0
+        assert summaries[i]["streaming_mode"] == mode.split("-")[0] and summaries[i]["network_wait_seconds"] >= 0
         assert summaries[i]["peak_bytes_per_s"] > 0
     for k in range(len(syncs[0])):
         assert syncs[0][k]["digest"] == syncs[1][k]["digest"], f"peers disagree after sync {k}"

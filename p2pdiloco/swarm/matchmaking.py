@@ -77,6 +77,10 @@ class _Slot:
     closed: bool = False
 
 
+async def _nothing() -> None:
+    return None
+
+
 def expected_peers(peers: Dict[str, Dict[str, Any]], me: str, sync_step: int) -> Set[str]:
     """Live peers other than ``me`` due at ``sync_step`` or earlier: those the group waits for."""
     return {pid for pid, v in peers.items()
@@ -190,9 +194,11 @@ class Matchmaker:
         slot = self._slot(frag, round_)
         key = self._key(frag, round_)
         ttl = self.matchmaking_timeout * 3
+        live, groups = await asyncio.gather(self._live_peers(check=True) if sync_step is not None else _nothing(),
+                                            self.node.aget_subkeys(self._group_key(frag, round_)))
         if sync_step is not None:
-            self._check_not_behind(await self._live_peers(check=True), frag, round_, sync_step)
-        await self._check_not_missed(frag, round_, expected)
+            self._check_not_behind(live, frag, round_, sync_step)
+        self._raise_if_missed(groups, frag, round_, expected)
         start = time.monotonic()
         hard_deadline = start + self.matchmaking_timeout
         deadline = hard_deadline
@@ -203,18 +209,22 @@ class Matchmaker:
         peers: Dict[str, Dict[str, Any]] = {}
         last_eval = -1e9
         while True:
-            ready |= {p for p in await self.node.aget_subkeys(key) if not self.node.gate.banned(p)}
-            now = time.monotonic()
-            if sync_step is not None and now - last_eval >= self.reevaluate_period:
-                last_eval = now
-                peers = await self._live_peers(check=True)
+            # the three reads of one poll run side by side: each waits a round trip or more on a WAN
+            reeval = sync_step is not None and time.monotonic() - last_eval >= self.reevaluate_period
+            got_ready, got_live, got_groups = await asyncio.gather(
+                self.node.aget_subkeys(key), self._live_peers(check=True) if reeval else _nothing(),
+                self.node.aget_subkeys(self._group_key(frag, round_)))
+            ready |= {p for p in got_ready if not self.node.gate.banned(p)}
+            if reeval:
+                last_eval = time.monotonic()
+                peers = got_live
                 waiting_for = expected_peers(peers, me, sync_step)
                 expected = 1 + len(waiting_for | (ready - {me}))
                 deadline = self._derived_deadline(peers, waiting_for - ready, sync_step, first_seen, start,
                                                   hard_deadline)
             if len(ready) >= expected or time.monotonic() >= deadline:
                 break
-            await self._check_not_missed(frag, round_, expected)
+            self._raise_if_missed(got_groups, frag, round_, expected)
             await asyncio.sleep(0.1)
         if sync_step is not None and ready == {me} and len(peers) > 1:
             # About to sync alone while others are live: give the DHT a moment, then make sure they are
@@ -228,6 +238,7 @@ class Matchmaker:
         unseen = waiting_for - ready
         candidates = sorted(ready | {u for u in unseen if u < me})
         tried: Set[str] = set()
+        bounced: Dict[str, int] = {}  # candidate -> how often it answered "not leader" (with a hint)
         while candidates:
             leader = candidates[0]
             if leader == me:
@@ -251,12 +262,19 @@ class Matchmaker:
             if group is not None:
                 slot.final = group
                 return self._remember(group)
-            candidates.remove(leader)
-            if hint and hint not in tried and (hint in ready or hint in unseen) and len(tried) < 8:
-                candidates.remove(hint) if hint in candidates else None
-                candidates.insert(0, hint)
             slot.leader = None
             slot.decided.clear()
+            if not hint or bounced.get(leader, 0) >= 3:
+                candidates.remove(leader)
+                continue
+            # It follows another peer for now. It stays a candidate: when that peer does not answer
+            # (crashed), it leads itself, and we must be there, not leading a split group of our own.
+            bounced[leader] = bounced.get(leader, 0) + 1
+            if hint not in tried and (hint in ready or hint in unseen) and len(tried) < 8:
+                candidates.remove(hint) if hint in candidates else None
+                candidates.insert(0, hint)  # ask its leader first
+            else:  # it still follows a peer we could not reach: it will find out too; ask again shortly
+                await asyncio.sleep(0.5 * bounced[leader])
         raise MatchmakingFailed(f"no group could be formed for fragment {frag}, round {round_}")  # pragma: no cover
 
     def _remember(self, group: Group) -> Group:
@@ -316,12 +334,13 @@ class Matchmaker:
         gid = make_group_id(self.run_id, frag, round_, members, base)
         group = Group(gid=gid, members=members, my_index=members.index(me), frag=frag, round=round_)
         slot.final, slot.base = group, base
-        # One group per (fragment, round): announce it so a late peer knows it missed the round
-        await self.node.astore(self._group_key(frag, round_), {"members": list(members), "base": base},
-                               ttl=self.matchmaking_timeout * 10, subkey=me)
-        for fut in slot.joiners.values():
+        for fut in slot.joiners.values():  # the members first: the all-reduce can start
             if not fut.done():
                 fut.set_result(group)
+        # One group per (fragment, round): announce it so a late peer knows it missed the round (until
+        # the record is out, a late peer asking us to admit it gets the "closed" refusal instead)
+        await self.node.astore(self._group_key(frag, round_), {"members": list(members), "base": base},
+                               ttl=self.matchmaking_timeout * 10, subkey=me)
         missing = expected_joiners - set(slot.joiners)
         if missing:
             logger.info(f"[{self.node.short_id}] group for fragment {frag} round {round_} formed without "
@@ -394,8 +413,13 @@ class Matchmaker:
     async def _check_not_missed(self, frag: int, round_: int, due: Optional[int] = None) -> None:
         """Raise RoundMissed when a group for this round already closed without us and counts as our
         round (:meth:`_authoritative`)."""
+        self._raise_if_missed(await self.node.aget_subkeys(self._group_key(frag, round_)), frag, round_, due)
+
+    def _raise_if_missed(self, records: Dict[str, Dict[str, Any]], frag: int, round_: int,
+                         due: Optional[int] = None) -> None:
+        """:meth:`_check_not_missed` on group records already read."""
         me = self.node.peer_id_str
-        for leader, value in (await self.node.aget_subkeys(self._group_key(frag, round_))).items():
+        for leader, value in records.items():
             members = value.get("members")
             if (isinstance(members, list) and me not in members
                     and self._authoritative(members, due, value.get("base"))):

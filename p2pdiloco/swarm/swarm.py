@@ -154,8 +154,11 @@ class Swarm:
     def expected_group(self, sync_step: int) -> int:
         """Live peers (ourselves included) that will take part in the sync at inner step ``sync_step``:
         those whose next sync is at this step or earlier (they are on their way). Counting the ones
-        behind us makes the group wait for slower peers rather than close without them."""
-        peers = self.live_peers()
+        behind us makes the group wait for slower peers rather than close without them. (The
+        background reader's view when there is one: matchmaking re-reads the records itself.)"""
+        peers = self.peers_view()
+        if peers is None:
+            peers = self.live_peers()
         others = sum(1 for pid, v in peers.items()
                      if pid != self.peer_id and isinstance(v.get("next_sync"), int) and v["next_sync"] <= sync_step)
         return 1 + others
