@@ -315,3 +315,38 @@ def test_timeouts_are_derived_from_measured_speed_and_capped():
     assert t.transfer(nbytes) == pytest.approx(5 + 4 * 3.0)
     t.configure(adaptive=False)
     assert t.transfer(nbytes) == 60.0
+
+
+def test_a_hint_to_a_leader_we_have_not_seen_ready_is_checked_in_the_dht_and_followed():
+    """A joiner ``a`` (smallest id) got ready after our poll ended: ``b``, whom we asked first, follows
+    ``a`` and says so. We must re-read the ready records and join ``a``, not keep asking ``b`` until
+    ``a`` closed its group without us (tests/test_elastic.py join test, under CPU load)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from p2pdiloco.swarm.allreduce import Group
+    from p2pdiloco.swarm.matchmaking import Matchmaker
+
+    records = {"t:mm:0:5": {"b": {"t": 1.0}}}
+
+    async def aget_subkeys(key):
+        return dict(records.get(key, {}))
+
+    async def astore(key, value, ttl, subkey):
+        records.setdefault(key, {})[subkey] = value
+
+    node = SimpleNamespace(peer_id_str="m", add_handler=lambda *a: None, aget_subkeys=aget_subkeys, astore=astore,
+                           gate=SimpleNamespace(banned=lambda pid: False))
+    mm = Matchmaker(node, "t", matchmaking_timeout=5)
+    asked = []
+
+    async def join(leader, frag, round_, due=None, timeout=None):
+        asked.append(leader)
+        if leader == "b":
+            records["t:mm:0:5"]["a"] = {"t": 2.0}  # a's ready record lands after our poll
+            return None, "a"
+        return Group(gid="g", members=("a", "b", "m"), my_index=2, frag=frag, round=round_), None
+
+    mm._join = join
+    group = asyncio.run(mm.form_group(0, 5, 2))
+    assert asked == ["b", "a"] and group.members == ("a", "b", "m")

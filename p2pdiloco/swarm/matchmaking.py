@@ -270,6 +270,12 @@ class Matchmaker:
             # It follows another peer for now. It stays a candidate: when that peer does not answer
             # (crashed), it leads itself, and we must be there, not leading a split group of our own.
             bounced[leader] = bounced.get(leader, 0) + 1
+            if hint not in tried and hint not in ready and hint not in unseen and hint != me:
+                # A peer we have not seen ready yet (a joiner that arrived after our poll ended, its
+                # record not in our read): the DHT decides, not our older view. Asking the bouncer
+                # again instead cost the round: the hinted leader closed without us.
+                fresh = {p for p in await self.node.aget_subkeys(key) if not self.node.gate.banned(p)}
+                ready |= fresh
             if hint not in tried and (hint in ready or hint in unseen) and len(tried) < 8:
                 candidates.remove(hint) if hint in candidates else None
                 candidates.insert(0, hint)  # ask its leader first
