@@ -335,7 +335,7 @@ def test_a_hint_to_a_leader_we_have_not_seen_ready_is_checked_in_the_dht_and_fol
     async def astore(key, value, ttl, subkey):
         records.setdefault(key, {})[subkey] = value
 
-    node = SimpleNamespace(peer_id_str="m", add_handler=lambda *a: None, aget_subkeys=aget_subkeys, astore=astore,
+    node = SimpleNamespace(peer_id_str="m", short_id="m", add_handler=lambda *a: None, aget_subkeys=aget_subkeys, astore=astore,
                            gate=SimpleNamespace(banned=lambda pid: False))
     mm = Matchmaker(node, "t", matchmaking_timeout=5)
     asked = []
@@ -350,3 +350,58 @@ def test_a_hint_to_a_leader_we_have_not_seen_ready_is_checked_in_the_dht_and_fol
     mm._join = join
     group = asyncio.run(mm.form_group(0, 5, 2))
     assert asked == ["b", "a"] and group.members == ("a", "b", "m")
+
+
+def test_partners_of_our_last_group_hidden_by_the_dht_are_asked_before_we_sync_alone():
+    """A frozen DHT node held every read for longer than a record lives: the progress read came back
+    empty and only our own ready record was visible, so each of two partners closed a group of one
+    (tests/test_elastic_faults.py straggler test, in CI). The partners of our last group that we
+    cannot see at all are asked first (smaller id) or waited for when we lead (larger id)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from p2pdiloco.swarm.allreduce import Group
+    from p2pdiloco.swarm.matchmaking import Matchmaker
+
+    records = {}
+
+    async def aget_subkeys(key):
+        return dict(records.get(key, {}))  # the progress key reads empty: nobody visible
+
+    async def astore(key, value, ttl, subkey):
+        records.setdefault(key, {})[subkey] = value
+
+    def matchmaker():
+        node = SimpleNamespace(peer_id_str="m", short_id="m", add_handler=lambda *a: None, aget_subkeys=aget_subkeys,
+                               astore=astore, gate=SimpleNamespace(banned=lambda pid: False))
+        return Matchmaker(node, "t", matchmaking_timeout=5, join_grace=0.1)
+
+    # a smaller partner: asked to lead before we lead alone
+    mm, asked = matchmaker(), []
+
+    async def join(leader, frag, round_, due=None, timeout=None):
+        asked.append(leader)
+        return Group(gid="g", members=("a", "m"), my_index=1, frag=frag, round=round_), None
+
+    mm._join = join
+    mm.set_companions(["a", "m"])
+    group = asyncio.run(mm.form_group(0, 5, 2, sync_step=100))
+    assert asked == ["a"] and group.members == ("a", "m")
+
+    # a larger partner: we lead and give it the join grace (it is in the unseen set we wait for)
+    mm, waited = matchmaker(), []
+
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset()):
+        waited.append(set(unseen))
+        return Group(gid="g2", members=("m",), my_index=0, frag=frag, round=round_)
+
+    mm._lead = lead
+    mm.set_companions(["z"])
+    asyncio.run(mm.form_group(0, 5, 2, sync_step=100))
+    assert waited == [{"z"}]
+
+    # without a previous group nothing changes: a lone peer leads alone, waiting for nobody
+    mm, waited = matchmaker(), []
+    mm._lead = lead
+    asyncio.run(mm.form_group(0, 6, 1, sync_step=100))
+    assert waited == [set()]

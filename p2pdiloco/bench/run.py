@@ -80,6 +80,7 @@ MODES: Dict[str, Tuple[str, ...]] = {
     "streaming4-e3m0": ("streaming.fragments=4", "compression.codec=e3m0"),
     "streaming4-tau4-fp32": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5"),
     "streaming4-tau4-e3m0": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5", "compression.codec=e3m0"),
+    "streaming4-tau8-e3m0": ("streaming.fragments=4", "streaming.tau=8", "streaming.alpha=0.5", "compression.codec=e3m0"),
     "streaming4-eager-fp32": ("streaming.fragments=4", "streaming.mode=eager"),
     "streaming4-eager-nf4": ("streaming.fragments=4", "streaming.mode=eager", "compression.codec=nf4"),
 }
@@ -100,11 +101,13 @@ MATRICES: Dict[str, Tuple[str, ...]] = {
                   "delay-fp32"),
     # issue 4: utilization of the same fragments and codec, blocking vs tau overlap
     "overlap": ("streaming4-e3m0", "streaming4-tau4-e3m0"),
+    # the same at the papers' longer rounds: run with --set inner.sync_every=40 (tau 8 < H/P = 10)
+    "overlap-h40": ("streaming4-e3m0", "streaming4-tau8-e3m0"),
 }
 
 #: default budget of each matrix in outer rounds (inner steps per peer = rounds * H), sized for
 #: about 20 minutes on 2 cores at 10 Mbit/s (the data-parallel baseline needs ~8 s per step there)
-MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4, "streaming": 4, "overlap": 4}
+MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4, "streaming": 4, "overlap": 4, "overlap-h40": 4}
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _DEFAULT_CONFIG = os.path.join(_REPO, "peers", "tiny-cpu.toml")
