@@ -200,7 +200,9 @@ def test_companions_count_while_their_record_is_fresh_and_not_after_goodbye():
     assert mm.companions == {"c"}
 
 
-def _fake_matchmaker(records):
+def _fake_matchmaker(records, announce=False, **kwargs):
+    """A Matchmaker of peer "me" on a DHT held in ``records`` (key -> subkey -> value). Without
+    ``announce`` a store fails the test (the peer must not announce itself); with it, it is kept."""
     from types import SimpleNamespace
 
     from p2pdiloco.swarm.matchmaking import Matchmaker
@@ -208,12 +210,14 @@ def _fake_matchmaker(records):
     async def aget_subkeys(key):
         return dict(records.get(key, {}))
 
-    async def astore(*args, **kwargs):
-        raise AssertionError("announced itself")
+    async def astore(key, value, ttl, subkey):
+        if not announce:
+            raise AssertionError("announced itself")
+        records.setdefault(key, {})[subkey] = value
 
-    node = SimpleNamespace(peer_id_str="me", add_handler=lambda *a: None, aget_subkeys=aget_subkeys, astore=astore,
-                           gate=SimpleNamespace(banned=lambda pid: False))
-    return Matchmaker(node, "t", matchmaking_timeout=5)
+    node = SimpleNamespace(peer_id_str="me", short_id="me", add_handler=lambda *a: None,
+                           aget_subkeys=aget_subkeys, astore=astore, gate=SimpleNamespace(banned=lambda pid: False))
+    return Matchmaker(node, "t", **{"matchmaking_timeout": 5, **kwargs})
 
 
 def test_a_closed_group_is_our_missed_round_only_if_it_went_on_from_our_history():
@@ -322,22 +326,11 @@ def test_a_hint_to_a_leader_we_have_not_seen_ready_is_checked_in_the_dht_and_fol
     ``a`` and says so. We must re-read the ready records and join ``a``, not keep asking ``b`` until
     ``a`` closed its group without us (tests/test_elastic.py join test, under CPU load)."""
     import asyncio
-    from types import SimpleNamespace
 
     from p2pdiloco.swarm.allreduce import Group
-    from p2pdiloco.swarm.matchmaking import Matchmaker
 
     records = {"t:mm:0:5": {"b": {"t": 1.0}}}
-
-    async def aget_subkeys(key):
-        return dict(records.get(key, {}))
-
-    async def astore(key, value, ttl, subkey):
-        records.setdefault(key, {})[subkey] = value
-
-    node = SimpleNamespace(peer_id_str="m", short_id="m", add_handler=lambda *a: None, aget_subkeys=aget_subkeys, astore=astore,
-                           gate=SimpleNamespace(banned=lambda pid: False))
-    mm = Matchmaker(node, "t", matchmaking_timeout=5)
+    mm = _fake_matchmaker(records, announce=True)
     asked = []
 
     async def join(leader, frag, round_, due=None, timeout=None):
@@ -345,11 +338,11 @@ def test_a_hint_to_a_leader_we_have_not_seen_ready_is_checked_in_the_dht_and_fol
         if leader == "b":
             records["t:mm:0:5"]["a"] = {"t": 2.0}  # a's ready record lands after our poll
             return None, "a"
-        return Group(gid="g", members=("a", "b", "m"), my_index=2, frag=frag, round=round_), None
+        return Group(gid="g", members=("a", "b", "me"), my_index=2, frag=frag, round=round_), None
 
     mm._join = join
     group = asyncio.run(mm.form_group(0, 5, 2))
-    assert asked == ["b", "a"] and group.members == ("a", "b", "m")
+    assert asked == ["b", "a"] and group.members == ("a", "b", "me")
 
 
 def test_partners_of_our_last_group_hidden_by_the_dht_are_asked_before_we_sync_alone():
@@ -358,42 +351,30 @@ def test_partners_of_our_last_group_hidden_by_the_dht_are_asked_before_we_sync_a
     (tests/test_elastic_faults.py straggler test, in CI). The partners of our last group that we
     cannot see at all are asked first (smaller id) or waited for when we lead (larger id)."""
     import asyncio
-    from types import SimpleNamespace
 
     from p2pdiloco.swarm.allreduce import Group
-    from p2pdiloco.swarm.matchmaking import Matchmaker
 
-    records = {}
-
-    async def aget_subkeys(key):
-        return dict(records.get(key, {}))  # the progress key reads empty: nobody visible
-
-    async def astore(key, value, ttl, subkey):
-        records.setdefault(key, {})[subkey] = value
-
-    def matchmaker():
-        node = SimpleNamespace(peer_id_str="m", short_id="m", add_handler=lambda *a: None, aget_subkeys=aget_subkeys,
-                               astore=astore, gate=SimpleNamespace(banned=lambda pid: False))
-        return Matchmaker(node, "t", matchmaking_timeout=5, join_grace=0.1)
+    def matchmaker():  # the progress key reads empty: nobody visible
+        return _fake_matchmaker({}, announce=True, join_grace=0.1)
 
     # a smaller partner: asked to lead before we lead alone
     mm, asked = matchmaker(), []
 
     async def join(leader, frag, round_, due=None, timeout=None):
         asked.append(leader)
-        return Group(gid="g", members=("a", "m"), my_index=1, frag=frag, round=round_), None
+        return Group(gid="g", members=("a", "me"), my_index=1, frag=frag, round=round_), None
 
     mm._join = join
-    mm.set_companions(["a", "m"])
+    mm.set_companions(["a", "me"])
     group = asyncio.run(mm.form_group(0, 5, 2, sync_step=100))
-    assert asked == ["a"] and group.members == ("a", "m")
+    assert asked == ["a"] and group.members == ("a", "me")
 
     # a larger partner: we lead and give it the join grace (it is in the unseen set we wait for)
     mm, waited = matchmaker(), []
 
     async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset()):
         waited.append(set(unseen))
-        return Group(gid="g2", members=("m",), my_index=0, frag=frag, round=round_)
+        return Group(gid="g2", members=("me",), my_index=0, frag=frag, round=round_)
 
     mm._lead = lead
     mm.set_companions(["z"])
@@ -405,3 +386,4 @@ def test_partners_of_our_last_group_hidden_by_the_dht_are_asked_before_we_sync_a
     mm._lead = lead
     asyncio.run(mm.form_group(0, 6, 1, sync_step=100))
     assert waited == [set()]
+

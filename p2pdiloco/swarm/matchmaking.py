@@ -180,6 +180,9 @@ class Matchmaker:
         now = time.monotonic()
         return {pid for pid in self._companions if now - self._seen.get(pid, 0.0) <= self.record_lifetime}
 
+    def _unbanned(self, peers: Iterable[str]) -> Set[str]:
+        return {p for p in peers if not self.node.gate.banned(p)}
+
     def _key(self, frag: int, round_: int) -> str:
         return f"{self.run_id}:mm:{frag}:{round_}"
 
@@ -218,7 +221,7 @@ class Matchmaker:
             got_ready, got_live, got_groups = await asyncio.gather(
                 self.node.aget_subkeys(key), self._live_peers(check=True) if reeval else _nothing(),
                 self.node.aget_subkeys(self._group_key(frag, round_)))
-            ready |= {p for p in got_ready if not self.node.gate.banned(p)}
+            ready |= self._unbanned(got_ready)
             if reeval:
                 last_eval = time.monotonic()
                 peers = got_live
@@ -235,13 +238,13 @@ class Matchmaker:
         # pair then saw an empty swarm and each closed a group of one: straggler test in CI). We cannot
         # tell which, so they count as unseen: asked first when their id is smaller, given the join
         # grace when we lead. A crashed partner costs one grace period: the next group is without it.
-        absent = ({c for c in self._companions if not self.node.gate.banned(c)} - set(peers) - ready - {me}
+        absent = (self._unbanned(self._companions) - set(peers) - ready - {me}
                   if sync_step is not None else set())
         if sync_step is not None and ready == {me} and (len(peers) > 1 or absent):
             # About to sync alone while others are live: give the DHT a moment, then make sure they are
             # not past this round already (their group record or progress may not have reached us yet).
             await asyncio.sleep(min(1.0, self.join_grace))
-            ready |= {p for p in await self.node.aget_subkeys(key) if not self.node.gate.banned(p)}
+            ready |= self._unbanned(await self.node.aget_subkeys(key))
             self._check_not_behind(await self._live_peers(), frag, round_, sync_step)
         await self._check_not_missed(frag, round_, expected)
         if logger.isEnabledFor(logging.DEBUG):
@@ -293,8 +296,7 @@ class Matchmaker:
                 # A peer we have not seen ready yet (a joiner that arrived after our poll ended, its
                 # record not in our read): the DHT decides, not our older view. Asking the bouncer
                 # again instead cost the round: the hinted leader closed without us.
-                fresh = {p for p in await self.node.aget_subkeys(key) if not self.node.gate.banned(p)}
-                ready |= fresh
+                ready |= self._unbanned(await self.node.aget_subkeys(key))
             if hint not in tried and (hint in ready or hint in unseen) and len(tried) < 8:
                 candidates.remove(hint) if hint in candidates else None
                 candidates.insert(0, hint)  # ask its leader first
@@ -329,7 +331,7 @@ class Matchmaker:
                 await asyncio.wait_for(slot.joined_event.wait(), timeout=max(0.01, min(0.3, grace_end - time.monotonic())))
             except asyncio.TimeoutError:
                 pass
-            seen = {p for p in await self.node.aget_subkeys(key) if not self.node.gate.banned(p)} - {me}
+            seen = self._unbanned(await self.node.aget_subkeys(key)) - {me}
             smaller = sorted(p for p in seen - expected_joiners if p < me and p not in slot.joiners and p not in skip)
             expected_joiners |= seen
             if smaller:
