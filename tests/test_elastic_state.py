@@ -215,7 +215,7 @@ def _fake_matchmaker(records, announce=False, **kwargs):
             raise AssertionError("announced itself")
         records.setdefault(key, {})[subkey] = value
 
-    node = SimpleNamespace(peer_id_str="me", short_id="me", add_handler=lambda *a: None,
+    node = SimpleNamespace(peer_id_str="me", short_id="me", traffic=None, add_handler=lambda *a: None,
                            aget_subkeys=aget_subkeys, astore=astore, gate=SimpleNamespace(banned=lambda pid: False))
     return Matchmaker(node, "t", **{"matchmaking_timeout": 5, **kwargs})
 
@@ -387,3 +387,50 @@ def test_partners_of_our_last_group_hidden_by_the_dht_are_asked_before_we_sync_a
     asyncio.run(mm.form_group(0, 6, 1, sync_step=100))
     assert waited == [set()]
 
+
+def test_a_joiner_that_hangs_up_before_the_group_closes_is_not_admitted():
+    """A joiner gave up waiting (its join timeout) while the leader was still undecided; the leader
+    then closed a group naming it, and that group's all-reduce timed out waiting on a peer that was
+    not in it (tests/test_elastic_faults.py straggler test). A joiner whose stream closes before the
+    group closes is dropped from the joiners."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, write_frame
+
+    class _Sink:
+        def __init__(self):
+            self.data = bytearray()
+
+        def write(self, b):
+            self.data += b
+
+        async def drain(self):
+            pass
+
+        def close(self):
+            pass
+
+    async def scenario():
+        mm = _fake_matchmaker({})
+        slot = mm._slot(0, 5)
+        slot.leading = True
+        slot.decided.set()
+        request = _Sink()
+        await write_frame(request, {"t": "join", "v": PROTOCOL_VERSION, "frag": 0, "round": 5})
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes(request.data))
+        info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "j"))
+        reply = _Sink()
+        handler = asyncio.ensure_future(mm._handle_join(info, reader, reply))
+        for _ in range(100):  # the join request is read and j is admitted as a joiner
+            await asyncio.sleep(0.01)
+            if "j" in slot.joiners:
+                break
+        assert "j" in slot.joiners, bytes(reply.data)
+        reader.feed_eof()  # j hangs up
+        await asyncio.wait_for(handler, timeout=2)
+        return slot
+
+    slot = asyncio.run(scenario())
+    assert "j" not in slot.joiners

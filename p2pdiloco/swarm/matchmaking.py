@@ -541,7 +541,21 @@ class Matchmaker:
             fut = slot.joiners.get(sender) or asyncio.get_running_loop().create_future()
             slot.joiners[sender] = fut
             slot.joined_event.set()
-            group = await fut
+            # The joiner sends nothing more until our reply; its end closing means it stopped waiting (its
+            # join timeout passed while we were undecided). It must not become a member: the group would
+            # wait on a peer that is not in it (straggler test: the round's all-reduce timed out).
+            hung_up = asyncio.ensure_future(reader.read(1))
+            try:
+                await asyncio.wait({fut, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                hung_up.cancel()
+            if not fut.done():
+                if slot.joiners.get(sender) is fut:
+                    del slot.joiners[sender]
+                logger.info(f"[{self.node.short_id}] {sender[-6:]} stopped waiting to join fragment {frag} "
+                            f"round {round_} before the group closed; not admitted")
+                return
+            group = fut.result()
             if isinstance(group, str):  # we stepped down: a peer with a smaller id leads this round
                 await write_frame(writer, {"t": "refuse", "reason": "not leader", "hint": group}, traffic=traffic)
             elif group is None:
