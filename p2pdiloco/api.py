@@ -54,7 +54,7 @@ def join_swarm(cfg: RunConfig, model: Optional[nn.Module] = None) -> Swarm:
         node.shutdown()
         raise
     swarm.update_progress(step=0, round=0, samples=0, sent=0, recv=0, next_sync=cfg.inner.sync_every, synced_step=0)
-    swarm.publish_progress()
+    swarm.publish_progress(wait=True)  # visible before we wait for peers
     swarm.start_publishing()
     if s.min_peers_to_start > 1:
         swarm.wait_for_peers(s.min_peers_to_start, s.start_timeout)

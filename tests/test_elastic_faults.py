@@ -99,3 +99,17 @@ def test_straggler_is_left_behind_then_resyncs_without_stale_contributions(procs
     assert all(not r["ok"] and r["sync_bytes_sent"] < 10_000 for r in began_after), began_after
     assert first_back["step"] > caught[-1]["step"]
     assert_agree([tmp_path / "a", tmp_path / "b", tmp_path / "s"], min_common=3)
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_peer_does_not_hide_the_live_peers_records():
+    """A frozen peer (SIGSTOP of trainer, DHT node and p2p daemon) makes every DHT store that reaches it
+    wait for the RPC timeout. The live peers' progress records must still be refreshed within their
+    lifetime, or the others stop waiting for live peers (the straggler test's failures)."""
+    from p2pdiloco.bench.dht_stall import measure
+
+    r = measure(seconds=16, period=1.0, mode="background")
+    # the fault fired: with the peer frozen, a store took the RPC timeout (it is instant otherwise)
+    assert r["store_s"]["unfrozen"] < 1.0 and r["store_s"]["first_frozen"] >= 2.5, r
+    assert r["reads"] >= 10, r
+    assert r["missing_s"] == 0.0 and r["max_age_s"] < r["record_lifetime_s"], r

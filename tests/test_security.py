@@ -227,7 +227,7 @@ def test_bad_contributions_never_reach_honest_parameters(nodes, monkeypatch):
         s = swarm_mod.Swarm(n, run, matchmaking_timeout=20.0, allreduce_timeout=30.0, robust=cfg.robust,
                             progress_period=0.5)
         s.update_progress(step=0, round=0, samples=0, next_sync=H, synced_step=0)
-        s.publish_progress()
+        s.publish_progress(wait=True)
         s.start_publishing()
         swarms.append(s)
     monkeypatch.setattr(swarm_mod, "AllReducer", AllReducer)
@@ -526,7 +526,7 @@ def test_single_claim_of_a_huge_step_moves_nobody(nodes):
     digest = "0123456789abcdef"
     for s in honest:
         s.update_progress(step=40, synced_step=40, digest=digest, round=4, next_sync=50)
-        s.publish_progress()
+        s.publish_progress(wait=True)
     liar.store(f"{run}:progress", {"step": 10**9, "synced_step": 10**9, "digest": "f" * 16, "round": 10**8,
                                    "next_sync": 10**9 + 10}, ttl=60)
     peers = honest[0].live_peers()

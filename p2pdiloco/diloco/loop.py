@@ -202,7 +202,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
         swarm.update_progress(step=diloco.inner_step, round=diloco.outer_round(), samples=0, sent=0, recv=0,
                               loss=None, val_loss=val0, digest=diloco.digest(), last_sync=None, sps=0.0,
                               next_sync=diloco.next_sync_step(), synced_step=diloco.synced_step)
-        swarm.publish_progress()
+        swarm.publish_progress(wait=True)  # visible before we wait for peers
         swarm.start_publishing()
         _wait_for_peers(swarm, cfg, me)
 

@@ -125,6 +125,7 @@ class Matchmaker:
         self._lineage: deque = deque(maxlen=64)  # ids of our successful (or adopted) groups, newest last
         self._formed: deque = deque(maxlen=64)  # ids of the groups we formed since we last adopted a lineage
         self._lineage_lock = threading.Lock()  # fed by the training loop, read here
+        self._tasks: Set[asyncio.Task] = set()  # DHT stores running in the background
         #: set by the training loop: given the live peers' records, a reason to stop matchmaking and adopt
         #: a rival history's state instead (see the module docstring, item 6), or None
         self.give_way: Optional[Callable[[Dict[str, Dict[str, Any]]], Optional[str]]] = None
@@ -180,6 +181,18 @@ class Matchmaker:
         now = time.monotonic()
         return {pid for pid in self._companions if now - self._seen.get(pid, 0.0) <= self.record_lifetime}
 
+    def _background(self, coro, what: str) -> None:
+        """Run a DHT store without waiting for it (kept referenced until done; a failure is logged)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                logger.debug(f"[{self.node.short_id}] storing the {what} failed: {t.exception()}")
+
+        task.add_done_callback(done)
+
     def _unbanned(self, peers: Iterable[str]) -> Set[str]:
         return {p for p in peers if not self.node.gate.banned(p)}
 
@@ -210,7 +223,8 @@ class Matchmaker:
         hard_deadline = start + self.matchmaking_timeout
         deadline = hard_deadline
         first_seen: Dict[Tuple[str, Any], float] = {}
-        await self.node.astore(key, {"t": time.time()}, ttl=ttl, subkey=me)
+        # the ready record is stored while we poll: a store can wait seconds on an unresponsive node
+        self._background(self.node.astore(key, {"t": time.time()}, ttl=ttl, subkey=me), "ready record")
         ready: Set[str] = {me}
         waiting_for: Set[str] = set()
         peers: Dict[str, Dict[str, Any]] = {}
@@ -369,8 +383,8 @@ class Matchmaker:
                 fut.set_result(group)
         # One group per (fragment, round): announce it so a late peer knows it missed the round (until
         # the record is out, a late peer asking us to admit it gets the "closed" refusal instead)
-        await self.node.astore(self._group_key(frag, round_), {"members": list(members), "base": base},
-                               ttl=self.matchmaking_timeout * 10, subkey=me)
+        self._background(self.node.astore(self._group_key(frag, round_), {"members": list(members), "base": base},
+                                          ttl=self.matchmaking_timeout * 10, subkey=me), "group record")
         missing = expected_joiners - set(slot.joiners)
         if missing:
             logger.info(f"[{self.node.short_id}] group for fragment {frag} round {round_} formed without "

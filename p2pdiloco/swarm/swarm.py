@@ -13,10 +13,11 @@ Records in the DHT (values are msgpack maps, keys prefixed with the run id):
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -34,6 +35,8 @@ __all__ = ["Swarm"]
 logger = logging.getLogger(__name__)
 
 FINGERPRINT_TTL = 3600.0
+#: progress-record stores allowed in flight at once (each can take seconds: see Swarm.publish_progress)
+MAX_STORES_IN_FLIGHT = 4
 
 
 class Swarm:
@@ -56,6 +59,9 @@ class Swarm:
         self._progress_lock = threading.Lock()
         self._view: Optional[Dict[str, Dict[str, Any]]] = None
         self._fingerprint: Optional[Dict[str, Any]] = None
+        self._fingerprint_stored = 0.0  # monotonic time of our last fingerprint store
+        self._in_flight: Set[concurrent.futures.Future] = set()  # progress stores not finished yet
+        self._dirty = False  # a publish was put off because too many stores were in flight
         #: other peers' fingerprint records were found when we joined: the run exists (or did, within FINGERPRINT_TTL)
         self.run_existed = False
         self._stop = threading.Event()
@@ -91,6 +97,7 @@ class Swarm:
             )
         self._fingerprint = mine
         self.node.store(key, mine, ttl=FINGERPRINT_TTL, subkey=self.peer_id)
+        self._fingerprint_stored = time.monotonic()
 
     # ---- progress -----------------------------------------------------------------------------------
     def update_progress(self, **fields: Any) -> None:
@@ -102,12 +109,47 @@ class Swarm:
         with self._progress_lock:
             return dict(self._progress)
 
-    def publish_progress(self) -> None:
+    def publish_progress(self, wait: bool = False) -> None:
+        """Publish our progress record as it is now; without ``wait``, in the background.
+
+        A DHT store waits on every unresponsive node among the key's nearest: 6 s per store while one
+        peer of four was frozen (hivemind's 3 s RPC timeout, once to find the nodes and once to store;
+        ``python -m p2pdiloco.bench.dht_stall``). Waiting here made the training loop stall at every
+        sync, and made the periodic publisher fall behind the records' lifetime: peers that were alive
+        vanished from each other's views (tests/test_elastic_faults.py straggler test). So stores run
+        on the network thread, several at once; when too many are still in flight, the newest values
+        are published as soon as one finishes (a record with a later expiration replaces an older one,
+        so the order in which they land does not matter)."""
         with self._progress_lock:
+            self._in_flight = {f for f in self._in_flight if not f.done()}
+            if not wait and len(self._in_flight) >= MAX_STORES_IN_FLIGHT:
+                self._dirty = True
+                return
+            self._dirty = False
             value = dict(self._progress, t=time.time())
-        self.node.store(f"{self.run_id}:progress", value, ttl=self.matchmaker.record_lifetime, subkey=self.peer_id)
-        if self._fingerprint is not None:
-            self.node.store(f"{self.run_id}:fingerprint", self._fingerprint, ttl=FINGERPRINT_TTL, subkey=self.peer_id)
+            fut = self.node.submit(self.node.astore(f"{self.run_id}:progress", value,
+                                                    ttl=self.matchmaker.record_lifetime, subkey=self.peer_id))
+            self._in_flight.add(fut)
+        fut.add_done_callback(self._store_done)
+        if wait:
+            try:
+                fut.result(timeout=30)
+            except Exception as e:
+                logger.debug(f"progress publish failed: {e}")
+
+    def _store_done(self, fut) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            logger.debug(f"progress publish failed: {fut.exception()}")
+        if self._dirty and not self._stop.is_set():
+            self.publish_progress()
+
+    def _refresh_fingerprint(self) -> None:
+        """Re-publish our fingerprint record well before it expires (in the background)."""
+        if self._fingerprint is None or time.monotonic() - self._fingerprint_stored < FINGERPRINT_TTL / 4:
+            return
+        self._fingerprint_stored = time.monotonic()
+        self.node.submit(self.node.astore(f"{self.run_id}:fingerprint", self._fingerprint, ttl=FINGERPRINT_TTL,
+                                          subkey=self.peer_id))
 
     def start_publishing(self) -> None:
         """Publish our progress record every progress_period, and read everyone's (:meth:`peers_view`),
@@ -117,6 +159,7 @@ class Swarm:
             while not self._stop.wait(self.progress_period):
                 try:
                     self.publish_progress()
+                    self._refresh_fingerprint()
                 except Exception as e:  # the DHT may be shutting down
                     logger.debug(f"progress publish failed: {e}")
 
