@@ -175,12 +175,24 @@ class SwarmNode:
         """The most recently written valid record under ``key``, whoever wrote it."""
         return self.records.newest(key, self.dht.get(key, latest=True))
 
+    @staticmethod
+    async def _cancel_tasks() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=3)
+
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
         try:
             self.call(self.p2p.shutdown(), timeout=5)
+        except Exception:
+            pass
+        try:  # let handlers still running end (cancelled) rather than be dropped with the loop
+            self.call(self._cancel_tasks(), timeout=5)
         except Exception:
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
