@@ -434,3 +434,95 @@ def test_a_joiner_that_hangs_up_before_the_group_closes_is_not_admitted():
 
     slot = asyncio.run(scenario())
     assert "j" not in slot.joiners
+
+
+def _progress(*peers, next_sync=100):
+    return {p: {"step": next_sync - 1, "sps": 1.0, "next_sync": next_sync, "t": 1.0} for p in peers}
+
+
+def test_a_follower_asks_the_presumable_leader_at_once_instead_of_waiting_for_the_dht():
+    """Group formation is on every sync's critical path. A follower asks the smallest live peer due at
+    this sync to admit it right away, while it polls; it does not wait until that peer's ready record
+    shows up in the DHT (here it never does)."""
+    import asyncio
+
+    from p2pdiloco.swarm.allreduce import Group
+
+    records = {"t:progress": _progress("a", "me")}
+    reads = []
+    mm = _fake_matchmaker(records, announce=True)
+    get = mm.node.aget_subkeys
+
+    async def counted(key):
+        reads.append(key)
+        return await get(key)
+
+    mm.node.aget_subkeys = counted
+    asked = []
+
+    async def join(leader, frag, round_, due=None, timeout=None):
+        asked.append(leader)
+        await asyncio.sleep(0.2)  # a round trip
+        return Group(gid="g", members=("a", "me"), my_index=1, frag=frag, round=round_), None
+
+    mm._join = join
+    group = asyncio.run(mm.form_group(0, 5, 2, sync_step=100))
+    assert group.members == ("a", "me") and asked == ["a"]
+    # without the early request the poll re-reads the ready records every 0.1 s until a's record (never
+    # written here) or its derived deadline (5 s): dozens of reads
+    assert reads.count("t:mm:0:5") <= 4, reads
+    assert mm.groups[(0, 5)] is group and mm._slots[(0, 5)].leader == "a"
+
+
+def test_a_join_request_counts_as_the_joiners_ready_record_and_the_leader_closes_at_once():
+    """The leader counts a join request as the joiner's ready record: it closes the group as soon as
+    every peer due has asked, not when their ready records reach it through the DHT (here never)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, read_frame, write_frame
+
+    class _Sink:
+        def __init__(self):
+            self.data = bytearray()
+
+        def write(self, b):
+            self.data += b
+
+        async def drain(self):
+            pass
+
+        def close(self):
+            pass
+
+    records = {"t:progress": _progress("me", "z")}
+    reads = []
+    mm = _fake_matchmaker(records, announce=True)
+    get = mm.node.aget_subkeys
+
+    async def counted(key):
+        reads.append(key)
+        return await get(key)
+
+    mm.node.aget_subkeys = counted
+
+    async def scenario():
+        request = _Sink()
+        await write_frame(request, {"t": "join", "v": PROTOCOL_VERSION, "frag": 0, "round": 5})
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes(request.data))
+        reply = _Sink()
+        info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "z"))
+        handler = asyncio.ensure_future(mm._handle_join(info, reader, reply))  # z asks before we are ready
+        group = await mm.form_group(0, 5, 2, sync_step=100)
+        reader.feed_eof()  # z read the reply and hangs up
+        await asyncio.wait_for(handler, timeout=2)
+        answer = asyncio.StreamReader()
+        answer.feed_data(bytes(reply.data))
+        answer.feed_eof()
+        return group, (await read_frame(answer, 0, None, "me"))[0]
+
+    group, answer = asyncio.run(scenario())
+    assert group.members == ("me", "z")
+    assert answer["t"] == "group" and answer["members"] == ["me", "z"] and answer["gid"] == group.gid
+    assert reads.count("t:mm:0:5") <= 4, reads  # z's ready record was never needed

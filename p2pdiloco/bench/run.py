@@ -177,6 +177,7 @@ class _Plan:
     allreduce_timeout: float
     matchmaking_timeout: float
     supports_start_wait: bool
+    pin_cores: bool = False          # each peer (with its DHT and p2p daemon) on its own share of the cores
 
 
 @dataclass
@@ -266,7 +267,7 @@ def _start_bootstrap(host: Host, mode_dir: str, files: List[IO[Any]], timeout: f
 
 
 def _child_env() -> Dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING", P2PDILOCO_LOG="INFO")
+    return dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING", P2PDILOCO_LOG=os.environ.get("P2PDILOCO_LOG", "INFO"))
 
 
 def _tail(path: str, n: int = 3000) -> str:
@@ -298,6 +299,18 @@ def _last_events(path: str) -> Dict[str, Any]:
     return out
 
 
+def _pin(plan: _Plan, i: int):
+    """With ``--pin-cores``: a preexec function that keeps peer ``i`` (and every process it starts) on
+    core ``i mod cores``, so that peers do not take turns on the same cores at random: on one shared
+    machine that makes their speeds differ from round to round, and the faster ones wait for the
+    slower ones at every sync, which is not communication."""
+    if not plan.pin_cores:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[i % len(cores)]
+    return lambda: os.sched_setaffinity(0, {core})
+
+
 def _run_mode(plan: _Plan, mode: _ModeRun, wan: EmulatedWAN, sampler: _Sampler, label: str) -> None:
     mode_dir = os.path.join(plan.out, mode.name)
     os.makedirs(mode_dir, exist_ok=True)
@@ -315,7 +328,7 @@ def _run_mode(plan: _Plan, mode: _ModeRun, wan: EmulatedWAN, sampler: _Sampler, 
             log.write("$ " + shlex.join(argv) + "\n")
             log.flush()
             procs.append(wan.hosts[i].popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_child_env(),
-                                            cwd=mode_dir))
+                                            cwd=mode_dir, preexec_fn=_pin(plan, i)))
         deadline = time.monotonic() + plan.mode_timeout + 180  # + start-up and shutdown
         last_status = 0.0
         first_failure: Optional[float] = None
@@ -695,6 +708,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
         mode_timeout=args.mode_timeout, allreduce_timeout=allreduce_timeout,
         matchmaking_timeout=max(60.0, allreduce_timeout),
         supports_start_wait=hasattr(SwarmConfig(), "min_peers_to_start"),
+        pin_cores=args.pin_cores,
     )
     os.makedirs(plan.out, exist_ok=True)
     modes = [_ModeRun(n, "baseline" if n in BASELINES else "diloco", BASELINES.get(n) or MODES.get(n, ())) for n in names]
@@ -707,7 +721,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": _machine(),
         "git": _git_state(),
-        "link": vars(link), "peers": plan.peers, "steps_per_peer": steps, "sync_every": H,
+        "link": vars(link), "peers": plan.peers, "pin_cores": plan.pin_cores, "steps_per_peer": steps, "sync_every": H,
         "batch_size": plan.batch_size, "seq_len": plan.seq_len, "params": params,
         "tokens_planned": steps * plan.peers * plan.batch_size * plan.seq_len,
         "config": os.path.relpath(args.config, _REPO) if args.config.startswith(_REPO) else args.config,
@@ -791,6 +805,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode-timeout", type=float, default=1800, help="training budget of one mode, s")
     p.add_argument("--allreduce-timeout", type=float, default=0,
                    help="swarm.allreduce_timeout / hivemind averaging_timeout, s (default: sized for the link)")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="pin peer i (with its DHT and p2p daemon) to core i mod the number of cores")
     p.add_argument("--out", default=None, help="output directory (default bench_results/<UTC date-time>)")
     p.add_argument("--cleanup-stale", action="store_true", help="first remove namespaces of dead benchmark runs")
     p.add_argument("--replot", metavar="DIR", help="only redraw the plots and table of DIR/results.json (no root needed)")

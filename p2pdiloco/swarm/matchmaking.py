@@ -41,6 +41,12 @@
    such unseen peers with a smaller id (briefly) before it leads itself, and a peer about to
    sync alone while others are live re-reads the DHT once more before it does: a missed record
    must not split a round into two groups.
+8. Group formation is on the critical path of every sync, and each DHT read or store costs round
+   trips. So a peer also asks the presumable leader (the smallest id among itself and the live
+   peers due at this sync) to admit it as soon as it is ready, while it polls, and a leader counts
+   such a request as that peer's ready record: usually the group closes without any peer waiting
+   for another's record to reach the DHT. The request decides nothing: when the poll picks another
+   leader (or us), the peer hangs up first, and a joiner that hung up is never admitted.
 """
 from __future__ import annotations
 
@@ -75,6 +81,8 @@ class _Slot:
     final: Optional[Group] = None
     base: str = ""                         # the base of the group we led (see the module docstring, item 6)
     closed: bool = False
+    arrivals: Set[str] = field(default_factory=set)  # peers that asked us to admit them: ready, they say
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def _short_ids(peers: Iterable[str]) -> str:
@@ -83,6 +91,12 @@ def _short_ids(peers: Iterable[str]) -> str:
 
 async def _nothing() -> None:
     return None
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """Done-callback of a future nobody awaits any more: retrieve its outcome (no 'never retrieved' log)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def expected_peers(peers: Dict[str, Dict[str, Any]], me: str, sync_step: int) -> Set[str]:
@@ -214,6 +228,7 @@ class Matchmaker:
         slot = self._slot(frag, round_)
         key = self._key(frag, round_)
         ttl = self.matchmaking_timeout * 3
+        t_enter = time.monotonic()
         live, groups = await asyncio.gather(self._live_peers(check=True) if sync_step is not None else _nothing(),
                                             self.node.aget_subkeys(self._group_key(frag, round_)))
         if sync_step is not None:
@@ -229,24 +244,62 @@ class Matchmaker:
         waiting_for: Set[str] = set()
         peers: Dict[str, Dict[str, Any]] = {}
         last_eval = -1e9
-        while True:
-            # the three reads of one poll run side by side: each waits a round trip or more on a WAN
-            reeval = sync_step is not None and time.monotonic() - last_eval >= self.reevaluate_period
-            got_ready, got_live, got_groups = await asyncio.gather(
-                self.node.aget_subkeys(key), self._live_peers(check=True) if reeval else _nothing(),
-                self.node.aget_subkeys(self._group_key(frag, round_)))
-            ready |= self._unbanned(got_ready)
-            if reeval:
-                last_eval = time.monotonic()
-                peers = got_live
-                waiting_for = expected_peers(peers, me, sync_step)
-                expected = 1 + len(waiting_for | (ready - {me}))
-                deadline = self._derived_deadline(peers, waiting_for - ready, sync_step, first_seen, start,
-                                                  hard_deadline)
-            if len(ready) >= expected or time.monotonic() >= deadline:
-                break
-            self._raise_if_missed(got_groups, frag, round_, expected)
-            await asyncio.sleep(0.1)
+
+        def evaluate(read: Dict[str, Dict[str, Any]]) -> None:
+            nonlocal peers, waiting_for, expected, deadline, last_eval
+            last_eval = time.monotonic()
+            peers = read
+            waiting_for = expected_peers(peers, me, sync_step)
+            expected = 1 + len(waiting_for | (ready - {me}))
+            deadline = self._derived_deadline(peers, waiting_for - ready, sync_step, first_seen, start, hard_deadline)
+
+        if sync_step is not None:
+            evaluate(live)  # read just now
+        # Ask the presumable leader (the smallest id among us and the live peers due at this sync) to
+        # admit us at once, while we poll: a join needs no DHT, and the leader counts it as our ready
+        # record (item 8 of the module docstring). Nothing is decided by it: when the poll picks another
+        # leader, we hang up and the presumable one does not admit us.
+        early: Optional[asyncio.Future] = None
+        presumed = min(self._unbanned(expected_peers(live, me, sync_step)) | {me}) if sync_step is not None else me
+        if presumed != me:
+            early = asyncio.ensure_future(self._join(presumed, frag, round_, expected))
+        try:
+            while True:
+                # the three reads of one poll run side by side: each waits a round trip or more on a WAN
+                reeval = sync_step is not None and time.monotonic() - last_eval >= self.reevaluate_period
+                reads = asyncio.ensure_future(asyncio.gather(
+                    self.node.aget_subkeys(key), self._live_peers(check=True) if reeval else _nothing(),
+                    self.node.aget_subkeys(self._group_key(frag, round_))))
+                while not reads.done() and not (early is not None and early.done()):
+                    ready |= self._unbanned(slot.arrivals)
+                    if len(ready) >= expected:
+                        break  # the peers we wait for asked us to lead: no need for the DHT to say so
+                    await self._nap(None, slot, reads, early)
+                if not reads.done():
+                    reads.cancel()
+                    reads.add_done_callback(_consume)
+                if early is not None and early.done():
+                    group, _ = early.result()  # a RoundMissed (closed without us) ends matchmaking here
+                    early = None
+                    if group is not None:
+                        slot.leader, slot.final = presumed, group
+                        slot.decided.set()
+                        return self._remember(group, t_enter)
+                    continue  # refused (it follows another peer, or is not the leader): poll on
+                if not reads.done():
+                    break  # enough peers asked us to lead
+                got_ready, got_live, got_groups = reads.result()
+                ready |= self._unbanned(got_ready) | self._unbanned(slot.arrivals)
+                if reeval:
+                    evaluate(got_live)
+                self._raise_if_missed(got_groups, frag, round_, expected)
+                if len(ready) >= expected or time.monotonic() >= deadline:
+                    break
+                await self._nap(0.1, slot, early)
+        except BaseException:
+            if early is not None:
+                early.cancel()
+            raise
         # The partners of our last group whose record we cannot see at all: crashed, or hidden by the DHT
         # (a frozen node can hold every read and store for longer than a record lives; both peers of a
         # pair then saw an empty swarm and each closed a group of one: straggler test in CI). We cannot
@@ -260,10 +313,10 @@ class Matchmaker:
             await asyncio.sleep(min(1.0, self.join_grace))
             ready |= self._unbanned(await self.node.aget_subkeys(key))
             self._check_not_behind(await self._live_peers(), frag, round_, sync_step)
-        await self._check_not_missed(frag, round_, expected)
+            await self._check_not_missed(frag, round_, expected)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(f"[{self.node.short_id}] frag {frag} round {round_}: poll done after "
-                         f"{time.monotonic() - start:.1f}s; ready {_short_ids(ready)}, waiting for "
+                         f"{time.monotonic() - start:.2f}s (first reads {start - t_enter:.2f}s); ready {_short_ids(ready)}, waiting for "
                          f"{_short_ids(waiting_for)}, live {_short_ids(peers)}, absent partners {_short_ids(absent)}, "
                          f"expected {expected}")
         # Live peers due now whose ready record we did not see and whose id is smaller than ours may be
@@ -274,11 +327,14 @@ class Matchmaker:
         bounced: Dict[str, int] = {}  # candidate -> how often it answered "not leader" (with a hint)
         while candidates:
             leader = candidates[0]
+            if leader == me and early is not None:
+                early.cancel()  # hang up: the presumable leader must not admit us while we lead
+                early = None
             if leader == me:
                 led = await self._lead(slot, frag, round_, (set(candidates) & ready) - {me}, unseen, expected,
                                        skip=tried)
                 if isinstance(led, Group):
-                    return self._remember(led)
+                    return self._remember(led, t_enter)
                 ready.add(led)  # stepped down for a smaller ready peer: join it
                 candidates = sorted(set(candidates) | {led})
                 tried.discard(led)
@@ -286,9 +342,15 @@ class Matchmaker:
             tried.add(leader)
             slot.leader = leader
             slot.decided.set()
+            bound = None if leader in ready else 2 * self.join_grace
             try:
-                group, hint = await self._join(leader, frag, round_, expected,
-                                               timeout=None if leader in ready else 2 * self.join_grace)
+                if early is not None and leader == presumed:  # we asked it already: wait for that answer
+                    group, hint = await self._answer(early, bound)
+                else:
+                    if early is not None:
+                        early.cancel()  # hang up: it must not admit us while we join another leader
+                    group, hint = await self._join(leader, frag, round_, expected, timeout=bound)
+                early = None
             except MatchmakingFailed:
                 slot.closed = True
                 raise
@@ -297,7 +359,7 @@ class Matchmaker:
                              f"{'group ' + _short_ids(group.members) if group is not None else 'hint ' + str(hint)[-6:]}")
             if group is not None:
                 slot.final = group
-                return self._remember(group)
+                return self._remember(group, t_enter)
             slot.leader = None
             slot.decided.clear()
             if not hint or bounced.get(leader, 0) >= 3:
@@ -316,9 +378,36 @@ class Matchmaker:
                 candidates.insert(0, hint)  # ask its leader first
             else:  # it still follows a peer we could not reach: it will find out too; ask again shortly
                 await asyncio.sleep(0.5 * bounced[leader])
+        if early is not None:
+            early.cancel()
         raise MatchmakingFailed(f"no group could be formed for fragment {frag}, round {round_}")  # pragma: no cover
 
-    def _remember(self, group: Group) -> Group:
+    @staticmethod
+    async def _nap(timeout: Optional[float], slot: _Slot, *futures: Optional[asyncio.Future]) -> None:
+        """Wait until a peer asks us to admit it, one of ``futures`` is done, or ``timeout`` passes."""
+        slot.arrived.clear()
+        arrived = asyncio.ensure_future(slot.arrived.wait())
+        try:
+            await asyncio.wait({arrived, *(f for f in futures if f is not None)}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            arrived.cancel()
+
+    @staticmethod
+    async def _answer(early: asyncio.Future, timeout: Optional[float]) -> Tuple[Optional[Group], Optional[str]]:
+        """The answer to a join request already on its way, waited for at most ``timeout`` seconds more
+        (None: as long as the request itself allows)."""
+        if timeout is None:
+            return await early
+        try:
+            return await asyncio.wait_for(early, timeout)  # cancels the request on timeout: we hang up
+        except asyncio.TimeoutError:
+            return None, None
+
+    def _remember(self, group: Group, t_enter: float) -> Group:
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(f"[{self.node.short_id}] frag {group.frag} round {group.round}: group of {group.size} "
+                         f"formed in {time.monotonic() - t_enter:.2f}s")
         with self._lineage_lock:
             self._formed.append(group.gid)
         self.groups[(group.frag, group.round)] = group
@@ -345,6 +434,8 @@ class Matchmaker:
                 await asyncio.wait_for(slot.joined_event.wait(), timeout=max(0.01, min(0.3, grace_end - time.monotonic())))
             except asyncio.TimeoutError:
                 pass
+            if (expected_joiners | unseen) <= set(slot.joiners):
+                break  # everyone we wait for is here: close now, the check below is for peers we did not see
             seen = self._unbanned(await self.node.aget_subkeys(key)) - {me}
             smaller = sorted(p for p in seen - expected_joiners if p < me and p not in slot.joiners and p not in skip)
             expected_joiners |= seen
@@ -529,43 +620,57 @@ class Matchmaker:
             if refusal is not None:
                 await write_frame(writer, {"t": "refuse", "reason": refusal}, traffic=traffic)
                 return
-            slot = self._slots.get((frag, round_))
-            if slot is None:
-                # we may be about to enter this round; give it the matchmaking window
-                deadline = time.monotonic() + self.matchmaking_timeout
-                while slot is None and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-                    slot = self._slots.get((frag, round_))
-                if slot is None:
-                    await write_frame(writer, {"t": "refuse", "reason": "not ready"}, traffic=traffic)
-                    return
-            try:
-                await asyncio.wait_for(slot.decided.wait(), timeout=self.matchmaking_timeout + 5)
-            except asyncio.TimeoutError:
-                await write_frame(writer, {"t": "refuse", "reason": "undecided"}, traffic=traffic)
-                return
-            if not slot.leading:
-                await write_frame(writer, {"t": "refuse", "reason": "not leader", "hint": slot.leader}, traffic=traffic)
-                return
-            if slot.closed:
-                size = len(slot.final.members) if slot.final is not None else None
-                await write_frame(writer, {"t": "refuse", "reason": "closed", "size": size, "base": slot.base},
-                                  traffic=traffic)
-                return
-            fut = slot.joiners.get(sender) or asyncio.get_running_loop().create_future()
-            slot.joiners[sender] = fut
-            slot.joined_event.set()
-            # The joiner sends nothing more until our reply; its end closing means it stopped waiting (its
-            # join timeout passed while we were undecided). It must not become a member: the group would
+            # The joiner sends nothing more until our reply: its end closing means it stopped waiting (its
+            # join timeout passed, or it chose another leader). It must not become a member: the group would
             # wait on a peer that is not in it (straggler test: the round's all-reduce timed out).
             hung_up = asyncio.ensure_future(reader.read(1))
             try:
+                slot = self._slots.get((frag, round_))
+                deadline = time.monotonic() + self.matchmaking_timeout
+                while slot is None and not hung_up.done() and time.monotonic() < deadline:
+                    await asyncio.wait({hung_up}, timeout=0.05)  # we may be about to enter this round
+                    slot = self._slots.get((frag, round_))
+                if hung_up.done():
+                    if slot is not None:
+                        slot.arrivals.discard(sender)
+                    return
+                if slot is None:
+                    await write_frame(writer, {"t": "refuse", "reason": "not ready"}, traffic=traffic)
+                    return
+                # it is ready for this round, whoever leads it: our poll counts the request as its ready record
+                slot.arrivals.add(sender)
+                slot.arrived.set()
+                decided = asyncio.ensure_future(slot.decided.wait())
+                try:
+                    await asyncio.wait({decided, hung_up}, timeout=self.matchmaking_timeout + 5,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    decided.cancel()
+                if hung_up.done():
+                    slot.arrivals.discard(sender)
+                    return
+                if not slot.decided.is_set():
+                    await write_frame(writer, {"t": "refuse", "reason": "undecided"}, traffic=traffic)
+                    return
+                if not slot.leading:
+                    await write_frame(writer, {"t": "refuse", "reason": "not leader", "hint": slot.leader},
+                                      traffic=traffic)
+                    return
+                if slot.closed:
+                    size = len(slot.final.members) if slot.final is not None else None
+                    await write_frame(writer, {"t": "refuse", "reason": "closed", "size": size, "base": slot.base},
+                                      traffic=traffic)
+                    return
+                fut = slot.joiners.get(sender) or asyncio.get_running_loop().create_future()
+                slot.joiners[sender] = fut
+                slot.joined_event.set()
                 await asyncio.wait({fut, hung_up}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 hung_up.cancel()
             if not fut.done():
                 if slot.joiners.get(sender) is fut:
                     del slot.joiners[sender]
+                slot.arrivals.discard(sender)
                 logger.info(f"[{self.node.short_id}] {sender[-6:]} stopped waiting to join fragment {frag} "
                             f"round {round_} before the group closed; not admitted")
                 return
