@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from p2pdiloco.bench.hivemind_dp import _count_partial_averages, read_iface_bytes
-from p2pdiloco.bench.run import BASELINES, MATRICES, MODES, format_table, summarize_mode
+from p2pdiloco.bench.run import BASELINES, MATRICES, MODES, format_table, summarize_mode, windowed_peak
 
 _missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
 needs_root = pytest.mark.skipif(
@@ -97,6 +97,9 @@ def test_summarize_mode_on_fixture():
     assert m["bytes_sent_per_peer"] == pytest.approx(((1200 - 100) + (1300 - 100)) / 2)
     assert m["bytes_sent_per_peer_max"] == 1200
     assert m["peak_bytes_per_s_max"] == pytest.approx(500 / 0.5)
+    # over 1 s: from t0 + 10.0 to the next sample at least 1 s later (t0 + 20.5), per peer, averaged
+    assert m["peak_bytes_per_s_by_window"]["1"] == pytest.approx(((1200 - 600) + (1300 - 400)) / 10.5 / 2)
+    assert m["peak_bytes_per_s_by_window"]["8"] <= m["peak_bytes_per_s_by_window"]["0.5"]
     assert m["counted_bytes_sent_per_peer"] == 900
     # utilization = 1 - (time blocked in syncs) / wall, per peer, averaged
     assert m["utilization_per_peer"] == [pytest.approx(1 - 5 / 19.5, abs=1e-4), pytest.approx(1 - 7 / 19.5, abs=1e-4)]
@@ -110,6 +113,29 @@ def test_summarize_mode_on_fixture():
     m = summarize_mode(peers, samples, tokens_per_step=1024, baseline=False)
     assert m["utilization"] == pytest.approx(1 - 1.5 / 19.5)
     assert m["compute_fraction"] == pytest.approx(0.5)
+
+
+def test_windowed_peak_tells_one_burst_from_several_small_ones():
+    """Same bytes, 0.5 s samples: one 4 MB burst in 1 s every 8 s, or a 1 MB burst in 0.25 s every 2 s.
+    At 0.5 s both fill the link (the small burst's 0.25 s is inside one sample); from the length of
+    the big burst up to the interval between small bursts, the peak differs by the burst size."""
+    def series(burst_bytes, burst_s, every):
+        pts, total, t = [], 0.0, 0.0
+        while t <= 32.0:
+            phase = t % every
+            total_at = (t // every) * burst_bytes + burst_bytes * min(phase / burst_s, 1.0)
+            pts.append((t, total_at))
+            t += 0.5
+        return pts
+
+    whole, quarter = series(4e6, 1.0, 8.0), series(1e6, 0.25, 2.0)
+    assert windowed_peak(whole, 0.5) == pytest.approx(4e6)          # the link rate, both
+    assert windowed_peak(quarter, 0.5) == pytest.approx(2e6)        # 1 MB in the first sample after the burst
+    assert windowed_peak(whole, 1.0) == pytest.approx(4e6)
+    assert windowed_peak(whole, 2.0) / windowed_peak(quarter, 2.0) == pytest.approx(4.0, rel=0.3)
+    assert windowed_peak(whole, 32.0) == pytest.approx(windowed_peak(quarter, 32.0), rel=0.1)  # equal bytes
+    assert windowed_peak(whole, 64.0) == 0.0                         # no span that long
+    assert windowed_peak([], 1.0) == 0.0
 
 
 def test_format_table_marks_skipped_modes_and_ratios():

@@ -18,7 +18,10 @@ Measured per mode (from every peer's ``metrics.jsonl`` and the interface counter
 * bytes sent per peer: interface bytes of the peer's ``eth0`` (everything: payload, DHT, framing,
   TCP/IP and Ethernet headers), sampled every 0.5 s from ``/proc/<pid>/net/dev`` of a process in
   the namespace; also our own counted all-reduce bytes for p2pdiloco modes;
-* peak bytes/s per peer: the largest 0.5 s-window send rate;
+* peak bytes/s per peer: the largest 0.5 s-window send rate; and the largest over windows of
+  1, 2, 4 and 8 s (:data:`PEAK_WINDOWS`, a second table and ``peak_vs_window.png``): P fragments
+  put 1/P of the bytes in each burst, which shows at windows longer than a whole-model burst
+  and shorter than the interval between fragment syncs;
 * compute utilization: ``1 - blocked / wall`` per peer, averaged over peers, where ``blocked`` is
   the time the training loop waited on the network (the summary's ``network_wait_seconds``;
   else the sum of the syncs' ``wait_seconds``, else of their ``sync_seconds``). Validation at
@@ -112,6 +115,10 @@ MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4, "streaming":
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _DEFAULT_CONFIG = os.path.join(_REPO, "peers", "tiny-cpu.toml")
 _SAMPLE_PERIOD = 0.5
+#: window lengths (s) of the peak send rate reported per mode: a burst's peak depends on the time scale
+#: looked at (a transfer fills the link while it runs; what P fragments change is how many bytes go in
+#: one burst), so the benchmark reports the peak at several scales, not at one
+PEAK_WINDOWS: Tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 # ----------------------------------------------------------------------------- interface counters
@@ -401,6 +408,26 @@ def _read_jsonl(path: str) -> List[Dict[str, Any]]:
     return out
 
 
+def windowed_peak(points: Sequence[Tuple[float, float]], window: float) -> float:
+    """Largest average rate of a cumulative counter over any span of at least ``window`` seconds.
+
+    ``points`` are (time, cumulative bytes), in time order. Each span runs from one sample to the
+    first sample at least ``window`` later (samples are ~0.5 s apart, so a span is ``window`` plus
+    at most one sample period). 0.0 when no span is long enough.
+    """
+    best, j = 0.0, 0
+    for i, (t_i, c_i) in enumerate(points):
+        j = max(j, i + 1)
+        while j < len(points) and points[j][0] - t_i < window - 1e-6:
+            j += 1
+        if j >= len(points):
+            break
+        dt = points[j][0] - t_i
+        if dt > 0:
+            best = max(best, (points[j][1] - c_i) / dt)
+    return best
+
+
 def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tuple[float, List[Tuple[int, int]]]],
                    *, tokens_per_step: int, baseline: bool) -> Dict[str, Any]:
     """Metrics of one mode from its peers' metrics.jsonl events and the interface samples.
@@ -471,6 +498,11 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
         series = [{"seconds": round(s[0] - t0, 2),
                    "sent_per_peer": sum(s[1][i][0] - first[1][i][0] for i in range(n)) / n}
                   for s in used]
+    peak_by_window: Dict[str, float] = {}
+    if first is not None:
+        for w in PEAK_WINDOWS:
+            per_peer = [windowed_peak([(s[0], s[1][i][0]) for s in used], w) for i in range(n)]
+            peak_by_window[f"{w:g}"] = sum(per_peer) / n
     counted = None
     if not baseline and all(summaries):
         counted = sum(int(s.get("bytes_sent") or 0) for s in summaries) / n
@@ -492,6 +524,8 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
         "counted_bytes_sent_per_peer": counted,
         "peak_bytes_per_s_per_peer": sum(peak) / n,
         "peak_bytes_per_s_max": max(peak),
+        # per window length (s): the largest send rate over any span that long, mean over peers
+        "peak_bytes_per_s_by_window": peak_by_window,
         "mean_bytes_per_s_per_peer": sum(sent) / n / max(wall, 1e-9),
         "utilization": sum(utilization) / n,
         "utilization_per_peer": [round(u, 4) for u in utilization],
@@ -544,6 +578,14 @@ def format_table(results: Dict[str, Any]) -> str:
             f"| {_fmt_bytes(m['peak_bytes_per_s_per_peer'])}/s | {100 * m['utilization']:.1f}% "
             f"| {'-' if ttt is None else f'{ttt:.0f}'} |"
         )
+    windowed = {name: m["peak_bytes_per_s_by_window"] for name, m in modes.items()
+                if m.get("status") == "ok" and m.get("peak_bytes_per_s_by_window")}
+    if windowed:
+        ws = sorted({w for peaks in windowed.values() for w in peaks}, key=float)
+        rows += ["", "| peak B/s/peer over a window of | " + " | ".join(f"{w} s" for w in ws) + " |",
+                 "|---|" + "---|" * len(ws)]
+        for name, peaks in windowed.items():
+            rows.append(f"| {name} | " + " | ".join(f"{_fmt_bytes(peaks[w])}/s" if w in peaks else "-" for w in ws) + " |")
     return "\n".join(rows)
 
 
@@ -597,6 +639,24 @@ def _plot(results: Dict[str, Any], out: str) -> List[str]:
     fig.savefig(path)
     plt.close(fig)
     paths.append(path)
+    by_window = {name: m["peak_bytes_per_s_by_window"] for name, m in ok.items() if m.get("peak_bytes_per_s_by_window")}
+    if by_window:
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+        for name, peaks in by_window.items():
+            ws = sorted(peaks, key=float)
+            ax.plot([float(w) for w in ws], [peaks[w] / 1e6 for w in ws], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("window (s)")
+        ax.set_ylabel("peak MB/s sent per peer (interface)")
+        ax.set_title("peak send rate over windows of each length", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out, "peak_vs_window.png")
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
     return paths
 
 
