@@ -105,8 +105,8 @@ class StreamingConfig:
         own fresh pseudo-gradient; the global copy itself only ever takes true averages.
         ``eager_estimate`` picks Δ~: ``"fresh"`` (default) the peer's fresh pseudo-gradient alone,
         ``"paper"`` the paper's formula (the others' stale terms plus our fresh one, divided by M).
-        Measured: fresh is within ~1% of no overlap, paper oscillates (docs/benchmark.md); outer lr
-        0.5 suits eager better than 0.7.
+        Measured (docs/benchmark.md): with outer lr 0.3-0.4, fresh is within 1% of no overlap at
+        the same lr (2 seeds); at 0.7 it is +5%, and a peer says so at start; paper oscillates.
 
       See :mod:`p2pdiloco.diloco.overlap` for the exact rules.
     """
@@ -311,6 +311,10 @@ _SECTIONS = {
 }
 
 
+#: eager's outer lr above which :meth:`RunConfig.advice` warns (bench.eager: within 1% of no overlap at 0.3-0.4)
+EAGER_LR_ADVISED = 0.5
+
+
 @dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -328,6 +332,15 @@ class RunConfig:
             getattr(self, name).validate()
         self.streaming.check_schedule(self.inner.sync_every, self.model.n_layers)
         return self
+
+    def advice(self) -> List[str]:
+        """Valid settings that measured badly: one line each, printed at start (nothing is refused)."""
+        lines = []
+        if self.streaming.mode == "eager" and self.outer.lr > EAGER_LR_ADVISED:
+            lines.append(f"streaming.mode=eager with outer.lr={self.outer.lr:g}: eager's validation loss measured "
+                         f"+1.9% (lr 0.6) to +5.0% (lr 0.7) against no overlap at the same lr, within 1% at lr "
+                         f"0.3-0.4; consider --set outer.lr=0.4 (docs/benchmark.md, python -m p2pdiloco.bench.eager)")
+        return lines
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}

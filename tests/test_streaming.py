@@ -354,6 +354,15 @@ def test_valid_streaming_settings_load():
         assert load_config(TINY, [f"streaming.mode={mode}", "streaming.fragments=2"]).streaming.mode == mode
 
 
+def test_eager_at_a_high_outer_lr_is_advised_against_not_refused():
+    """peers/tiny-cpu.toml has outer lr 0.7: eager loads, with one line of advice naming the fix."""
+    (line,) = load_config(TINY, ["streaming.mode=eager"]).advice()
+    assert "outer.lr=0.7" in line and "--set outer.lr=0.4" in line
+    assert load_config(TINY, ["streaming.mode=eager", "outer.lr=0.4"]).advice() == []
+    assert load_config(TINY, ["streaming.mode=delay"]).advice() == []   # delay is bad at any lr: the docs say so
+    assert load_config(TINY, []).advice() == []
+
+
 def test_schedule_matches_the_formula():
     # fragment p syncs after inner steps p*H/P + k*H, k >= 1; written out by hand for H = 8, P = 4
     s = Schedule(8, 4)

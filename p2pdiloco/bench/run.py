@@ -594,6 +594,7 @@ def _plot(results: Dict[str, Any], out: str) -> List[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     ok = {k: m for k, m in results["modes"].items() if m.get("status") == "ok"}
     target = results.get("target_loss")
@@ -647,6 +648,10 @@ def _plot(results: Dict[str, Any], out: str) -> List[str]:
             ax.plot([float(w) for w in ws], [peaks[w] / 1e6 for w in ws], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ws_all = sorted({float(w) for peaks in by_window.values() for w in peaks})
+        ax.set_xticks(ws_all, [f"{w:g}" for w in ws_all])
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set_xlabel("window (s)")
         ax.set_ylabel("peak MB/s sent per peer (interface)")
         ax.set_title("peak send rate over windows of each length", fontsize=10)

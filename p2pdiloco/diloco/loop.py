@@ -83,6 +83,8 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                     f"of {corpus.description}")
         for line in diloco.layout.describe().splitlines():
             logger.info(f"[{me}] {line}")
+        for line in cfg.advice():
+            logger.warning(f"[{me}] {line}")
 
         if ckpt is not None:
             _restore(ckpt, model, inner_opt, diloco, stream)

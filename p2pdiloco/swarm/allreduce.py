@@ -406,7 +406,8 @@ class AllReducer:
                 if attempt == attempts - 1 or "dial" not in str(e).lower():
                     raise
                 self.stats["dial_retries"] += 1
-                logger.info(f"[{self.node.short_id}] dialing {str(peer)[-6:]} failed ({str(e)[:120]}); retrying")
+                reason = " ".join(str(e).split())  # the daemon's reasons, one per address, on one line
+                logger.info(f"[{self.node.short_id}] dialing {str(peer)[-6:]} failed ({reason[:600]}); retrying")
                 await asyncio.sleep(backoff * (attempt + 1))
 
     async def _send_part(self, group: Group, phase: str, j: int, part: torch.Tensor, weight: float,
