@@ -200,6 +200,22 @@ def test_companions_count_while_their_record_is_fresh_and_not_after_goodbye():
     assert mm.companions == {"c"}
 
 
+class _Sink:
+    """A stream writer that keeps what is written (the reply frames of a handler under test)."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def write(self, b):
+        self.data += b
+
+    async def drain(self):
+        pass
+
+    def close(self):
+        pass
+
+
 def _fake_matchmaker(records, announce=False, **kwargs):
     """A Matchmaker of peer "me" on a DHT held in ``records`` (key -> subkey -> value). Without
     ``announce`` a store fails the test (the peer must not announce itself); with it, it is kept."""
@@ -398,19 +414,6 @@ def test_a_joiner_that_hangs_up_before_the_group_closes_is_not_admitted():
 
     from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, write_frame
 
-    class _Sink:
-        def __init__(self):
-            self.data = bytearray()
-
-        def write(self, b):
-            self.data += b
-
-        async def drain(self):
-            pass
-
-        def close(self):
-            pass
-
     async def scenario():
         mm = _fake_matchmaker({})
         slot = mm._slot(0, 5)
@@ -481,19 +484,6 @@ def test_a_join_request_counts_as_the_joiners_ready_record_and_the_leader_closes
     from types import SimpleNamespace
 
     from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, read_frame, write_frame
-
-    class _Sink:
-        def __init__(self):
-            self.data = bytearray()
-
-        def write(self, b):
-            self.data += b
-
-        async def drain(self):
-            pass
-
-        def close(self):
-            pass
 
     records = {"t:progress": _progress("me", "z")}
     reads = []

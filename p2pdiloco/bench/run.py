@@ -413,7 +413,7 @@ def windowed_peak(points: Sequence[Tuple[float, float]], window: float) -> float
 
     ``points`` are (time, cumulative bytes), in time order. Each span runs from one sample to the
     first sample at least ``window`` later (samples are ~0.5 s apart, so a span is ``window`` plus
-    at most one sample period). 0.0 when no span is long enough.
+    at most one sample period; ``window`` 0: consecutive samples). 0.0 when no span is long enough.
     """
     best, j = 0.0, 0
     for i, (t_i, c_i) in enumerate(points):
@@ -485,24 +485,17 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
     first = before[-1] if before else (window[0] if window else None)
     series: List[Dict[str, Any]] = []
     sent = recv = peak = [0.0] * n
+    peak_by_window: Dict[str, float] = {}
     if first is not None:
         used = [s for s in window if s[0] >= first[0]]
         sent = [used[-1][1][i][0] - first[1][i][0] for i in range(n)]
         recv = [used[-1][1][i][1] - first[1][i][1] for i in range(n)]
-        peak = [0.0] * n
-        for a, b in zip(used, used[1:]):
-            dt = b[0] - a[0]
-            if dt > 0:
-                for i in range(n):
-                    peak[i] = max(peak[i], (b[1][i][0] - a[1][i][0]) / dt)
+        tx = [[(s[0], s[1][i][0]) for s in used] for i in range(n)]  # (time, bytes sent) per peer
+        peak = [windowed_peak(points, 0.0) for points in tx]  # between consecutive samples
+        peak_by_window = {f"{w:g}": sum(windowed_peak(points, w) for points in tx) / n for w in PEAK_WINDOWS}
         series = [{"seconds": round(s[0] - t0, 2),
                    "sent_per_peer": sum(s[1][i][0] - first[1][i][0] for i in range(n)) / n}
                   for s in used]
-    peak_by_window: Dict[str, float] = {}
-    if first is not None:
-        for w in PEAK_WINDOWS:
-            per_peer = [windowed_peak([(s[0], s[1][i][0]) for s in used], w) for i in range(n)]
-            peak_by_window[f"{w:g}"] = sum(per_peer) / n
     counted = None
     if not baseline and all(summaries):
         counted = sum(int(s.get("bytes_sent") or 0) for s in summaries) / n
@@ -589,6 +582,17 @@ def format_table(results: Dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _save(fig, out: str, fname: str) -> str:
+    """Lay out, write and close one figure; its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = os.path.join(out, fname)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _plot(results: Dict[str, Any], out: str) -> List[str]:
     import matplotlib
 
@@ -618,11 +622,7 @@ def _plot(results: Dict[str, Any], out: str) -> List[str]:
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out, fname)
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(fig, out, fname))
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     for name, m in ok.items():
         s = m["bytes_series"]
@@ -635,11 +635,7 @@ def _plot(results: Dict[str, Any], out: str) -> List[str]:
     ax.set_title("bytes sent over time", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out, "bytes_vs_time.png")
-    fig.savefig(path)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(_save(fig, out, "bytes_vs_time.png"))
     by_window = {name: m["peak_bytes_per_s_by_window"] for name, m in ok.items() if m.get("peak_bytes_per_s_by_window")}
     if by_window:
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
@@ -657,11 +653,7 @@ def _plot(results: Dict[str, Any], out: str) -> List[str]:
         ax.set_title("peak send rate over windows of each length", fontsize=10)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out, "peak_vs_window.png")
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(fig, out, "peak_vs_window.png"))
     return paths
 
 
