@@ -1,9 +1,10 @@
 """SwarmNode: one peer's presence in the swarm.
 
-It owns hivemind's Kademlia DHT (a forked process with the libp2p daemon), a replica of the P2P
-client in this process, and an asyncio event loop running in a background thread where every
-network coroutine of this peer runs (stream handlers, matchmaking, all-reduce). The training loop
-stays in the main thread and hands coroutines over with :meth:`submit` / :meth:`call`.
+It owns hivemind's Kademlia DHT (a forked process with the libp2p daemon; both exit when this
+process dies, by any signal: lifeline.py), a replica of the P2P client in this process, and an
+asyncio event loop running in a background thread where every network coroutine of this peer runs
+(stream handlers, matchmaking, all-reduce). The training loop stays in the main thread and hands
+coroutines over with :meth:`submit` / :meth:`call`.
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import msgpack
 
 from ..addresses import parse_maddrs
 from ..errors import BootstrapUnreachable, UserError
-from ..identity import (discard_ephemeral, ephemeral_identity, load_signing_key, prepare_identity,
+from ..identity import (discard_ephemeral, ephemeral_identity, load_signing_key, note_helpers, prepare_identity,
                         release_identity)
+from .lifeline import descendants, start_dht
 from .protocol import PeerGate, Traffic
 from .records import RecordBook
 
@@ -61,7 +63,6 @@ class SwarmNode:
         bootstrap_timeout: float = 20.0,
         client_mode: bool = False,
     ):
-        import hivemind
         from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
         parse_maddrs(initial_peers, "initial peer", require_peer_id=True)
@@ -90,7 +91,8 @@ class SwarmNode:
         while True:
             attempt += 1
             try:
-                self.dht = hivemind.DHT(initial_peers=list(initial_peers) or None, start=True, **kwargs)
+                # its process and p2p daemon exit when this process dies, by any signal (lifeline.py)
+                self.dht = start_dht(initial_peers=list(initial_peers) or None, **kwargs)
                 break
             except P2PDaemonError as e:
                 msg = str(e)
@@ -111,6 +113,8 @@ class SwarmNode:
                 raise UserError(f"the libp2p daemon failed to start: {msg.splitlines()[0][:300]}") from None
         if not self.identity_path:
             discard_ephemeral(key_path)  # the daemon has read it; the key now lives only in memory
+        else:  # a restart after a crash waits for these (or stops them) before it takes the identity over
+            note_helpers(self.identity_path, [self.dht.pid, *descendants(self.dht.pid)])
         #: offences, bans and request limits of the peers that talk to us (protocol.PeerGate)
         self.gate = PeerGate()
         self.traffic = Traffic()
