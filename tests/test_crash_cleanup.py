@@ -136,3 +136,87 @@ def test_sigkilled_bootstrap_leaves_nothing_and_serves_again_on_restart(procs, t
     assert procs.wait(status, 45) == 0, procs.err("status")[-3000:]
     assert "no live peers in run 'nobody'" in procs.out("status")
     assert b2.poll() is None
+
+
+# ---- the identity lock on its own (fast, no swarm) --------------------------------------------------
+
+def _lock_then_fork_then_wait(path: str, ready, grandchild_pid) -> None:
+    from p2pdiloco.identity import prepare_identity
+
+    prepare_identity(path)
+    pid = os.fork()  # like hivemind's DHT process: a fork, alive after we die
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    grandchild_pid.value = pid
+    ready.set()
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_a_fork_does_not_keep_the_lock_and_a_dead_holders_lock_is_taken_over(tmp_path, caplog):
+    import multiprocessing
+
+    from p2pdiloco.identity import prepare_identity, release_identity
+
+    path = str(tmp_path / "peer.key")
+    ctx = multiprocessing.get_context("fork")
+    ready, grandchild = ctx.Event(), ctx.Value("i", 0)
+    holder = ctx.Process(target=_lock_then_fork_then_wait, args=(path, ready, grandchild), daemon=True)
+    holder.start()
+    try:
+        assert ready.wait(30)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(10)
+        assert holder.exitcode == -signal.SIGKILL
+        assert psutil.pid_exists(grandchild.value)  # the fork outlives the holder, yet holds no lock
+        with caplog.at_level("WARNING", logger="p2pdiloco.identity"):
+            prepare_identity(path)
+        release_identity(path)
+        stale = [r.getMessage() for r in caplog.records if "is stale" in r.getMessage()]
+        assert len(stale) == 1 and f"process {holder.pid} " in stale[0] and "taking the lock over" in stale[0], stale
+    finally:
+        if holder.is_alive():
+            holder.kill()
+        if grandchild.value:
+            try:
+                os.kill(grandchild.value, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_reused_pid_is_not_the_holder_and_leftover_helpers_are_stopped(tmp_path, caplog, monkeypatch):
+    import json
+    import subprocess
+    import sys
+
+    from p2pdiloco import identity
+
+    monkeypatch.setattr(identity, "LEFTOVER_WAIT_S", 0.5)
+    path = str(tmp_path / "peer.key")
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        started = psutil.Process(helper.pid).create_time()
+        # the recorded holder's pid now belongs to another process (ours: alive, but started at another time)
+        record = {"pid": os.getppid(), "started": 1.0, "argv": ["p2pdiloco", "join"],
+                  "helpers": [[helper.pid, started], [os.getpid(), 2.0]]}
+        with open(path + ".lock", "w") as f:
+            json.dump(record, f)
+        with caplog.at_level("WARNING", logger="p2pdiloco.identity"):
+            identity.prepare_identity(path)
+        try:
+            assert helper.wait(10) == -signal.SIGKILL  # the recorded helper that did not exit was stopped
+            messages = [r.getMessage() for r in caplog.records]
+            assert any("is stale" in m and f"process {os.getppid()} " in m for m in messages), messages
+            assert any(f"leftover process {helper.pid} " in m for m in messages), messages
+            assert not any(f"leftover process {os.getpid()} " in m for m in messages)  # a reused pid: spared
+            with open(path + ".lock") as f:
+                assert json.load(f)["pid"] == os.getpid()
+        finally:
+            identity.release_identity(path)
+        with open(path + ".lock") as f:
+            assert f.read() == ""  # a clean release leaves no holder behind
+    finally:
+        if helper.poll() is None:
+            helper.kill()
+            helper.wait()
