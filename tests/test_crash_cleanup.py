@@ -185,6 +185,7 @@ def test_a_fork_does_not_keep_the_lock_and_a_dead_holders_lock_is_taken_over(tmp
                 pass
 
 
+@pytest.mark.timeout(30)
 def test_a_reused_pid_is_not_the_holder_and_leftover_helpers_are_stopped(tmp_path, caplog, monkeypatch):
     import json
     import subprocess
