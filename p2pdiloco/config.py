@@ -100,13 +100,14 @@ class StreamingConfig:
         ``tau = 0, alpha = 0`` is blocking DiLoCo. Needs ``tau < H/P``.
       - ``"delay"``: naive one-step delay (DiLoCoX, arXiv 2506.21263): the average of round r is
         applied at the end of round r+1; the next inner phase starts from the global copy without it.
-      - ``"eager"``: Eager Updates (arXiv 2502.12996): like ``delay``, but each peer starts the next
-        inner phase from OuterOpt(global copy, Δ~), an estimate of the round's average that uses its
-        own fresh pseudo-gradient; the global copy itself only ever takes true averages.
-        ``eager_estimate`` picks Δ~: ``"fresh"`` (default) the peer's fresh pseudo-gradient alone,
-        ``"paper"`` the paper's formula (the others' stale terms plus our fresh one, divided by M).
-        Measured (docs/benchmark.md): with outer lr 0.3-0.4, fresh is within 1% of no overlap at
-        the same lr (2 seeds); at 0.7 it is +5%, and a peer says so at start; paper oscillates.
+      - ``"eager"``: Eager Updates (arXiv 2502.12996): like ``delay``, but each peer's own fresh
+        pseudo-gradient takes effect at once. ``eager_estimate`` picks how:
+        ``"paper"`` (default) the published rule: the peer steps its own outer state with the last
+        average plus (its fresh term − its stale term)·w_m/W, kept as the agreed (digest-checked)
+        global copy plus a per-peer offset; ``"fresh_heuristic"`` the next phase starts from
+        OuterOpt(global copy, Δ_m), the peer's fresh pseudo-gradient standing in for the whole
+        average (a heuristic of this project, not the paper's method). The global copy itself only
+        ever takes true averages in both. Measured: docs/benchmark.md, "Eager updates".
 
       See :mod:`p2pdiloco.diloco.overlap` for the exact rules.
     """
@@ -123,8 +124,9 @@ class StreamingConfig:
     #: start group formation this many inner steps before a sync, in the background, so it is off the
     #: critical path (capped at H/P - 1; 0 = form the group at the sync step). Not part of the fingerprint.
     prepare_steps: int = 2
-    #: mode "eager": the estimate of the round's average the next inner phase starts from, "fresh" or "paper"
-    eager_estimate: str = "fresh"
+    #: mode "eager": "paper" (Eager Updates as published) or "fresh_heuristic" (see above)
+    eager_estimate: str = "paper"
+    EAGER_ESTIMATES = ("paper", "fresh_heuristic")
 
     MODES = ("tau", "delay", "eager")
 
@@ -145,10 +147,13 @@ class StreamingConfig:
             raise ConfigError(f"streaming.tau and streaming.alpha apply to streaming.mode='tau' only; mode "
                               f"{self.mode!r} applies each average one outer step later by construction. Remove "
                               "streaming.tau/streaming.alpha or use streaming.mode=tau")
-        if self.eager_estimate not in ("fresh", "paper"):
-            raise ConfigError(f"streaming.eager_estimate ({self.eager_estimate!r}) must be 'fresh' (the peer's own "
-                              "fresh pseudo-gradient stands in for the round's average) or 'paper' (the Eager "
-                              "Updates formula: the other peers' stale terms plus our fresh one)")
+        if self.eager_estimate == "fresh":
+            raise ConfigError("streaming.eager_estimate 'fresh' was renamed 'fresh_heuristic' (it is not the Eager "
+                              "Updates paper's rule); use --set streaming.eager_estimate=fresh_heuristic, or 'paper'")
+        if self.eager_estimate not in self.EAGER_ESTIMATES:
+            raise ConfigError(f"streaming.eager_estimate ({self.eager_estimate!r}) must be 'paper' (Eager Updates as "
+                              "published) or 'fresh_heuristic' (the peer's own fresh pseudo-gradient stands in "
+                              "for the round's average)")
         if not isinstance(self.prepare_steps, int) or self.prepare_steps < 0:
             raise ConfigError(f"streaming.prepare_steps ({self.prepare_steps!r}) must be an integer >= 0")
 

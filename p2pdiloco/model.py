@@ -21,9 +21,11 @@ block index, arXiv:2501.18512)::
 
 Every per-layer parameter lives under ``blocks.{i}``; nothing else is per-layer.
 
-Initialisation is a pure function of the torch CPU RNG: :func:`build_model` always initialises on
-the CPU, so the same ``torch.manual_seed`` gives bitwise identical weights on every machine and every
-device the model is later moved to.
+Initialisation is a pure function of the torch CPU RNG's integers: :func:`build_model` always
+initialises on the CPU with :func:`p2pdiloco.exact.exact_normal_` (``nn.init.normal_`` takes a
+vectorised path that gives other weights under another ``ATEN_CPU_CAPABILITY``), so the same
+``torch.manual_seed`` gives bitwise identical weights on every machine and every device the model is
+later moved to.
 
 Measured parameter counts of :data:`PRESETS` (tied embeddings, counted once)::
 
@@ -43,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import ConfigError
+from .exact import exact_normal_
 
 __all__ = [
     "ModelConfig",
@@ -181,17 +184,17 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        # GPT-2: N(0, 0.02) everywhere, zero biases, and the two residual projections of each block
+        # GPT-2: N(0, 0.02) everywhere (exact_normal_: the same bits on every CPU), zero biases, and the two residual projections of each block
         # scaled by 1/sqrt(2*n_layers) so the residual stream's variance does not grow with depth.
         std = 0.02
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 scale = 1.0 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(".proj") else 1.0
-                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+                exact_normal_(module.weight, std=std * scale)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                exact_normal_(module.weight, std=std)
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)

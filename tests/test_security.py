@@ -136,11 +136,13 @@ def test_bad_parts_are_dropped_consistently_and_offender_banned(nodes, caplog):
             assert isinstance(r, torch.Tensor), (name, r)
             assert torch.isfinite(r).all()
             assert torch.equal(r, honest[0]), f"{name}: honest peers disagree"
-        # owners drop the offender's part; the offender's own shard keeps its own (honest) part
-        want = expected_result(ns, ids, vecs, weights, lambda i, owner: i != evil or owner == evil)
-        assert torch.equal(honest[0], want), f"{name}: result is not the mean of the kept parts"
+        # owners drop the offender's part, the offender's own shard keeps it: the shards differ, so the
+        # round is re-done without the offender and every shard averages the same (honest) members
+        want = expected_result(ns, ids, vecs, weights, lambda i, owner: i != evil)
+        assert torch.equal(honest[0], want), f"{name}: result is not the mean of the honest parts"
     for i in range(evil):
         assert reducers[i].stats["parts_dropped"] == len(ATTACKS), dict(reducers[i].stats)
+        assert reducers[i].stats["rounds_redone"] == len(ATTACKS), dict(reducers[i].stats)
         assert all(peer == bad_id for peer, *_ in reducers[i].dropped_log)
         assert ns[i].gate.offences[bad_id] == len(ATTACKS)
     for check in ("finite", "weight", "norm", "codec"):
@@ -157,8 +159,7 @@ def test_bad_parts_are_dropped_consistently_and_offender_banned(nodes, caplog):
     reducers[evil].attack = None
     results, ids = allreduce_all(ns, reducers, run, vecs, [1.0] * 4, codec, len(ATTACKS) + 1)
     assert isinstance(results[evil], SyncFailed) and "banned" in str(results[evil])
-    assert torch.equal(results[0], expected_result(ns, ids, vecs, [1.0] * 4,
-                                                   lambda i, owner: i != evil or owner == evil))
+    assert torch.equal(results[0], expected_result(ns, ids, vecs, [1.0] * 4, lambda i, owner: i != evil))
     assert reducers[0].stats["dropped:banned"] == 1
 
 
@@ -270,7 +271,11 @@ def test_bad_contributions_never_reach_honest_parameters(nodes, monkeypatch):
         assert not errors, errors
         for i in range(3):
             assert [r.ok for r in reports[i]] == [True] * rounds, [(r.ok, r.error) for r in reports[i]]
-            assert all(r.group_size == 4 for r in reports[i])
+            # the offender's own shard kept its part, the others did not: every round was re-done without
+            # it, and every honest peer reports 3 members and who was left out (no silent partial average)
+            assert all(r.group_size == 3 for r in reports[i]), [r.group_size for r in reports[i]]
+            assert all(r.extra.get("coverage") == "redone" and r.extra.get("left_out") == [ns[evil].peer_id_str]
+                       for r in reports[i]), [r.extra for r in reports[i]]
             assert all(torch.isfinite(p).all() for p in dilocos[i].outer[0].params)
             assert all(torch.isfinite(p).all() for p in models[i].parameters())
         assert dilocos[0].digest() == dilocos[1].digest() == dilocos[2].digest()

@@ -23,9 +23,9 @@ BASE = [f"inner.sync_every={H}", f"streaming.fragments={P}", f"train.max_outer_s
 
 
 @pytest.mark.timeout(240)
-# eager's "paper" estimate differs from "fresh" only in the training loop's arithmetic, which
+# eager's "fresh_heuristic" estimate differs from "paper" only in the training loop's arithmetic, which
 # test_streaming.py checks against the reference in one process; the swarm run covers "fresh"
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "eager-paper"])
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "eager-heuristic"])
 def test_streaming_swarm_matches_reference(procs, tmp_path, mode):
     settings = BASE + MODES[mode] + [f"swarm.run_id=stream-{mode}"]
     addr = procs.bootstrap()

@@ -27,12 +27,13 @@ SETTINGS = [f"inner.sync_every={H}", f"train.max_outer_steps={OUTER_STEPS}", "in
 
 def reference_diloco(cfg, shards_in_member_order, outer_steps):
     """Single-process DiLoCo: per-peer AdamW (state kept across rounds), sample-weighted mean of
-    θ − θ_m summed in the all-reduce's member order, torch's own SGD(nesterov) as outer optimizer."""
+    θ − θ_m summed in the all-reduce's member order, Nesterov SGD written out as the outer optimizer
+    (b ← μ·b + g; θ ← θ − lr·(g + μ·b), one rounding per operation as on every peer; torch's own SGD
+    may fuse a multiply-add on this CPU)."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.train.seed)
     global_model = build_model(cfg.model)
-    outer_opt = torch.optim.SGD(global_model.parameters(), lr=cfg.outer.lr, momentum=cfg.outer.momentum,
-                                nesterov=True)
+    bufs = [torch.zeros_like(p) for p in global_model.parameters()]
     corpus = load_corpus(cfg.data)
     peers = []
     for shard in shards_in_member_order:
@@ -62,9 +63,12 @@ def reference_diloco(cfg, shards_in_member_order, outer_steps):
             for gp, *lps in zip(global_model.parameters(), *[m.parameters() for m, _, _ in peers]):
                 acc = torch.zeros_like(gp)
                 for lp in lps:
-                    acc.add_(gp - lp, alpha=w)
+                    acc.add_((gp - lp) * w)
                 gp.grad = acc / (w * len(lps))
-        outer_opt.step()
+            mu, lr = cfg.outer.momentum, cfg.outer.lr
+            for gp, b in zip(global_model.parameters(), bufs):
+                b.copy_(b * mu + gp.grad)
+                gp.copy_(gp - (gp.grad + b * mu) * lr)
         with torch.no_grad():
             for m, _, _ in peers:
                 for gp, lp in zip(global_model.parameters(), m.parameters()):

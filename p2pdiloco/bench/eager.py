@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..compression.robust import weighted_mean
 from ..errors import ConfigError
 
 __all__ = ["VARIANTS", "run_variant", "main"]
@@ -50,13 +51,9 @@ class _Hub:
         with self.cond:
             self.parts.setdefault(key, {})[idx] = (weight, vec.detach().to("cpu", torch.float32).clone())
             if len(self.parts[key]) == self.m:
-                acc, total = torch.zeros_like(self.parts[key][0][1]), 0.0
-                for i in range(self.m):
-                    w, part = self.parts[key][i]
-                    acc.add_(part, alpha=w)
-                    total += w
+                parts = [self.parts[key][i] for i in range(self.m)]
                 del self.parts[key]
-                self.results[key] = acc.div_(total)
+                self.results[key] = weighted_mean([p for _, p in parts], [w for w, _ in parts])
                 self.cond.notify_all()
             if not self.cond.wait_for(lambda: key in self.results, timeout=300):
                 raise RuntimeError(f"hub: all-reduce {key} incomplete (a peer thread died?)")
@@ -72,13 +69,16 @@ class _HubSwarm:
         self.hub, self.idx = hub, idx
         self.node = SimpleNamespace(traffic=Traffic())
 
+    def expected_group(self, sync_step: int) -> int:
+        return self.hub.m
+
     def form_group(self, frag: int, round_: int, sync_step: int):
         from ..swarm.allreduce import Group
 
         members = tuple(f"peer{i}" for i in range(self.hub.m))
         return Group(gid=f"{frag}:{round_}", members=members, my_index=self.idx, frag=frag, round=round_)
 
-    def allreduce(self, group, phase: str, vec: torch.Tensor, weight: float, codec) -> torch.Tensor:
+    def allreduce(self, group, phase: str, vec: torch.Tensor, weight: float, codec, on_coverage=None) -> torch.Tensor:
         self.node.traffic.add(sent=4 * vec.numel(), received=4 * vec.numel())
         return self.hub.reduce(self.idx, (group.gid, phase), vec, weight)
 

@@ -21,12 +21,16 @@ For a low-rank matrix (``M_m`` = this peer's tensor reshaped to ``(shape[0], res
 error-feedback residual; ``Q`` is the warm-start basis, ``n x r``):
 
 1. ``begin``:  ``P_m = M_m Q``.
-2. ``middle``: ``P = orth(mean P_m)`` (QR in fp64, signs fixed so ``diag(R) >= 0``: a unique
-   function of the identical mean, so identical on every peer); ``Q_m = M_m^T P``.
+2. ``middle``: ``P = orth(mean P_m)`` (Gram–Schmidt in fp64 with a positive diagonal, as QR with
+   ``diag(R) >= 0``: a function of the identical mean, so identical on every peer); ``Q_m = M_m^T P``.
 3. ``finish``: applied update ``P (mean Q_m)^T = P P^T mean(M_m)`` -- the same on every peer because
-   it is computed only from all-reduced values (fp64, then rounded to fp32). Bitwise identity
-   therefore assumes peers whose QR and matmul round alike (same library and thread count); peers
-   on different hardware may differ in the last bit, which the swarm's digest check repairs.
+   it is computed only from all-reduced values (fp64, then rounded to fp32).
+
+Bitwise identity across machines: ``P`` and the applied update are computed with
+:mod:`p2pdiloco.exact` (Gram–Schmidt with fixed-order dot products instead of LAPACK's QR, and the
+product as a sum of exact outer products instead of a BLAS matmul), so peers on different CPUs,
+kernel builds, thread counts or a GPU agree bit for bit. The local products ``M_m Q`` and
+``M_m^T P`` use BLAS: they are this peer's own contribution and need not agree.
 
 ``Q`` itself need not be identical on all peers: it only steers which subspace ``P`` finds, and
 ``P``, the applied update and the residuals are functions of all-reduced values and local data. A
@@ -91,6 +95,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import ConfigError
+from ..exact import exact_orthonormalize, exact_outer_sum
 
 __all__ = ["LowRankConfig", "LowRankCompressor"]
 
@@ -122,11 +127,8 @@ class LowRankConfig:
 
 
 def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal basis of ``p``'s columns (fp64), unique: QR with ``diag(R) >= 0``."""
-    q, r = torch.linalg.qr(p.double(), mode="reduced")
-    d = torch.diagonal(r)
-    signs = torch.where(d < 0, -torch.ones_like(d), torch.ones_like(d))
-    return q * signs
+    """Orthonormal basis of ``p``'s columns (fp64), the same bits on every machine (see module docstring)."""
+    return exact_orthonormalize(p)
 
 
 def _fresh_columns(n: int, k: int, seed: int, index: int, round_: int) -> torch.Tensor:
@@ -272,7 +274,7 @@ class LowRankCompressor:
             cum, energies = 0.0, []
             for c in order:
                 cum += rho[c]
-                energies.append(min(cum, 1.0) ** 0.5)
+                energies.append(math.sqrt(min(cum, 1.0)))  # correctly rounded everywhere
             self._energy[j] = energies[-1]
             target = self.cfg.energy_target
             if energies[-1] < target and r < rmax:
@@ -388,7 +390,7 @@ class LowRankCompressor:
             q_sent = (self._q_local[j] if contributed is None
                       else contributed.detach().reshape(-1)[offset: offset + cols * r].reshape(cols, r).to(p.device))
             offset += cols * r
-            results[i] = (p @ q_avg.double().t()).float().reshape(self._shapes[i])
+            results[i] = exact_outer_sum(p, q_avg, torch.float32).reshape(self._shapes[i])  # agreed: exact
             if self.cfg.error_feedback:
                 self._residual[j] = self._m[j] - (p @ q_sent.double().t()).float()
             if self.cfg.adaptive:  # the next header decides the rank and which columns to keep

@@ -124,11 +124,12 @@ def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], cfg: Robu
 
 
 def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """Σ w_i x_i / Σ w_i, accumulated in fp32 in the given order (bitwise reproducible)."""
+    """Σ w_i x_i / Σ w_i, accumulated in fp32 in the given order, one rounding per operation (a multiply,
+    then an add; never fused: :mod:`p2pdiloco.exact`), so the same bits on any machine."""
     acc = torch.zeros_like(parts[0], dtype=torch.float32)
     total = 0.0
     for w, part in zip(weights, parts):
-        acc.add_(part, alpha=w)
+        acc.add_(torch.mul(part.to(torch.float32), w))
         total += w
     return acc.div_(total)
 

@@ -30,7 +30,7 @@ from ..compression import Codec, get_codec
 from ..config import RunConfig
 from ..errors import ConfigError, RoundMissed, SyncFailed
 from .fragments import FragmentLayout, Schedule, split_fragments
-from .outer import OuterState
+from .outer import OuterState, nesterov_step_
 from .overlap import BandwidthMeter, SyncJob, SyncWorker, lookahead, merge_into, pseudo_gradient_from
 from .reducers import Reducer, make_reducer
 
@@ -123,9 +123,8 @@ class DiLoCo:
         # delay/eager: the point each fragment's current inner phase started from (W_m)
         self._start: List[Optional[List[torch.Tensor]]] = [None] * P
         self.eager_estimate = st.eager_estimate
-        # eager_estimate "paper": Δ(k−1) − Δ_m(k−1)/M' (the other peers' stale terms); None without one
-        self._others: List[Optional[torch.Tensor]] = [None] * P
-        self._others_m: List[int] = [1] * P
+        # eager_estimate "paper": this peer's offset (f, e) from the agreed (θ, b), per fragment (None = 0)
+        self._offsets: List[Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]]] = [None] * P
         if self.mode != "tau":
             self._start = [[t.clone() for t in o.params] for o in self.outer]
         # two background threads: all-reduces in send order, and group formation in schedule order, so
@@ -234,17 +233,13 @@ class DiLoCo:
             self._groups[key] = self._form_group(p, round_, t)
         group = self._groups[key]
         outer = self.outer[p]
-        if self.mode == "eager":
-            others = self._others[p]
-            if self.eager_estimate == "fresh" or others is None:
-                # our fresh pseudo-gradient stands in for the round's average (overlap.py, ``eager``);
-                # also the paper's rule's first round: no previous average to take the others' terms from
-                estimate = delta
-            else:  # "paper": the other peers' stale terms plus our fresh one
-                estimate = others + delta / self._others_m[p]
-            self._others[p] = None
         with self.state_lock:
-            start = [x.clone() for x in outer.params] if self.mode == "delay" else lookahead(outer, estimate)
+            if self.mode == "delay":
+                start = [x.clone() for x in outer.params]
+            elif self.eager_estimate == "fresh_heuristic":  # our fresh Δ_m stands in for the whole average
+                start = lookahead(outer, delta)
+            else:  # "paper": agreed θ plus this peer's offset (overlap.py, ``eager``)
+                start = self._eager_start(p, delta, weight, prev, group)
             self._start[p] = start
             merge_into(self.local[p], start, 0.0)
         for r in reports:  # after the model restarted from the result: validation measures that model
@@ -252,6 +247,53 @@ class DiLoCo:
         del self._groups[key]
         self._launch(p, t, delta, weight, due=t + self.H, group=group)
         return reports
+
+    def _eager_start(self, p: int, delta: torch.Tensor, weight: float, prev: Optional[SyncJob],
+                     group: concurrent.futures.Future) -> List[torch.Tensor]:
+        """Eager Updates as published, split into the agreed part and this peer's offset (overlap.py).
+
+        The paper's peer applies OuterOpt with Δ~_m(k) = Δ(k−1) + δ_k, δ_k = ρ_k·Δ_m(k) − ρ_{k−1}·Δ_m(k−1)
+        (ρ = w_m/W: its own share of a round's average; ρ_{k−1} from round k−1's covered weight, ρ_k
+        estimated as ρ_{k−1}·M_{k−1}/M_k, 1/M_k without a previous round: with equal weights the paper's
+        1/M). The agreed copy applies Δ(k−1) alone (done by
+        the worker when round k−1 arrived), so the offset (f, e) = (θ_m − θ, b_m − b) follows
+        e ← μ·e + δ_k, f ← f − lr·(δ_k + μ·e) (Nesterov SGD is linear). When round k−1 brought no average
+        (the first round, a failed round) the agreed copy took no step but the paper's peer did, with
+        Δ~_m(k) = δ_k: then e ← μ·(b + e) + δ_k − b and f ← f − lr·(δ_k + μ·(b + e)). Returns θ + f."""
+        outer = self.outer[p]
+        mu, lr = outer.momentum, outer.lr
+        size = self._expected_size(group, prev)
+        if prev is not None and prev.ok:
+            last_share = prev.weight / prev.covered_weight
+            stale = prev.delta.to(delta.device) * last_share
+            # our share of round k: as in round k−1 (peers' speeds change slowly), scaled to k's group size
+            share = last_share * max(prev.group_size, 1) / size
+        else:
+            stale, share = None, 1.0 / size
+        d_flat = delta * share if stale is None else delta * share - stale
+        if self._offsets[p] is None:
+            self._offsets[p] = ([torch.zeros_like(x) for x in outer.params], [torch.zeros_like(x) for x in outer.params])
+        f_list, e_list = self._offsets[p]
+        arrived = prev is not None and prev.ok
+        for f, e, b, d in zip(f_list, e_list, outer.buffers, outer.unflatten(d_flat)):
+            if arrived:
+                nesterov_step_(f, e, d, lr=lr, momentum=mu, nesterov=outer.nesterov)
+            else:  # the peer's own step from (θ + f, b + e); the agreed copy stays at (θ, b)
+                bm = b + e
+                fm = f.clone()
+                nesterov_step_(fm, bm, d, lr=lr, momentum=mu, nesterov=outer.nesterov)
+                e.copy_(bm - b)
+                f.copy_(fm)
+        return [x + f for x, f in zip(outer.params, f_list)]
+
+    def _expected_size(self, group: concurrent.futures.Future, prev: Optional[SyncJob]) -> int:
+        """Members expected in the round being sent (for the peer's own share ρ): its group when formed,
+        else the last round's, else the live peers."""
+        if group.done() and group.exception() is None:
+            return max(1, int(getattr(group.result(), "size", 1)))
+        if prev is not None and prev.ok:
+            return max(1, prev.group_size)
+        return max(1, self.swarm.expected_group(self.inner_step)) if self.swarm is not None else 1
 
     def _group_future(self, p: int, round_: int, t: int) -> concurrent.futures.Future:
         key = (p, round_)
@@ -299,28 +341,23 @@ class DiLoCo:
             if self.swarm is None:
                 allreduce = self._solo_allreduce
             else:
-                def allreduce(vec: torch.Tensor, phase: str, codec: Optional[Codec] = None) -> torch.Tensor:
-                    return self.swarm.allreduce(group, f"f{p}.{phase}", vec, job.weight, codec or self.codec)
-
+                allreduce = self._group_allreduce(job, group)
             avg = self.reducers[p].reduce(job.delta, allreduce)
             info = getattr(self.reducers[p], "info", None)
             job.extra = dict(info()) if info is not None else {}
+            self._note_coverage(job, group)
         except SyncFailed as e:
             job.error = str(e)
             job.missed = isinstance(e, RoundMissed)
             job.failed = True
             logger.warning(f"sync of fragment {p} round {job.round} failed, keeping local progress: {e}")
         else:
-            others = (avg - job.delta / job.group_size
-                      if self.mode == "eager" and self.eager_estimate == "paper" else None)
             with self.state_lock:
                 if job.epoch == self._epoch:
                     self.outer[p].step(avg)
                     self.synced_step = max(self.synced_step, job.send_step)
                     job.digest = self.outer[p].digest()
                     job.ok = job.applied = True
-                    if others is not None:
-                        self._others[p], self._others_m[p] = others, job.group_size
                 else:
                     job.failed = True
                     job.error = "dropped: the state was replaced by a download while this sync ran"
@@ -329,6 +366,42 @@ class DiLoCo:
                 sent1, recv1 = traffic.snapshot()
                 job.bytes_sent, job.bytes_received = sent1 - sent0, recv1 - recv0
             job.seconds = time.perf_counter() - job.launched
+
+    def _group_allreduce(self, job: SyncJob, group):
+        """The reducer's all-reduce for one sync. Every phase must average the same members: after a
+        phase that covered fewer than the group (a dropped part), later phases run on the group
+        restricted to them, and a phase that covers fewer still fails the sync (on every member alike:
+        they all read the same coverage)."""
+        from ..swarm.allreduce import restricted_group
+
+        state = {"group": group}
+
+        def seen(cov) -> None:
+            first = job.coverage
+            if first is None:
+                job.coverage = cov
+                if not cov.complete:
+                    state["group"] = restricted_group(group, cov.members)
+            elif set(cov.members) != set(first.members):
+                raise SyncFailed(f"phases of one sync covered different members ({len(first.members)} then "
+                                 f"{len(cov.members)} of {group.size}); not applied")
+
+        def allreduce(vec: torch.Tensor, phase: str, codec: Optional[Codec] = None) -> torch.Tensor:
+            return self.swarm.allreduce(state["group"], f"f{job.fragment}.{phase}", vec, job.weight,
+                                        codec or self.codec, on_coverage=seen)
+        return allreduce
+
+    def _note_coverage(self, job: SyncJob, group) -> None:
+        """Group size, total weight and, for a round over fewer members, who was left out: in the report."""
+        cov = job.coverage
+        if cov is None:  # alone (or a fake swarm without coverage): everyone we know of is in
+            job.covered_weight = job.weight * group.size
+            return
+        job.group_size = len(cov.members)
+        job.covered_weight = cov.weight
+        job.extra["coverage"] = cov.kind
+        if cov.left_out:
+            job.extra["left_out"] = list(cov.left_out)
 
     def _solo_allreduce(self, vec: torch.Tensor, phase: str, codec: Optional[Codec] = None) -> torch.Tensor:
         """A group of one: what crossed the wire is what a lone peer applies too."""
@@ -415,7 +488,7 @@ class DiLoCo:
                 del self._groups[key]
             if self.mode != "tau":
                 self._start = [[t.clone() for t in o.params] for o in self.outer]
-            self._others = [None] * self.num_fragments
+            self._offsets = [None] * self.num_fragments  # the peer restarts on the agreed trajectory
         for r in self.reducers:  # their residuals belong to the history we just left
             reset = getattr(r, "reset", None)
             if reset is not None:
@@ -424,20 +497,29 @@ class DiLoCo:
     # ---- checkpoints ------------------------------------------------------------------------------------
     def overlap_state_dict(self) -> Dict[str, object]:
         """Bookkeeping of ``delay``/``eager`` that a checkpoint needs besides the model and global copies:
-        each fragment's start point W_m. (Syncs in flight are not saved: after a resume they are lost
-        and the swarm's divergence repair brings this peer back.)"""
+        each fragment's start point W_m and, for eager, this peer's offset from the agreed copy. (Syncs
+        in flight are not saved: after a resume they are lost and the swarm's divergence repair brings
+        this peer back.)"""
+        cpu = lambda ts: [t.cpu().clone() for t in ts]  # noqa: E731
         with self.state_lock:
             return {"mode": self.mode,
-                    "start": None if self.mode == "tau" else [[t.cpu().clone() for t in s] for s in self._start]}
+                    "start": None if self.mode == "tau" else [cpu(s) for s in self._start],
+                    "offsets": [None if o is None else (cpu(o[0]), cpu(o[1])) for o in self._offsets]}
 
     def load_overlap_state(self, state: Optional[Dict[str, object]]) -> None:
         if self.mode == "tau":
             return
         with self.state_lock:
+            self._offsets = [None] * self.num_fragments
             if not state or state.get("mode") != self.mode or state.get("start") is None:
                 self._start = [[t.clone() for t in o.params] for o in self.outer]
-            else:
-                for dst, src in zip(self._start, state["start"], strict=True):
-                    for d, s in zip(dst, src, strict=True):
-                        d.copy_(s)
-            self._others = [None] * self.num_fragments
+                return
+            for dst, src in zip(self._start, state["start"], strict=True):
+                for d, s in zip(dst, src, strict=True):
+                    d.copy_(s)
+            offsets = state.get("offsets") or [None] * self.num_fragments
+            if self.mode == "eager" and len(offsets) == self.num_fragments:
+                for p, (o, saved) in enumerate(zip(self.outer, offsets)):
+                    if saved is not None:
+                        self._offsets[p] = ([x.to(g.device).clone() for x, g in zip(saved[0], o.params, strict=True)],
+                                            [x.to(g.device).clone() for x, g in zip(saved[1], o.params, strict=True)])

@@ -8,8 +8,10 @@ in place of the gradient (DiLoCo, arXiv 2311.08105, Algorithm 1)::
     b ← μ·b + Δ             (b starts at 0, so the first step sets b = Δ, as torch does)
     θ ← θ − lr·(Δ + μ·b)     (nesterov)      or      θ ← θ − lr·b   (plain momentum)
 
-Every operation is element-wise on identical inputs, so peers that decode identical Δ bytes hold
-bitwise identical θ and b afterwards; ``digest()`` proves it in the logs.
+Every operation is element-wise on identical inputs, one IEEE rounding each (a multiply by a scalar,
+then an add: no ``alpha=`` form, which one CPU kernel fuses into an FMA and another does not; see
+:mod:`p2pdiloco.exact`), so peers that decode identical Δ bytes hold bitwise identical θ and b
+afterwards on any CPU or GPU; ``digest()`` proves it in the logs.
 """
 from __future__ import annotations
 
@@ -18,7 +20,18 @@ from typing import Dict, List, Sequence
 
 import torch
 
-__all__ = ["OuterState"]
+__all__ = ["OuterState", "nesterov_step_"]
+
+
+@torch.no_grad()
+def nesterov_step_(p: torch.Tensor, b: torch.Tensor, d: torch.Tensor, *, lr: float, momentum: float,
+                   nesterov: bool = True) -> None:
+    """``b ← μ·b + d``; ``p ← p − lr·(d + μ·b)`` (or ``p − lr·b``), in place, one rounding per operation.
+
+    torch.optim.SGD's arithmetic, written without fused forms so every kernel gives the same bits."""
+    b.mul_(momentum).add_(d)
+    update = torch.add(d, torch.mul(b, momentum)) if nesterov else b
+    p.sub_(torch.mul(update, lr))
 
 
 class OuterState:
@@ -50,9 +63,7 @@ class OuterState:
     @torch.no_grad()
     def step(self, delta_flat: torch.Tensor) -> None:
         for p, b, d in zip(self.params, self.buffers, self.unflatten(delta_flat.to(self.params[0].device))):
-            b.mul_(self.momentum).add_(d)
-            update = d.add(b, alpha=self.momentum) if self.nesterov else b
-            p.add_(update, alpha=-self.lr)
+            nesterov_step_(p, b, d, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
         self.steps += 1
 
     @torch.no_grad()

@@ -28,39 +28,42 @@ What the model gets, per mode (fragment p, round k sent after inner step s_k, ``
     round late, at s_{k+1}. (In round 0 there is nothing to apply: the model restarts from the
     initial θ and its progress arrives with round 0's average.)
 
-``eager`` (Eager Updates, arXiv 2502.12996). As ``delay``, but at s_k the next phase starts from
-    W_m ← OuterOpt'(θ, b, Δ~_m(k)), a *look-ahead* (:func:`lookahead`) that changes neither θ nor b,
-    with an estimate Δ~_m(k) of round k's average, which is still on the wire
+``eager`` (Eager Updates, Kale et al., arXiv 2502.12996). As ``delay`` (round k−1's true average
+    Δ(k−1) reaches the global copy θ at s_k), but the peer's own fresh term takes effect at once
     (``streaming.eager_estimate``):
 
-    - ``fresh`` (default): Δ~_m(k) = Δ_m(k), the peer's own fresh pseudo-gradient stands in for the
-      whole average.
-    - ``paper``: Δ~_m(k) = [Δ(k−1) − Δ_m(k−1)/M] + Δ_m(k)/M (algorithm.md §3c), the other peers'
-      stale terms plus our fresh one; M is the size of round k−1's group. With no previous average
-      (the first round, after a failed round or a state download) it is Δ_m(k), as ``fresh``.
+    - ``paper`` (default): the published rule. Each peer steps *its own* outer state with
+      Δ~_m(k) = Δ(k−1) + δ_k, where δ_k = ρ_k·Δ_m(k) − ρ_{k−1}·Δ_m(k−1) replaces its stale term in
+      the late average by its fresh one (ρ = w_m/W, its share of a round's average: ρ_{k−1} from
+      round k−1's covered weight, ρ_k = ρ_{k−1}·M_{k−1}/M_k, 1/M_k without a previous round; with
+      equal weights ρ = 1/M, the paper's formula). Nesterov SGD is linear in its gradient, so this
+      peer's trajectory is exactly the agreed one (θ, b advanced by the true averages alone,
+      identical on every peer, digest-checked) plus a per-peer offset (f, e)::
 
-    Why ``fresh`` is the default: θ here already holds every peer's terms up to round k−1, applied
-    once as true averages. The paper's formula belongs to a trajectory in which the others' terms of
-    round k−1 arrive only now; on top of our θ it applies them a second time as a prediction of
-    round k, and since every inner phase starts from such a prediction, the next pseudo-gradients
-    pull back and the estimate oscillates. (Its exact counterpart on θ, Δ_m(k)/M, leaves (M−1)/M of
-    the update one round late, like the naive delay.) Measured in one process (4 peers, tiny model,
-    H = 20, 10 outer steps; ``python -m p2pdiloco.bench.eager``, numbers in docs/benchmark.md):
-    fresh is within about 1% of no overlap, paper is not.
-    With a compressing reducer Δ_m is what the peer handed to the reducer, not its decoded share. **The correction**: the paper's exact rule was not available to us; ours is that
-    Δ~ never enters the global copy. θ and b are advanced only by true averages, as the results
-    arrive; W_m, which differs between peers, is rebuilt from the global copy at every round, so
-    the deviation of round k is dropped at s_{k+1} and does not accumulate.
+          e ← μ·e + δ_k;  f ← f − lr·(δ_k + μ·e)          (round k−1's average arrived)
+          e ← μ·(b + e) + δ_k − b;  f ← f − lr·(δ_k + μ·(b + e))   (it did not: first round, failure)
 
-    *Why every peer holds the same global copy after each correction* (induction over rounds
-    applied): all peers start from the same θ (seeded init) and b = 0. Round k applies
-    ``OuterState.step(Δ(k))`` — element-wise fp32 arithmetic on θ, b and Δ(k) — and Δ(k) is
-    bitwise identical on every member (the owner of each shard encodes the mean once, see
-    swarm/allreduce.py). Rounds of one fragment are applied in round order (round k+1 is only sent
-    after round k's job finished). Neither the look-ahead nor the carried progress below ever
-    writes θ or b. A failed round is failed for the whole group, so no member applies it; a peer
-    that missed a round's group applies nothing and downloads the verified majority state. So
-    equal inputs give equal (θ, b) after every round; the digest in each sync event checks it.
+      and the next inner phase starts from W_m ← θ + f. The second line is the paper's peer taking
+      a step the agreed copy does not take (Δ~ = δ_k alone). The offset is this peer's own (saved
+      in checkpoints, zeroed when it adopts a downloaded state); the equality with the paper's
+      per-peer update sequence is checked in one process (tests/test_streaming.py).
+    - ``fresh_heuristic``: W_m ← OuterOpt'(θ, b, Δ_m(k)), a look-ahead (:func:`lookahead`) with the
+      peer's own fresh pseudo-gradient standing in for the whole average; θ and b are not changed
+      and the deviation is dropped at the next round. A heuristic of this project, not the paper's
+      method; kept for comparison (docs/benchmark.md).
+
+    With a compressing reducer Δ_m is what the peer handed to the reducer, not its decoded share.
+
+    *Why every peer holds the same global copy after each round* (induction over rounds
+    applied): all peers start from the same θ (seeded init, :mod:`p2pdiloco.exact`) and b = 0.
+    Round k applies ``OuterState.step(Δ(k))`` — element-wise fp32 arithmetic with one rounding per
+    operation on θ, b and Δ(k) — and Δ(k) is bitwise identical on every member (the owner of each
+    shard encodes the mean once, see swarm/allreduce.py). Rounds of one fragment are applied in
+    round order (round k+1 is only sent after round k's job finished). Neither the offset, the
+    look-ahead nor the carried progress below ever writes θ or b. A failed round is failed for the
+    whole group, so no member applies it; a peer that missed a round's group applies nothing and
+    downloads the verified majority state. So equal inputs give equal (θ, b) after every round;
+    the digest in each sync event checks it.
 
     ``delay`` and ``eager`` on failure: the local phase of round k was already restarted, so the
     peer's unsent progress Δ_m(k) (and its sample weight) is added to its next pseudo-gradient.
@@ -73,7 +76,7 @@ that arrives later belongs to the state left behind and is discarded (an epoch c
 Memory on the outer device besides the global copy and momentum: each job in flight holds its Δ_m
 (one fragment; in ``delay``/``eager`` up to all P fragments at once, i.e. one model's worth);
 ``delay``/``eager`` keep the start points W_m (one model), ``eager`` with the ``paper`` estimate the
-stale terms (one model).
+offset (f, e) (two models' worth).
 """
 from __future__ import annotations
 
@@ -89,6 +92,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+
+from .outer import nesterov_step_
 
 __all__ = ["SyncJob", "SyncWorker", "BandwidthMeter", "lookahead", "pseudo_gradient_from", "merge_into"]
 
@@ -122,6 +127,8 @@ class SyncJob:
     missed: bool = False
     extra: dict = field(default_factory=dict)  # the reducer's info() after a successful sync
     group_wait: float = 0.0        # seconds the worker waited for the group (formation not done in time)
+    coverage: Any = None           # swarm.allreduce.Coverage of the applied result (None alone)
+    covered_weight: float = 0.0    # total sample weight the applied average covers (W)
     # counted by the loop
     overlapped_steps: int = 0      # inner steps completed while the job was still running
 
@@ -229,9 +236,9 @@ def lookahead(outer, delta_flat: torch.Tensor) -> List[torch.Tensor]:
     result is bitwise what the step would give)."""
     out = []
     for p, b, d in zip(outer.params, outer.buffers, outer.unflatten(delta_flat.to(outer.params[0].device))):
-        nb = b.mul(outer.momentum).add_(d)
-        update = d.add(nb, alpha=outer.momentum) if outer.nesterov else nb
-        out.append(p.add(update, alpha=-outer.lr))
+        p = p.clone()
+        nesterov_step_(p, b.clone(), d, lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
+        out.append(p)
     return out
 
 

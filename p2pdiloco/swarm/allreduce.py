@@ -27,9 +27,26 @@ the round still ends identically on every honest peer (each shard's result is de
 alone and sent as one set of bytes). The offender gets ``abort`` with the reason (it applies
 nothing and will re-sync from the swarm), is logged with its full peer id and counted as an
 offence (:class:`~p2pdiloco.swarm.protocol.PeerGate`; repeat offenders are banned, and a banned
-member's part is dropped up front). The owner's own part is never dropped. Different owners may
-drop different peers (a Byzantine peer may send good parts to some owners and bad ones to others);
-that changes which parts a shard averages, never whether peers agree.
+member's part is dropped up front). The owner's own part is never dropped.
+
+No silent partial average. Every owner's reply names the members its mean covers and their total
+weight (``cov``, ``w``), so every member learns, for every shard, whose parts are in it
+(:class:`Coverage`). Then, identically on every member (they all read the same replies):
+
+* every shard covers the whole group: the round is complete;
+* every shard covers the same subset ``S`` (a member's own part was not finite, so it left itself
+  out and every owner dropped it): the round is applied over ``S`` and reported as **degraded**,
+  naming who was left out (``Coverage.left_out``; a warning on every member, ``coverage`` and
+  ``left_out`` in the sync event);
+* shards cover different subsets (an owner dropped a member that other owners kept: a peer that
+  sent a bad part to some owners only, a norm screen that fired in one shard, different ban lists):
+  the round is **re-done** at once over ``S`` = the members every shard covers, as a group of its
+  own (id derived from the first group's and ``S``), so every shard of the applied result averages
+  the same members. If the re-done round's shards differ again, the round fails everywhere.
+
+A multi-phase reducer (low-rank) keeps the member set of its first phase for the later ones
+(:class:`~p2pdiloco.diloco.core.DiLoCo` runs them on the restricted group), and fails the round if
+a later phase covers fewer members.
 
 Members check the owner's reply too: exact size, finite values, and a norm plausible next to their
 own part (at most ``norm_bound·√M`` times it); an implausible result is an offence of the owner and
@@ -56,7 +73,7 @@ from ..errors import SyncFailed, WireError
 from .protocol import (PROTOCOL_VERSION, Traffic, check_version, close_after_reply, note_offence, read_frame,
                        read_header, read_payload, write_frame)
 
-__all__ = ["Group", "AllReducer", "make_group_id", "shard_bounds"]
+__all__ = ["Group", "Coverage", "AllReducer", "make_group_id", "restricted_group", "shard_bounds"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +106,41 @@ class Group:
         return len(self.members)
 
 
+@dataclass(frozen=True)
+class Coverage:
+    """Whose parts a finished all-reduce averaged, the same on every member that applies it.
+
+    ``members``: peer ids every shard's mean covers (sorted, as in the group); ``left_out``: the
+    group's other members; ``weight``: their total sample weight (Σ w_i over ``members``);
+    ``redone``: the first exchange's shards covered different members and the round was re-done
+    over ``members``. Complete when ``left_out`` is empty, else degraded.
+    """
+
+    members: Tuple[str, ...]
+    left_out: Tuple[str, ...] = ()
+    weight: float = 0.0
+    redone: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return not self.left_out
+
+    @property
+    def kind(self) -> str:
+        """``full``, ``degraded`` (applied over fewer members) or ``redone`` (re-done over fewer)."""
+        return "full" if self.complete else ("redone" if self.redone else "degraded")
+
+
+def restricted_group(group: "Group", members: Sequence[str]) -> "Group":
+    """The group of ``group``'s round restricted to ``members`` (which must include us): what a round
+    whose shards covered different members is re-done with. Its id derives from the first group's,
+    so every member that computes the same ``members`` forms the same group without matchmaking."""
+    members = tuple(m for m in group.members if m in set(members))
+    me = group.members[group.my_index]
+    gid = hashlib.sha256("\n".join([group.gid, "redo", *members]).encode()).hexdigest()[:24]
+    return Group(gid=gid, members=members, my_index=members.index(me), frag=group.frag, round=group.round)
+
+
 def shard_bounds(numel: int, parts: int, align: int = 1) -> List[Tuple[int, int]]:
     """Contiguous near-equal shards, identical on every peer for the same (numel, parts, align).
 
@@ -117,6 +169,8 @@ class _Round:
     numel: int = 0
     parts: Dict[int, Tuple[float, torch.Tensor]] = field(default_factory=dict)
     dropped: Dict[int, str] = field(default_factory=dict)   # member index -> why its part was dropped
+    covered: Tuple[int, ...] = ()          # member indexes whose parts the result averages
+    covered_weight: float = 0.0            # their total weight
     phase: str = ""
     done: asyncio.Future = None  # bytes of the encoded result, or exception
 
@@ -225,8 +279,8 @@ class AllReducer:
                 raise rnd.done.exception()
             if idx in rnd.dropped:  # the screen at reduce time dropped this part
                 raise _Rejected("screen", rnd.dropped[idx])
-            await write_frame(writer, {"t": "avg", "codec": codec.codec_id, "numel": rnd.numel}, result,
-                              traffic=traffic)
+            await write_frame(writer, {"t": "avg", "codec": codec.codec_id, "numel": rnd.numel,
+                                       "cov": list(rnd.covered), "w": rnd.covered_weight}, result, traffic=traffic)
         except _Rejected as e:
             reason = str(e)
             if rnd is not None and idx is not None and idx not in rnd.dropped:
@@ -307,6 +361,8 @@ class AllReducer:
             self._drop(rnd, order[k], reason.split(" ", 1)[0], reason, reduce=False)
         order = sorted(rnd.parts)
         result = aggregate([rnd.parts[i][1] for i in order], [rnd.parts[i][0] for i in order], self.robust)
+        rnd.covered = tuple(order)
+        rnd.covered_weight = float(sum(rnd.parts[i][0] for i in order))  # member order: the same float everywhere
         rnd.done.set_result(rnd.codec.encode(result))
         rnd.parts.clear()
         self.stats["rounds"] += 1
@@ -320,7 +376,41 @@ class AllReducer:
     # ---- member side ----------------------------------------------------------------------------
     async def allreduce(self, group: Group, phase: str, vec: torch.Tensor, weight: float, codec: Codec) -> torch.Tensor:
         """Weighted mean of ``vec`` over the group; identical bytes on every member, or SyncFailed."""
+        return (await self.allreduce_covered(group, phase, vec, weight, codec))[0]
+
+    async def allreduce_covered(self, group: Group, phase: str, vec: torch.Tensor, weight: float, codec: Codec,
+                                redo: bool = True) -> Tuple[torch.Tensor, Coverage]:
+        """(weighted mean, whose parts it covers): the same member set on every shard (see module
+        docstring: a round whose shards differ is re-done over the common members once, when ``redo``)."""
         vec = vec.detach().to("cpu", torch.float32).contiguous().view(-1)
+        out, covers = await self._exchange(group, phase, vec, weight, codec)
+        sets = {cov for cov, _ in covers}
+        common = sorted(set.intersection(*(set(c) for c in sets)))
+        if len(sets) == 1:
+            members = tuple(group.members[i] for i in common)
+            left = tuple(m for m in group.members if m not in members)
+            if left:
+                self.stats["rounds_degraded"] += 1
+                logger.warning(f"[{self.node.short_id}] group {group.gid} (fragment {group.frag}, round {group.round}, "
+                               f"{phase}) is degraded: its means cover {len(members)} of {group.size} members; "
+                               f"left out: {', '.join(left)}")
+            return out, Coverage(members=members, left_out=left, weight=covers[0][1])
+        if not redo:
+            raise SyncFailed(f"the shards of group {group.gid} cover different members "
+                             f"({sorted(sets)}); not applied")
+        self.stats["rounds_redone"] += 1
+        members = [group.members[i] for i in common]
+        left = [m for m in group.members if m not in members]
+        logger.warning(f"[{self.node.short_id}] the shards of group {group.gid} (fragment {group.frag}, round "
+                       f"{group.round}, {phase}) covered different members; re-doing it without {', '.join(left)}")
+        sub = restricted_group(group, members)
+        out, cov = await self.allreduce_covered(sub, phase, vec, weight, codec, redo=False)
+        left_out = tuple(m for m in group.members if m not in cov.members)
+        return out, Coverage(members=cov.members, left_out=left_out, weight=cov.weight, redone=True)
+
+    async def _exchange(self, group: Group, phase: str, vec: torch.Tensor, weight: float,
+                        codec: Codec) -> Tuple[torch.Tensor, List[Tuple[Tuple[int, ...], float]]]:
+        """One butterfly exchange: (the concatenated means, each shard's (covered indexes, weight))."""
         bounds = shard_bounds(vec.numel(), group.size, codec.block_size)
         me = group.my_index
         lo, hi = bounds[me]
@@ -346,10 +436,10 @@ class AllReducer:
         if self.before_send is not None:
             self.before_send(group, phase)
 
-        async def exchange(j: int) -> torch.Tensor:
+        async def exchange(j: int) -> Tuple[torch.Tensor, Tuple[int, ...], float]:
             if j == me:
                 mean_bytes = await asyncio.wait_for(asyncio.shield(rnd.done), timeout=self.timeout)
-                return codec.decode(mean_bytes, hi - lo)
+                return codec.decode(mean_bytes, hi - lo), rnd.covered, rnd.covered_weight
             a, b = bounds[j]
             return await self._send_part(group, phase, j, vec[a:b], weight, codec)
 
@@ -384,7 +474,7 @@ class AllReducer:
             self._rounds.pop((group.gid, phase), None)
         if not finite:
             raise SyncFailed("our own pseudo-gradient is not finite; this round is not applied here")
-        return torch.cat(results)
+        return torch.cat([r[0] for r in results]), [(r[1], r[2]) for r in results]
 
     def _outgoing(self, group: Group, phase: str, j: int, part: torch.Tensor,
                   weight: float) -> Tuple[torch.Tensor, float]:
@@ -411,7 +501,7 @@ class AllReducer:
                 await asyncio.sleep(backoff * (attempt + 1))
 
     async def _send_part(self, group: Group, phase: str, j: int, part: torch.Tensor, weight: float,
-                         codec: Codec) -> torch.Tensor:
+                         codec: Codec) -> Tuple[torch.Tensor, Tuple[int, ...], float]:
         from hivemind.p2p import PeerID
 
         owner = group.members[j]
@@ -432,15 +522,28 @@ class AllReducer:
                 raise WireError(f"unexpected reply {str(reply.get('t'))[:20]!r}", owner)
             if len(payload) != codec.encoded_size(part.numel()):
                 raise WireError("averaged shard has the wrong size", owner)
+            covered = self._check_coverage(group, reply, j, owner)
             result = codec.decode(payload, part.numel(), owner)
             self._check_result(group, owner, part, result)
-            return result
+            return result, covered, float(reply["w"])
         except WireError as e:
             self.stats["replies_rejected"] += 1
             note_offence(self.node, owner, e)
             raise
         finally:
             writer.close()
+
+    @staticmethod
+    def _check_coverage(group: Group, reply: dict, j: int, owner: str) -> Tuple[int, ...]:
+        """The member indexes an owner's reply says its mean covers: sorted, distinct, in range, with us
+        among them (it replied with a mean, so it kept our part), weight positive. (The owner itself
+        may be missing: its own pseudo-gradient was not finite.)"""
+        cov, w = reply.get("cov"), reply.get("w")
+        if (not isinstance(cov, list) or not all(type(i) is int for i in cov) or cov != sorted(set(cov))
+                or not cov or cov[0] < 0 or cov[-1] >= group.size or group.my_index not in cov
+                or type(w) not in (int, float) or not 0 < w < 1e12 * group.size):
+            raise WireError(f"reply names an invalid member set {str(cov)[:60]} or weight {str(w)[:20]}", owner)
+        return tuple(cov)
 
     def _check_result(self, group: Group, owner: str, mine: torch.Tensor, result: torch.Tensor) -> None:
         """A result far larger than our own part is implausible: every part the owner may keep is

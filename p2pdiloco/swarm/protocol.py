@@ -73,7 +73,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: bumped whenever a message changes incompatibly
-PROTOCOL_VERSION = 2  # 2: group ids chain the base group (matchmaking.py, item 6)
+PROTOCOL_VERSION = 3  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover
 #: largest accepted header (a group of thousands of peer ids fits easily)
 MAX_HEADER = 256 * 1024
 #: a handler waits this long for a request header before dropping the stream (seconds)

@@ -24,7 +24,7 @@ import torch
 from ..compression import Codec
 from ..compression.robust import RobustConfig
 from ..errors import FingerprintMismatch, SyncFailed
-from .allreduce import AllReducer, Group
+from .allreduce import AllReducer, Coverage, Group
 from .matchmaking import Matchmaker
 from .node import SwarmNode
 from .timeouts import Timeouts, allreduce_bytes
@@ -214,16 +214,24 @@ class Swarm:
         expected = self.expected_group(sync_step)
         return self.node.call(self.matchmaker.form_group(frag, round_, expected, sync_step=sync_step))
 
-    def allreduce(self, group: Group, phase: str, vec: torch.Tensor, weight: float, codec: Codec) -> torch.Tensor:
-        """Weighted mean of ``vec`` over ``group`` (bitwise identical on every member). Raises SyncFailed."""
+    def allreduce(self, group: Group, phase: str, vec: torch.Tensor, weight: float, codec: Codec,
+                  on_coverage: Optional[Callable[[Coverage], None]] = None) -> torch.Tensor:
+        """Weighted mean of ``vec`` over ``group`` (bitwise identical on every member). Raises SyncFailed.
+
+        ``on_coverage`` gets whose parts the mean covers (the same on every member that applies it;
+        fewer than the group when a part was dropped: see :mod:`.allreduce`)."""
         if group.size == 1:
+            if on_coverage is not None:
+                on_coverage(Coverage(members=group.members, weight=float(weight)))
             return codec.roundtrip(vec.detach().to("cpu", torch.float32)) if codec.relative_error_bound \
                 else vec.detach().to("cpu", torch.float32).clone()
         nbytes = allreduce_bytes(codec.encoded_size(vec.numel()), group.size)
         self.allreducer.timeout = self.timeouts.transfer(nbytes)
         t0 = time.perf_counter()
-        out = self.node.call(self.allreducer.allreduce(group, phase, vec, weight, codec))
+        out, coverage = self.node.call(self.allreducer.allreduce_covered(group, phase, vec, weight, codec))
         self.timeouts.observe(nbytes, time.perf_counter() - t0)
+        if on_coverage is not None:
+            on_coverage(coverage)
         return out
 
     def shutdown(self) -> None:
