@@ -658,3 +658,43 @@ def test_a_failed_first_dial_is_retried_and_counted_other_errors_are_not():
     with pytest.raises(ValueError):
         asyncio.run(ar._connect("peer", backoff=0.01))
     assert ar.stats["dial_retries"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_member_left_out_of_every_shard_is_reported_as_degraded(nodes, caplog):
+    """A member whose own pseudo-gradient is not finite leaves itself out of its shard, and every other
+    owner drops its part: every shard covers the same two members. The round is applied over them and
+    reported as degraded on every honest member, naming who was left out (no silent partial average)."""
+    ns = nodes[:3]
+    reducers, run = make_reducers(ns, evil=-1, robust=RobustConfig())
+    codec = get_codec("fp32")
+    torch.manual_seed(3)
+    vecs = [torch.randn(999) for _ in ns]
+    bad = 2
+    vecs[bad][5] = float("nan")
+    weights = [1.0, 3.0, 2.0]
+    ids = sorted(n.peer_id_str for n in ns)
+    gid = make_group_id(run, 0, 0, ids)
+    caplog.set_level(logging.WARNING, logger="p2pdiloco")
+    futs = [n.submit(r.allreduce_covered(Group(gid, tuple(ids), ids.index(n.peer_id_str), 0, 0), "d", v, w, codec))
+            for n, r, v, w in zip(ns, reducers, vecs, weights)]
+    results = []
+    for f in futs:
+        try:
+            results.append(f.result(60))
+        except SyncFailed as e:
+            results.append(e)
+    assert isinstance(results[bad], SyncFailed) and "not finite" in str(results[bad])
+    bad_id = ns[bad].peer_id_str
+    honest = [i for i in range(3) if i != bad]
+    for i in honest:
+        out, cov = results[i]
+        assert cov.kind == "degraded" and cov.left_out == (bad_id,), cov
+        assert set(cov.members) == {ns[j].peer_id_str for j in honest}
+        assert cov.weight == sum(weights[j] for j in sorted(honest, key=lambda j: ns[j].peer_id_str))
+        assert reducers[i].stats["rounds_degraded"] == 1 and reducers[i].stats["dropped:finite"] == 1
+        assert torch.equal(out, results[honest[0]][0])
+    order = sorted(honest, key=lambda j: ns[j].peer_id_str)  # member order
+    want = weighted_mean([vecs[j] for j in order], [weights[j] for j in order])
+    assert torch.equal(results[honest[0]][0], want)
+    assert any("is degraded" in rec.getMessage() and bad_id in rec.getMessage() for rec in caplog.records)

@@ -842,3 +842,25 @@ def test_exit_with_a_sync_in_flight_is_clean(tmp_path):
         res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
         assert res.returncode == 0 and "inflight 2" in res.stdout, (res.returncode, res.stderr[-2000:])
         assert "terminate called" not in res.stderr
+
+
+def test_a_digest_mismatch_names_the_first_differing_tensor():
+    """Two states of the same synced step must be the same bits; when a downloaded one is not, the peer
+    says where: the first differing tensor (fragment, name, θ or momentum) and how many elements differ."""
+    cfg = make_cfg("inner.sync_every=2", "streaming.fragments=2")
+    torch.manual_seed(0)
+    d = DiLoCo(build_model(cfg.model), cfg)
+    for _ in range(4):
+        d.after_inner_step(1)
+    d.finish()
+    meta, payload = d.snapshot()
+    assert d.first_difference(meta, payload) is None  # the same state
+    flat = torch.frombuffer(bytearray(payload), dtype=torch.float32).clone()
+    o1 = d.outer[1]
+    off = sum(o.numel for o in d.outer[:1]) * 2 + o1.numel + o1.params[0].numel() + 3  # fragment 1, 2nd momentum
+    flat[off] += 1.0
+    flat[off + 1] -= 1e-3
+    diff = d.first_difference(meta, flat.numpy().tobytes())
+    assert diff == {"fragment": 1, "tensor": d.layout.names[1][1], "kind": "momentum", "differing": 2,
+                    "numel": o1.buffers[1].numel(), "max_abs_diff": pytest.approx(1.0)}
+    assert d.first_difference({**meta, "step": meta["step"] + 2}, flat.numpy().tobytes()) is None  # a catch-up

@@ -464,6 +464,30 @@ class DiLoCo:
                     "numels": [o.numel for o in self.outer], "digest": self._digest()}
         return meta, payload
 
+    def first_difference(self, meta: Dict[str, object], payload: bytes) -> Optional[Dict[str, object]]:
+        """Where a snapshot of the *same* synced step differs from our global state: the first differing
+        tensor (fragment, parameter name, θ or momentum) and how many of its elements differ. None when
+        the snapshot is of another step (a normal catch-up) or equal. Peers at one step must hold the
+        same bits, so a difference is a bug to report (docs: exactness)."""
+        if int(meta.get("step", -1)) != self.synced_step:
+            return None
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.float32)
+        off = 0
+        with self.state_lock:
+            for p, o in enumerate(self.outer):
+                names = self.layout.names[p]
+                for kind, tensors in (("theta", o.params), ("momentum", o.buffers)):
+                    for name, t in zip(names, tensors):
+                        theirs = flat[off: off + t.numel()].view_as(t)
+                        off += t.numel()
+                        mine = t.detach().cpu()
+                        differ = mine.view(torch.int32) != theirs.view(torch.int32)
+                        n = int(differ.sum())
+                        if n:
+                            return {"fragment": p, "tensor": name, "kind": kind, "differing": n, "numel": t.numel(),
+                                    "max_abs_diff": float((mine - theirs).abs().max())}
+        return None
+
     def load_snapshot(self, meta: Dict[str, object], payload: bytes) -> None:
         """Adopt a verified snapshot: global state, local parameters and schedule position. Syncs in
         flight are dropped (their results would belong to the state we are leaving)."""

@@ -119,6 +119,19 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             swarm.update_progress(step=target_step, next_sync=_next_sync_after(diloco, target_step), sps=0.0)
             swarm.publish_progress()
 
+        def report_mismatch(got) -> None:
+            """A verified state of our own synced step with another digest: every peer of a step should
+            hold the same bits, so this is a bug. Say where the states first differ before adopting."""
+            diff = diloco.first_difference(got.meta, got.payload)
+            if diff is None:
+                return
+            logger.warning(f"[{me}] digest mismatch at step {diloco.synced_step} (ours {diloco.digest()}, the "
+                           f"swarm's {got.digest}); this is a bug, please report it with this line: first differing "
+                           f"tensor: fragment {diff['fragment']} {diff['tensor']} ({diff['kind']}), "
+                           f"{diff['differing']} of {diff['numel']} elements differ, max |diff| "
+                           f"{diff['max_abs_diff']:.3g}; adopting the majority's state")
+            metrics.write("digest_mismatch", step=diloco.synced_step, ours=diloco.digest(), theirs=got.digest, **diff)
+
         def catch_up(wait: float, min_step: Optional[int] = None, joining: bool = False, peers=None) -> bool:
             """Adopt the swarm's verified state if it is ahead of ours; poll up to ``wait`` seconds.
             A failed download while ``joining`` stops the peer (JoinFailed); later it keeps our state."""
@@ -150,6 +163,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                 if got is not None:
                     for donor, why in got.rejected:
                         metrics.write("state_rejected", donor=donor, reason=why, step=got.step)
+                    report_mismatch(got)
                     diloco.load_snapshot(got.meta, got.payload)
                     # we left our history for the donors': their last group is our lineage now (else
                     # the lineage rule would see them as rivals again and again), they are our side
