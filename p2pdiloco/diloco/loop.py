@@ -214,7 +214,8 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
         join_run()
         val0 = val_loss()
         metrics.write("start", peer=node.peer_id_str, shard=shard, params=count_parameters(model), val_loss=val0,
-                      fingerprint=cfg.fingerprint(), digest=diloco.digest(), step=diloco.inner_step)
+                      fingerprint=cfg.fingerprint(), digest=diloco.digest(), step=diloco.inner_step,
+                      device=str(device), cpu_capability=torch.backends.cpu.get_cpu_capability())
         swarm.update_progress(step=diloco.inner_step, round=diloco.outer_round(), samples=0, sent=0, recv=0,
                               loss=None, val_loss=val0, digest=diloco.digest(), last_sync=None, sps=0.0,
                               next_sync=diloco.next_sync_step(), synced_step=diloco.synced_step)
