@@ -41,7 +41,8 @@ def join_swarm(cfg: RunConfig, model: Optional[nn.Module] = None) -> Swarm:
     """
     s = cfg.swarm
     node = SwarmNode(s.initial_peers, host_maddrs=s.host_maddrs, announce_maddrs=s.announce_maddrs,
-                     identity_path=s.identity_path, bootstrap_timeout=s.bootstrap_timeout)
+                     identity_path=s.identity_path, bootstrap_timeout=s.bootstrap_timeout,
+                     reachability=s.reachability)
     try:
         swarm = Swarm(node, s.run_id, matchmaking_timeout=s.matchmaking_timeout, allreduce_timeout=s.allreduce_timeout,
                       min_group_size=s.min_group_size, progress_period=s.progress_period, robust=cfg.robust)

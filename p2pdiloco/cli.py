@@ -154,14 +154,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"no live peers in run {args.run_id!r}")
         return 0
     now = time.time()
-    cols = f"{'peer':<8} {'outer':>5} {'step':>7} {'steps/s':>7} {'samples':>9} {'sent':>9} {'recv':>9} {'last sync':>9} {'loss':>7} {'val':>7}"
+    cols = f"{'peer':<8} {'reach':<8} {'outer':>5} {'step':>7} {'steps/s':>7} {'samples':>9} {'sent':>9} {'recv':>9} {'last sync':>9} {'loss':>7} {'val':>7}"
     print(cols)
     for pid, v in sorted(peers.items(), key=lambda kv: kv[0]):
         last = v.get("last_sync")
         ago = f"{now - last:.0f}s ago" if isinstance(last, (int, float)) else "never"
         loss = v.get("loss")
         val = v.get("val_loss")
-        print(f"{pid[-6:]:<8} {v.get('round', 0):>5} {v.get('step', 0):>7} {v.get('sps', 0.0):>7.2f} "
+        reach = v.get("reach") or "?"  # public / private / relayed (swarm/reachability.py)
+        print(f"{pid[-6:]:<8} {reach:<8} {v.get('round', 0):>5} {v.get('step', 0):>7} {v.get('sps', 0.0):>7.2f} "
               f"{v.get('samples', 0):>9} {format_bytes(v.get('sent', 0)):>9} {format_bytes(v.get('recv', 0)):>9} "
               f"{ago:>9} {loss if loss is None else f'{loss:.3f}':>7} {val if val is None else f'{val:.3f}':>7}")
     return 0

@@ -246,8 +246,14 @@ class SwarmConfig:
     adaptive_timeouts: bool = True
     #: how often progress is published to the DHT (seconds)
     progress_period: float = 2.0
+    #: can other peers dial this one? "auto" (detected by a dial-back through the initial peers),
+    #: "public" or "private" (behind NAT: trains as a full member, owns no all-reduce shard, never
+    #: leads a group); see swarm/reachability.py. Local: not part of the fingerprint
+    reachability: str = "auto"
 
     def validate(self) -> None:
+        if self.reachability not in ("auto", "public", "private"):
+            raise ConfigError(f"swarm.reachability ({self.reachability!r}) must be auto, public or private")
         if not self.run_id or any(c in self.run_id for c in " /:\t\n"):
             raise ConfigError(f"swarm.run_id ({self.run_id!r}) must be non-empty without spaces, '/' or ':'")
         _positive(self, "swarm", "min_group_size", "min_peers_to_start")

@@ -49,7 +49,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
     device = cfg.train.resolved_device()
     node = SwarmNode(cfg.swarm.initial_peers, host_maddrs=cfg.swarm.host_maddrs,
                      announce_maddrs=cfg.swarm.announce_maddrs, identity_path=cfg.swarm.identity_path,
-                     bootstrap_timeout=cfg.swarm.bootstrap_timeout)
+                     bootstrap_timeout=cfg.swarm.bootstrap_timeout, reachability=cfg.swarm.reachability)
     swarm = None
     metrics = None
     try:

@@ -4,9 +4,14 @@ Why not hivemind's ``DecentralizedAverager``: it reports success when part of a 
 averaged, its results differ by an ULP between peers, and it cannot carry a new codec (traps 2, 3
 and 5 in hivemind-notes.md). Here:
 
-* The vector is cut into ``M`` contiguous shards, shard ``j`` owned by member ``j`` (members are
-  sorted peer ids, so every peer cuts identically).
-* Every member sends its part of shard ``j`` to owner ``j`` (one stream per pair, all concurrently),
+* The vector is cut into one contiguous shard per *owner*, shard ``k`` owned by ``owners[k]``
+  (members are sorted peer ids, so every peer cuts identically). The owners are every member,
+  except the members nobody can dial (private peers behind NAT, ``swarm/reachability.py``): the
+  group's leader lists the owners in the group it sends to every member (``Group.owners``), so
+  every member cuts the same shards. A private member owns nothing: it dials each owner, sends its
+  part and reads the mean back on the same stream (outbound connections work through NAT), and
+  its part carries its sample weight like everyone's.
+* Every member sends its part of shard ``k`` to its owner (one stream per pair, all concurrently),
   encoded with the group's codec. The owner decodes each part (its own part goes through the same
   encode/decode round trip), aggregates them once every part is in or dropped (sample-weighted mean
   summed **in fp32 in member order**, or CenteredClip: :mod:`p2pdiloco.compression.robust`),
@@ -83,27 +88,41 @@ MAX_PENDING_ROUNDS = 256
 MAX_PENDING_PER_PEER = 16
 
 
-def make_group_id(run_id: str, frag: int, round_: int, members: Sequence[str], base: str = "") -> str:
+def make_group_id(run_id: str, frag: int, round_: int, members: Sequence[str], base: str = "",
+                  owners: Optional[Sequence[str]] = None) -> str:
     """The group's id. ``base`` is the id of the group the leader's state came from (its last successful
     sync): chaining ids keeps two histories that reuse a round number and members (a peer alone on each
-    side of a partition) apart."""
-    blob = "\n".join([run_id, str(frag), str(round_), *members, *([f"base:{base}"] if base else [])]).encode()
+    side of a partition) apart. ``owners`` (when not every member owns a shard) is part of it too, so
+    members that were told different owners cannot meet in one round."""
+    extra = [f"base:{base}"] if base else []
+    if owners is not None and tuple(owners) != tuple(members):
+        extra += [f"owner:{o}" for o in owners]
+    blob = "\n".join([run_id, str(frag), str(round_), *members, *extra]).encode()
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
 @dataclass(frozen=True)
 class Group:
-    """A finalized group: the same ``gid`` and ``members`` on every member."""
+    """A finalized group: the same ``gid``, ``members`` and ``owners`` on every member.
+
+    ``owners``: the members that own a shard, in member order (None: every member). Private
+    members (nobody can dial them) are left out of it by the leader; see the module docstring.
+    """
 
     gid: str
     members: Tuple[str, ...]
     my_index: int
     frag: int
     round: int
+    owners: Optional[Tuple[str, ...]] = None
 
     @property
     def size(self) -> int:
         return len(self.members)
+
+    @property
+    def shard_owners(self) -> Tuple[str, ...]:
+        return self.members if self.owners is None else self.owners
 
 
 @dataclass(frozen=True)
@@ -138,7 +157,9 @@ def restricted_group(group: "Group", members: Sequence[str]) -> "Group":
     members = tuple(m for m in group.members if m in set(members))
     me = group.members[group.my_index]
     gid = hashlib.sha256("\n".join([group.gid, "redo", *members]).encode()).hexdigest()[:24]
-    return Group(gid=gid, members=members, my_index=members.index(me), frag=group.frag, round=group.round)
+    owners = None if group.owners is None else tuple(o for o in group.owners if o in members)
+    return Group(gid=gid, members=members, my_index=members.index(me), frag=group.frag, round=group.round,
+                 owners=owners)
 
 
 def shard_bounds(numel: int, parts: int, align: int = 1) -> List[Tuple[int, int]]:
@@ -411,39 +432,47 @@ class AllReducer:
     async def _exchange(self, group: Group, phase: str, vec: torch.Tensor, weight: float,
                         codec: Codec) -> Tuple[torch.Tensor, List[Tuple[Tuple[int, ...], float]]]:
         """One butterfly exchange: (the concatenated means, each shard's (covered indexes, weight))."""
-        bounds = shard_bounds(vec.numel(), group.size, codec.block_size)
+        owners = group.shard_owners
+        if not owners:
+            raise SyncFailed(f"no member of group {group.gid} can own a shard: every member is private (behind "
+                             "NAT), so none can accept the others' parts; a group needs a public peer")
+        owner_idx = [group.members.index(o) for o in owners]   # shard k -> member index of its owner
+        bounds = shard_bounds(vec.numel(), len(owners), codec.block_size)
         me = group.my_index
-        lo, hi = bounds[me]
-        rnd = self._round(group.gid, phase)
-        rnd.group, rnd.codec, rnd.numel = group, codec, hi - lo
-        gate = getattr(self.node, "gate", None)
-        for i, peer in enumerate(group.members):  # banned members' parts are dropped up front
-            if i != me and gate is not None and gate.banned(peer) and i not in rnd.dropped:
-                rnd.dropped[i] = f"peer {peer} is banned here"
-                rnd.parts.pop(i, None)
-                self.stats["dropped:banned"] += 1
-        rnd.configured.set()
-        # our own part takes the same lossy round trip as everybody else's
+        mine = owner_idx.index(me) if me in owner_idx else None  # our shard, None: we own none (private)
         finite = bool(torch.isfinite(vec).all())
-        if finite:
-            rnd.parts[me] = (float(weight), codec.roundtrip(vec[lo:hi]) if codec.relative_error_bound
-                             else vec[lo:hi].clone())
-        else:  # our own training diverged: serve the others without our part, then apply nothing
-            rnd.dropped[me] = "the owner's own pseudo-gradient is not finite"
-            logger.error(f"[{self.node.short_id}] our pseudo-gradient is not finite; leaving it out of "
-                         f"group {group.gid} and applying nothing this round")
-        self._maybe_reduce(rnd)
+        rnd: Optional[_Round] = None
+        if mine is not None:
+            lo, hi = bounds[mine]
+            rnd = self._round(group.gid, phase)
+            rnd.group, rnd.codec, rnd.numel = group, codec, hi - lo
+            gate = getattr(self.node, "gate", None)
+            for i, peer in enumerate(group.members):  # banned members' parts are dropped up front
+                if i != me and gate is not None and gate.banned(peer) and i not in rnd.dropped:
+                    rnd.dropped[i] = f"peer {peer} is banned here"
+                    rnd.parts.pop(i, None)
+                    self.stats["dropped:banned"] += 1
+            rnd.configured.set()
+            # our own part takes the same lossy round trip as everybody else's
+            if finite:
+                rnd.parts[me] = (float(weight), codec.roundtrip(vec[lo:hi]) if codec.relative_error_bound
+                                 else vec[lo:hi].clone())
+            else:  # our own training diverged: serve the others without our part, then apply nothing
+                rnd.dropped[me] = "the owner's own pseudo-gradient is not finite"
+                logger.error(f"[{self.node.short_id}] our pseudo-gradient is not finite; leaving it out of "
+                             f"group {group.gid} and applying nothing this round")
+            self._maybe_reduce(rnd)
         if self.before_send is not None:
             self.before_send(group, phase)
 
-        async def exchange(j: int) -> Tuple[torch.Tensor, Tuple[int, ...], float]:
-            if j == me:
+        async def exchange(k: int) -> Tuple[torch.Tensor, Tuple[int, ...], float]:
+            a, b = bounds[k]
+            if k == mine:
                 mean_bytes = await asyncio.wait_for(asyncio.shield(rnd.done), timeout=self.timeout)
-                return codec.decode(mean_bytes, hi - lo), rnd.covered, rnd.covered_weight
-            a, b = bounds[j]
-            return await self._send_part(group, phase, j, vec[a:b], weight, codec)
+                return codec.decode(mean_bytes, b - a), rnd.covered, rnd.covered_weight
+            return await self._send_part(group, phase, owner_idx[k], vec[a:b], weight, codec)
 
-        tasks = [asyncio.ensure_future(exchange(j)) for j in range(group.size)]
+        tasks = [asyncio.ensure_future(exchange(k)) for k in range(len(owners))]
         deadline = asyncio.get_running_loop().time() + self.timeout * 1.5
         excluded = False
         try:
@@ -463,15 +492,16 @@ class AllReducer:
         finally:
             for t in tasks:
                 t.cancel()
-            if excluded and not rnd.done.done():
+            if excluded and rnd is not None and not rnd.done.done():
                 # An owner dropped our part, but the others' round goes on: keep serving our shard
                 # until it is decided, so one rejected member never aborts everyone's round.
                 try:
                     await asyncio.wait_for(asyncio.shield(rnd.done), max(0.0, deadline - asyncio.get_running_loop().time()))
                 except BaseException:
                     pass
-            self._fail(rnd, SyncFailed("round finished"))
-            self._rounds.pop((group.gid, phase), None)
+            if rnd is not None:
+                self._fail(rnd, SyncFailed("round finished"))
+                self._rounds.pop((group.gid, phase), None)
         if not finite:
             raise SyncFailed("our own pseudo-gradient is not finite; this round is not applied here")
         return torch.cat([r[0] for r in results]), [(r[1], r[2]) for r in results]

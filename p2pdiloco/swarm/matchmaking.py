@@ -41,7 +41,17 @@
    such unseen peers with a smaller id (briefly) before it leads itself, and a peer about to
    sync alone while others are live re-reads the DHT once more before it does: a missed record
    must not split a round into two groups.
-8. Group formation is on the critical path of every sync, and each DHT read or store costs round
+8. Private peers (behind NAT: nobody can dial them, ``swarm/reachability.py``) take part with
+   outbound connections only. Leadership goes by *rank*, public peers first, then the smallest id:
+   ``(private, peer id)``. A private peer therefore never leads a group with others (it can dial
+   the leader, the leader could not dial it; the join reply comes back on the stream it opened),
+   and the leader names the group's shard *owners*, its public members (``Group.owners``): the
+   all-reduce never dials a private member either. Who is private is learned from the progress
+   and ready records (``reach``) and from the join request itself (the leader's source for its
+   joiners). A private peer whose round has other ready peers but no public one fails that round
+   with one clear :class:`MatchmakingFailed` (private peers cannot reach each other; no relays),
+   at once rather than after a timeout; alone, it syncs alone like anyone.
+9. Group formation is on the critical path of every sync, and each DHT read or store costs round
    trips. So a peer also asks the presumable leader (the smallest id among itself and the live
    peers due at this sync) to admit it as soon as it is ready, while it polls, and a leader counts
    such a request as that peer's ready record: usually the group closes without any peer waiting
@@ -60,6 +70,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Set, Tuple
 
 from ..errors import MatchmakingFailed, RoundMissed, WireError
 from .allreduce import Group, make_group_id
+from .reachability import REACHABILITY, is_private
 from .protocol import (PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header,
                        refuse_bad_request, write_frame)
 from .state_sync import pick_target
@@ -140,6 +151,7 @@ class Matchmaker:
         self._formed: deque = deque(maxlen=64)  # ids of the groups we formed since we last adopted a lineage
         self._lineage_lock = threading.Lock()  # fed by the training loop, read here
         self._tasks: Set[asyncio.Task] = set()  # DHT stores running in the background
+        self._reach: Dict[str, str] = {}  # peer -> reachability, from its records and join requests
         #: set by the training loop: given the live peers' records, a reason to stop matchmaking and adopt
         #: a rival history's state instead (see the module docstring, item 6), or None
         self.give_way: Optional[Callable[[Dict[str, Dict[str, Any]]], Optional[str]]] = None
@@ -177,9 +189,30 @@ class Matchmaker:
         self._companions = set(members) - {self.node.peer_id_str}
         self._seen.update((pid, now) for pid in self._companions)
 
+    # ---- reachability (module docstring, item 8) ---------------------------------------------------
+    def _note_reach(self, records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+        for pid, v in records.items():
+            if v.get("reach") in REACHABILITY:
+                self._reach[pid] = v["reach"]
+        return records
+
+    def _private(self, peer: str) -> bool:
+        if peer == self.node.peer_id_str:
+            return is_private(getattr(self.node, "reachability", "public"))
+        return is_private(self._reach.get(peer))
+
+    def _rank(self, peer: str) -> Tuple[bool, str]:
+        """Who leads: public peers before private ones, then the smallest id."""
+        return self._private(peer), peer
+
+    async def _ready_read(self, key: str) -> Set[str]:
+        """The (unbanned) peers with a ready record under ``key``; notes their reachability."""
+        return self._unbanned(self._note_reach(await self.node.aget_subkeys(key)))
+
     def live_of(self, records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         """The live peers among a read of the progress records (no goodbye, not banned); every read
         goes through here, so it also keeps :attr:`companions` up to date."""
+        self._note_reach(records)
         live = {pid: v for pid, v in records.items() if not v.get("gone") and not self.node.gate.banned(pid)}
         now = time.monotonic()
         self._seen.update((pid, now) for pid in live)
@@ -206,6 +239,10 @@ class Matchmaker:
                 logger.debug(f"[{self.node.short_id}] storing the {what} failed: {t.exception()}")
 
         task.add_done_callback(done)
+
+    def _my_reach(self) -> str:
+        reach = getattr(self.node, "reachability", "public")
+        return reach if reach in REACHABILITY else "public"
 
     def _unbanned(self, peers: Iterable[str]) -> Set[str]:
         return {p for p in peers if not self.node.gate.banned(p)}
@@ -239,7 +276,8 @@ class Matchmaker:
         deadline = hard_deadline
         first_seen: Dict[Tuple[str, Any], float] = {}
         # the ready record is stored while we poll: a store can wait seconds on an unresponsive node
-        self._background(self.node.astore(key, {"t": time.time()}, ttl=ttl, subkey=me), "ready record")
+        self._background(self.node.astore(key, {"t": time.time(), "reach": self._my_reach()}, ttl=ttl, subkey=me),
+                         "ready record")
         ready: Set[str] = {me}
         waiting_for: Set[str] = set()
         peers: Dict[str, Dict[str, Any]] = {}
@@ -260,7 +298,8 @@ class Matchmaker:
         # record (item 8 of the module docstring). Nothing is decided by it: when the poll picks another
         # leader, we hang up and the presumable one does not admit us.
         early: Optional[asyncio.Future] = None
-        presumed = min(self._unbanned(expected_peers(live, me, sync_step)) | {me}) if sync_step is not None else me
+        presumed = (min(self._unbanned(expected_peers(live, me, sync_step)) | {me}, key=self._rank)
+                    if sync_step is not None else me)
         if presumed != me:
             early = asyncio.ensure_future(self._join(presumed, frag, round_, expected))
         try:
@@ -268,7 +307,7 @@ class Matchmaker:
                 # the three reads of one poll run side by side: each waits a round trip or more on a WAN
                 reeval = sync_step is not None and time.monotonic() - last_eval >= self.reevaluate_period
                 reads = asyncio.ensure_future(asyncio.gather(
-                    self.node.aget_subkeys(key), self._live_peers(check=True) if reeval else _nothing(),
+                    self._ready_read(key), self._live_peers(check=True) if reeval else _nothing(),
                     self.node.aget_subkeys(self._group_key(frag, round_))))
                 while not reads.done() and not (early is not None and early.done()):
                     ready |= self._unbanned(slot.arrivals)
@@ -289,7 +328,7 @@ class Matchmaker:
                 if not reads.done():
                     break  # enough peers asked us to lead
                 got_ready, got_live, got_groups = reads.result()
-                ready |= self._unbanned(got_ready) | self._unbanned(slot.arrivals)
+                ready |= got_ready | self._unbanned(slot.arrivals)
                 if reeval:
                     evaluate(got_live)
                 self._raise_if_missed(got_groups, frag, round_, expected)
@@ -311,7 +350,7 @@ class Matchmaker:
             # About to sync alone while others are live: give the DHT a moment, then make sure they are
             # not past this round already (their group record or progress may not have reached us yet).
             await asyncio.sleep(min(1.0, self.join_grace))
-            ready |= self._unbanned(await self.node.aget_subkeys(key))
+            ready |= await self._ready_read(key)
             self._check_not_behind(await self._live_peers(), frag, round_, sync_step)
             await self._check_not_missed(frag, round_, expected)
         if logger.isEnabledFor(logging.DEBUG):
@@ -322,7 +361,7 @@ class Matchmaker:
         # Live peers due now whose ready record we did not see and whose id is smaller than ours may be
         # leading already (DHT views differ): ask them first, briefly, rather than lead a split group.
         unseen = (waiting_for | absent) - ready
-        candidates = sorted(ready | {u for u in unseen if u < me})
+        candidates = sorted(ready | {u for u in unseen if self._rank(u) < self._rank(me)}, key=self._rank)
         tried: Set[str] = set()
         bounced: Dict[str, int] = {}  # candidate -> how often it answered "not leader" (with a hint)
         while candidates:
@@ -330,13 +369,21 @@ class Matchmaker:
             if leader == me and early is not None:
                 early.cancel()  # hang up: the presumable leader must not admit us while we lead
                 early = None
+            if leader == me and self._private(me) and len(ready | set(candidates)) > 1:
+                others = sorted(p[-6:] for p in (ready | set(candidates)) - {me})
+                slot.closed = True
+                raise MatchmakingFailed(
+                    f"no public peer is ready for fragment {frag} round {round_}: this peer is private (behind NAT, "
+                    f"nobody can dial it) and so are the other ready peers ({', '.join(others)}); private peers "
+                    "cannot reach each other, and a group needs a public peer to lead it and reduce its shards. "
+                    "Run at least one peer with an open port (see bootstrap/README.md)")
             if leader == me:
-                led = await self._lead(slot, frag, round_, (set(candidates) & ready) - {me}, unseen, expected,
-                                       skip=tried)
+                led = await self._lead(slot, frag, round_, (set(candidates) & ready) - {me},
+                                       set() if self._private(me) else unseen, expected, skip=tried)
                 if isinstance(led, Group):
                     return self._remember(led, t_enter)
                 ready.add(led)  # stepped down for a smaller ready peer: join it
-                candidates = sorted(set(candidates) | {led})
+                candidates = sorted(set(candidates) | {led}, key=self._rank)
                 tried.discard(led)
                 continue
             tried.add(leader)
@@ -372,7 +419,7 @@ class Matchmaker:
                 # A peer we have not seen ready yet (a joiner that arrived after our poll ended, its
                 # record not in our read): the DHT decides, not our older view. Asking the bouncer
                 # again instead cost the round: the hinted leader closed without us.
-                ready |= self._unbanned(await self.node.aget_subkeys(key))
+                ready |= await self._ready_read(key)
             if hint not in tried and (hint in ready or hint in unseen) and len(tried) < 8:
                 candidates.remove(hint) if hint in candidates else None
                 candidates.insert(0, hint)  # ask its leader first
@@ -436,8 +483,10 @@ class Matchmaker:
                 pass
             if (expected_joiners | unseen) <= set(slot.joiners):
                 break  # everyone we wait for is here: close now, the check below is for peers we did not see
-            seen = self._unbanned(await self.node.aget_subkeys(key)) - {me}
-            smaller = sorted(p for p in seen - expected_joiners if p < me and p not in slot.joiners and p not in skip)
+            seen = await self._ready_read(key) - {me}
+            smaller = sorted((p for p in seen - expected_joiners
+                              if self._rank(p) < self._rank(me) and p not in slot.joiners and p not in skip),
+                             key=self._rank)
             expected_joiners |= seen
             if smaller:
                 slot.leading, slot.leader = False, smaller[0]
@@ -466,8 +515,12 @@ class Matchmaker:
                     fut.set_result(None)
             raise MatchmakingFailed(f"only {len(members)} peer(s) ready, swarm.min_group_size is {self.min_group_size}")
         base = self.base
-        gid = make_group_id(self.run_id, frag, round_, members, base)
-        group = Group(gid=gid, members=members, my_index=members.index(me), frag=frag, round=round_)
+        # the shard owners: the members others can dial (all of them unless some are private)
+        owners = tuple(m for m in members if not self._private(m)) or None
+        if owners == members or len(members) == 1:
+            owners = None
+        gid = make_group_id(self.run_id, frag, round_, members, base, owners)
+        group = Group(gid=gid, members=members, my_index=members.index(me), frag=frag, round=round_, owners=owners)
         slot.final, slot.base = group, base
         for fut in slot.joiners.values():  # the members first: the all-reduce can start
             if not fut.done():
@@ -575,8 +628,8 @@ class Matchmaker:
             logger.info(f"[{self.node.short_id}] leader {leader[-6:]} unreachable ({type(e).__name__}); trying the next")
             return None, None
         try:
-            await write_frame(writer, {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_},
-                              traffic=traffic)
+            await write_frame(writer, {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_,
+                                       "reach": self._my_reach()}, traffic=traffic)
             reply, _ = await asyncio.wait_for(read_frame(reader, 0, traffic, leader),
                                               timeout=timeout or self.matchmaking_timeout + self.join_grace + 10)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, WireError) as e:
@@ -592,10 +645,21 @@ class Matchmaker:
             base = reply.get("base", "")
             if not isinstance(base, str) or len(base) > 64:
                 return None, None
-            gid = make_group_id(self.run_id, frag, round_, members, base)
+            owners = reply.get("owners")
+            if owners is not None:  # a subset of the members, in member order, with the leader, without us if private
+                if (not isinstance(owners, list) or not owners or not set(owners) <= set(members)
+                        or owners != sorted(set(owners)) or leader not in owners):
+                    return None, None
+                owners = tuple(owners)
+            if self._private(me) and me in (owners if owners is not None else members) and len(members) > 1:
+                logger.warning(f"[{self.node.short_id}] leader {leader[-6:]} made this private peer a shard owner; "
+                               "not joining that group")
+                return None, None
+            gid = make_group_id(self.run_id, frag, round_, members, base, owners)
             if reply.get("gid") != gid:
                 return None, None
-            return Group(gid=gid, members=tuple(members), my_index=members.index(me), frag=frag, round=round_), None
+            return Group(gid=gid, members=tuple(members), my_index=members.index(me), frag=frag, round=round_,
+                         owners=owners), None
         reason = reply.get("reason")
         size = reply.get("size")
         if reason == "closed" and isinstance(size, int) and not self._authoritative([leader] * size, due,
@@ -620,6 +684,8 @@ class Matchmaker:
             if refusal is not None:
                 await write_frame(writer, {"t": "refuse", "reason": refusal}, traffic=traffic)
                 return
+            if header.get("reach") in REACHABILITY:  # its own word: whether we may dial it (item 8)
+                self._reach[sender] = header["reach"]
             # The joiner sends nothing more until our reply: its end closing means it stopped waiting (its
             # join timeout passed, or it chose another leader). It must not become a member: the group would
             # wait on a peer that is not in it (straggler test: the round's all-reduce timed out).
@@ -680,8 +746,10 @@ class Matchmaker:
             elif group is None:
                 await write_frame(writer, {"t": "refuse", "reason": "group too small"}, traffic=traffic)
             else:
-                await write_frame(writer, {"t": "group", "gid": group.gid, "members": list(group.members),
-                                           "base": slot.base}, traffic=traffic)
+                reply = {"t": "group", "gid": group.gid, "members": list(group.members), "base": slot.base}
+                if group.owners is not None:
+                    reply["owners"] = list(group.owners)
+                await write_frame(writer, reply, traffic=traffic)
         except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.info(f"[{self.node.short_id}] bad join request from {sender[-6:]}: {e}")
             await refuse_bad_request(self.node, sender, e, writer)  # says why; counts toward a ban

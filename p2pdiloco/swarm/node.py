@@ -5,6 +5,12 @@ process dies, by any signal: lifeline.py), a replica of the P2P client in this p
 asyncio event loop running in a background thread where every network coroutine of this peer runs
 (stream handlers, matchmaking, all-reduce). The training loop stays in the main thread and hands
 coroutines over with :meth:`submit` / :meth:`call`.
+
+Reachability (reachability.py): every node serves the dial-back check. A node with
+``reachability="auto"`` and initial peers starts its DHT node as a *client* (it reads and stores,
+but is in nobody's routing table), asks its initial peers to dial it back, and becomes a full DHT
+node only once they could: a private peer never appears in others' routing tables, so their DHT
+calls never wait on a node they cannot reach.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from ..identity import (discard_ephemeral, ephemeral_identity, load_signing_key,
                         release_identity)
 from .lifeline import descendants, start_dht
 from .protocol import PeerGate, Traffic
+from .reachability import SETTINGS, detect, listen_ports, serve_reach
 from .records import RecordBook
 
 __all__ = ["SwarmNode", "pack", "unpack"]
@@ -45,12 +52,34 @@ def unpack(blob: Any) -> Optional[Dict[str, Any]]:
     return value if isinstance(value, dict) else None
 
 
+async def _serve_dht(initial_peers: List[str], _dht: Any, node: Any) -> int:
+    """Runs in the DHT process: turn a client-mode DHT node into a full one (the state
+    ``hivemind.dht.protocol.DHTProtocol.create`` gives a non-client node) and ping the peers we know,
+    which adds us to their routing tables. Returns how many answered."""
+    from hivemind.p2p import PeerID
+    from hivemind.proto import dht_pb2
+    from hivemind.utils.auth import AuthRole, AuthRPCWrapper
+
+    proto = node.protocol
+    if not proto.client_mode:
+        return 0
+    await proto.add_p2p_handlers(proto.p2p, AuthRPCWrapper(proto, AuthRole.SERVICER, proto.authorizer))
+    proto.node_info = dht_pb2.NodeInfo(node_id=proto.node_id.to_bytes())
+    proto.client_mode = False
+    peers = set(proto.routing_table.peer_id_to_uid) | {PeerID.from_base58(p) for p in initial_peers}
+    answers = await asyncio.gather(*(proto.call_ping(p) for p in peers), return_exceptions=True)
+    return sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
+
+
 class SwarmNode:
     """Start (or join) the DHT and keep a P2P client with its own event loop thread.
 
     :param initial_peers: multiaddrs with ``/p2p/<id>``; empty = this peer is the first.
     :param bootstrap_timeout: keep retrying unreachable initial peers this long, then raise
         :class:`BootstrapUnreachable`.
+    :param reachability: ``public`` / ``private`` (taken as given) or ``auto`` (detected by a dial-back
+        through the initial peers; see the module docstring). The result is :attr:`reachability`.
+    :param client_mode: only a client of the DHT and of the swarm (``p2pdiloco status``): no check.
     """
 
     def __init__(
@@ -62,8 +91,14 @@ class SwarmNode:
         identity_path: str = "",
         bootstrap_timeout: float = 20.0,
         client_mode: bool = False,
+        reachability: str = "public",
     ):
         from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+        if reachability not in SETTINGS:
+            raise UserError(f"swarm.reachability ({reachability!r}) must be one of {', '.join(SETTINGS)}")
+        # a node that may be private starts as a DHT client and becomes a server once it is known to be public
+        dht_client = client_mode or reachability == "private" or (reachability == "auto" and bool(initial_peers))
 
         parse_maddrs(initial_peers, "initial peer", require_peer_id=True)
         parse_maddrs(host_maddrs, "--host-maddrs")
@@ -79,7 +114,7 @@ class SwarmNode:
         # A peer that stops answering is skipped for 3 s, then tried again: hivemind's default doubles the
         # ban at every miss, so after a minute-long partition the two sides ignored each other for
         # another minute or more after it healed (measured in tests/test_partition.py).
-        kwargs: Dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=client_mode,
+        kwargs: Dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=dht_client,
                                       identity_path=key_path, record_validators=self.records.validators(),
                                       blacklist_time=3.0, backoff_rate=1.0)
         if not self.identity_path:
@@ -127,6 +162,31 @@ class SwarmNode:
         self.short_id = self.peer_id_str[-6:]
         self.gate.short_id = self.short_id
         self._closed = False
+        #: ``public`` or ``private`` (reachability.py); published in our progress record
+        self.reachability = "private" if client_mode else reachability
+        #: whether our DHT node is only a client (not in others' routing tables)
+        self.dht_client = dht_client
+        if not client_mode:
+            serve_reach(self)
+            self._resolve_reachability(reachability, initial_peers, announce_maddrs)
+
+    def _resolve_reachability(self, setting: str, initial_peers: List[str], announce_maddrs: List[str]) -> None:
+        """Decide :attr:`reachability` (detecting it for ``auto``) and serve the DHT when public."""
+        why = "set by swarm.reachability"
+        if setting == "auto":
+            helpers = [str(m).rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in str(m)]
+            ports = listen_ports(announce_maddrs) or listen_ports(self.dht.get_visible_maddrs())
+            try:
+                self.reachability, why = self.call(detect(self, helpers, ports), timeout=30)
+            except Exception as e:  # pragma: no cover - detect() handles its own failures
+                self.reachability, why = "private", f"the check failed ({type(e).__name__}); assuming private"
+        if self.reachability == "public" and self.dht_client:
+            from functools import partial
+
+            self.dht.run_coroutine(partial(_serve_dht, [h.rsplit("/p2p/", 1)[1] for h in initial_peers]))
+            self.dht_client = False
+        logger.info(f"[{self.short_id}] reachability: {self.reachability} ({why}); DHT "
+                    f"{'client only' if self.dht_client else 'node serving others'}")
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)

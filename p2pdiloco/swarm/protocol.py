@@ -12,17 +12,28 @@ what the receiver expects *before* anything is read or allocated). Every request
 Handlers (the name is prefixed with the run id, so several runs can share one DHT):
 
     join   matchmaking: a follower asks the group leader of (fragment, round) to be admitted
-           request  {t: "join", v, frag, round}
-           reply    {t: "group", gid, members: [peer id, ...]}       admitted; the group is final
+           request  {t: "join", v, frag, round, reach}                 reach: public | private | relayed
+                                                                        (the joiner's own word; private
+                                                                        peers are never dialed)
+           reply    {t: "group", gid, members: [peer id, ...], base, owners?}
+                                                                       admitted; the group is final.
+                                                                        owners: the members that own a
+                                                                        shard (absent: all of them)
                     {t: "refuse", reason, hint?}                       not admitted (hint: the leader
                                                                         this peer follows, if any)
     part   all-reduce: a member sends the shard owned by the receiver, gets the averaged shard back
            request  {t: "part", v, gid, phase, idx, w, codec, numel, n} + payload (encoded part)
-           reply    {t: "avg", codec, numel, n} + payload              the owner's encoded mean
+           reply    {t: "avg", codec, numel, cov, w, n} + payload      the owner's encoded mean, the
+                                                                        member indexes it covers, their weight
                     {t: "abort", reason}                               the round failed, or *this
                                                                         sender's* part was rejected
                                                                         (the others' round goes on);
                                                                         apply nothing
+    reach  reachability dial-back (reachability.py; one handler per node, not per run)
+           request  {t: "reach", v, ports: [int, ...]}                 "dial me back on these TCP ports"
+           reply    {t: "reach", ok, addr, relayed}                    ok: a TCP connection to the
+                                                                        requester's *observed* IP at one
+                                                                        of the ports succeeded
     state  state download for joining peers (see state_sync)
            request  {t: "state", v}
            reply    {t: "state", meta, n} + payload | {t: "refuse", reason}
@@ -73,7 +84,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: bumped whenever a message changes incompatibly
-PROTOCOL_VERSION = 3  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover
+PROTOCOL_VERSION = 4  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover;
+#                      4: reachability: join requests say whether the joiner can be dialed, groups name their shard owners
 #: largest accepted header (a group of thousands of peer ids fits easily)
 MAX_HEADER = 256 * 1024
 #: a handler waits this long for a request header before dropping the stream (seconds)

@@ -119,12 +119,15 @@ class ProgressRecord(_Open):
     t: Optional[Number] = None
     digest: Optional[constr(strict=True, max_length=4096, regex=r"^[0-9a-f\-]*$")] = None
     gone: Optional[StrictBool] = None
+    #: can others dial this peer (swarm/reachability.py): public, private or relayed
+    reach: Optional[constr(strict=True, regex=r"^(public|private|relayed)$")] = None
 
 
 class ReadyRecord(_Open):
     """``<run>:mm:<frag>:<round>``: this peer is ready to sync that fragment's round."""
 
     t: Optional[Number] = None
+    reach: Optional[constr(strict=True, regex=r"^(public|private|relayed)$")] = None
 
 
 PeerIdStr = constr(strict=True, min_length=1, max_length=128, regex=r"^[1-9A-HJ-NP-Za-km-z]+$")

@@ -13,8 +13,9 @@ Joiner side (:func:`download_state`):
   1. Read the live peers' progress records; the *target* is the (step, digest) claimed by the most
      peers among those furthest ahead. With two or more live peers a claim made by a single peer is
      not enough (nobody jumps because of one unverified claim; reliability.md row 10).
-  2. Fragments are spread over the peers that claim the target (several donors when there are
-     several, fetched concurrently; the donor order is rotated by our id so joiners spread out).
+  2. Fragments are spread over the peers that claim the target and can be dialed: public peers,
+     private ones only when no public peer claims it (several donors when there are several,
+     fetched concurrently; the donor order is rotated by our id so joiners spread out).
      Every request is bounded by ``timeout`` seconds.
   3. Each fragment is verified against its part of the agreed digest (the digest is one sha256 per
      fragment, so a fragment can be checked on its own). A donor that sends a wrong fragment
@@ -40,6 +41,7 @@ from .. import faults
 from ..errors import SyncFailed, WireError
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
                        refuse_bad_request, write_frame)
+from .reachability import is_private
 
 __all__ = ["StateServer", "Download", "download_state", "state_digest", "fragment_digest", "pick_target",
            "in_minority", "rival_lineage"]
@@ -427,6 +429,14 @@ async def _download_target(node, run_id: str, step: int, digest: str, donors: Li
     return b"".join(got[f] for f in range(P))
 
 
+def dialable_first(donors: List[str], peers: Peers) -> List[str]:
+    """The donors we can dial: those not private (behind NAT, ``swarm/reachability.py``). Private
+    donors only when no public one claims the target (an open connection from them may still carry
+    our request); each failure is then reported like any donor's."""
+    public = [d for d in donors if not is_private(peers.get(d, {}).get("reach"))]
+    return public or list(donors)
+
+
 def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], frag_numels: Sequence[int],
                    timeout: float, min_step: int = 0, *, on_target: Optional[Callable[[int], None]] = None,
                    max_targets: int = 4, hedge_after: Optional[float] = None,
@@ -457,6 +467,7 @@ def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], 
                 break
             return None
         step, digest, donors = target
+        donors = dialable_first(donors, get_peers())
         result.step, result.digest, result.targets, result.donors = step, digest, attempt, {}
         if on_target is not None:
             on_target(step)

@@ -4,7 +4,7 @@ Records in the DHT (values are msgpack maps, keys prefixed with the run id):
 
     <run>:fingerprint            {fp, fields}      the configuration every peer must share
     <run>:progress  [peer id]    {step, round, next_sync, sps, samples, sent, recv, loss, val_loss,
-                                  digest, last_sync, t}          refreshed every progress_period
+                                  digest, last_sync, t, reach}   refreshed every progress_period
     <run>:mm:<frag>:<round> [peer id]                            matchmaking (see matchmaking.py)
     <run>:group:<frag>:<round> [leader id]  {members, base}      the one group of that round
 
@@ -55,7 +55,7 @@ class Swarm:
         self.allreducer = AllReducer(node, run_id, timeout=allreduce_timeout, robust=robust)
         #: derives the all-reduce / state-download timeouts from measured speed (swarm/timeouts.py)
         self.timeouts = Timeouts(allreduce_timeout)
-        self._progress: Dict[str, Any] = {}
+        self._progress: Dict[str, Any] = {"reach": getattr(node, "reachability", "public")}
         self._progress_lock = threading.Lock()
         self._view: Optional[Dict[str, Dict[str, Any]]] = None
         self._fingerprint: Optional[Dict[str, Any]] = None
