@@ -300,6 +300,8 @@ class Matchmaker:
         early: Optional[asyncio.Future] = None
         presumed = (min(self._unbanned(expected_peers(live, me, sync_step)) | {me}, key=self._rank)
                     if sync_step is not None else me)
+        if self._private(presumed):
+            presumed = me  # no public peer due: nobody to ask (a private peer cannot be dialed)
         if presumed != me:
             early = asyncio.ensure_future(self._join(presumed, frag, round_, expected))
         try:
@@ -362,6 +364,8 @@ class Matchmaker:
         # leading already (DHT views differ): ask them first, briefly, rather than lead a split group.
         unseen = (waiting_for | absent) - ready
         candidates = sorted(ready | {u for u in unseen if self._rank(u) < self._rank(me)}, key=self._rank)
+        if self._private(me):  # another private peer cannot lead us: we could not even dial it
+            candidates = [c for c in candidates if c == me or not self._private(c)]
         tried: Set[str] = set()
         bounced: Dict[str, int] = {}  # candidate -> how often it answered "not leader" (with a hint)
         while candidates:
