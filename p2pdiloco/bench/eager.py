@@ -176,6 +176,8 @@ def _plot(results: List[Dict[str, object]], path: str) -> Optional[str]:
     for r in results:
         ys = r["val_after_each_outer_step"]
         ax.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{r['variant']} (final {r['final_val_loss']})")
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("outer step")
     ax.set_ylabel("validation loss (peer 0, after the restart)")
     ax.set_title("overlap modes, network taken out")
