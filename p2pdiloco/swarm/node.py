@@ -172,7 +172,7 @@ class SwarmNode:
 
     def _resolve_reachability(self, setting: str, initial_peers: List[str], announce_maddrs: List[str]) -> None:
         """Decide :attr:`reachability` (detecting it for ``auto``) and serve the DHT when public."""
-        why = "set by swarm.reachability"
+        why = "as configured, not checked"
         if setting == "auto":
             helpers = [str(m).rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in str(m)]
             ports = listen_ports(announce_maddrs) or listen_ports(self.dht.get_visible_maddrs())
