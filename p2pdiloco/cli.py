@@ -1,4 +1,4 @@
-"""The ``p2pdiloco`` command: bootstrap, join, status, demo.
+"""The ``p2pdiloco`` command: bootstrap, join, status, dashboard, demo.
 
 Every user error (bad address, unreachable bootstrap peer, missing config file, unknown key,
 impossible value, mismatched run configuration, corrupt checkpoint) is printed as one line
@@ -59,11 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set inner.sync_every=20 (repeatable)")
     j.add_argument("--summary-json", help="also write the final summary to this JSON file")
+    j.add_argument("--dashboard-port", type=int, default=None, metavar="PORT",
+                   help="also serve the swarm's web dashboard on 127.0.0.1:PORT (train.dashboard_port)")
 
     s = sub.add_parser("status", help="list the live peers of a run, read from the DHT")
     _add_swarm_args(s, peers_required=True)
     s.add_argument("--run-id", default="p2pdiloco-demo")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    w = sub.add_parser("dashboard", help="serve a live web page of a run's peers, read from the DHT")
+    _add_swarm_args(w, peers_required=True)
+    w.add_argument("--run-id", default="p2pdiloco-demo")
+    w.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    w.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0: any free port)")
 
     d = sub.add_parser("demo", help="a bootstrap peer plus volunteers on 127.0.0.1 training together")
     d.add_argument("--peers", type=int, default=3)
@@ -84,6 +92,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _cmd_join(args)
         if args.command == "status":
             return _cmd_status(args)
+        if args.command == "dashboard":
+            from .dashboard import run_dashboard
+
+            return run_dashboard(args.initial_peers, args.run_id, args.host, args.port)
         if args.command == "demo":
             from .demo import run_demo
 
@@ -127,6 +139,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
     overrides = list(args.set)
     if args.initial_peers:
         overrides.append("swarm.initial_peers=" + ",".join(args.initial_peers))
+    if args.dashboard_port is not None:
+        overrides.append(f"train.dashboard_port={args.dashboard_port}")
     cfg = load_config(args.config, overrides)
     summary = run_peer(cfg)
     print(json.dumps(summary), flush=True)

@@ -286,10 +286,16 @@ class TrainConfig:
     eval_batches: int = 4
     #: show a progress bar on stderr
     progress_bar: bool = True
+    #: also serve the swarm's web dashboard on this port (0 = no dashboard; p2pdiloco/dashboard)
+    dashboard_port: int = 0
+    #: the address the dashboard listens on (loopback unless told otherwise)
+    dashboard_host: str = "127.0.0.1"
 
     def validate(self) -> None:
         if self.max_outer_steps < 0 or self.max_seconds < 0 or self.threads < 0:
             raise ConfigError("train.max_outer_steps, train.max_seconds and train.threads must be >= 0")
+        if not 0 <= self.dashboard_port <= 65535:
+            raise ConfigError(f"train.dashboard_port ({self.dashboard_port}) must be a TCP port, 1-65535 (0: none)")
         _positive(self, "train", "eval_batches")
         if self.device != "auto":
             import torch

@@ -52,10 +52,16 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
                      bootstrap_timeout=cfg.swarm.bootstrap_timeout, reachability=cfg.swarm.reachability)
     swarm = None
     metrics = None
+    dashboard = None
     try:
         swarm = Swarm(node, cfg.swarm.run_id, matchmaking_timeout=cfg.swarm.matchmaking_timeout,
                       allreduce_timeout=cfg.swarm.allreduce_timeout, min_group_size=cfg.swarm.min_group_size,
                       progress_period=cfg.swarm.progress_period, robust=cfg.robust)
+        if cfg.train.dashboard_port:  # join --dashboard-port: this peer serves the swarm's dashboard (issue 21)
+            from ..dashboard import serve_for_node
+
+            dashboard = serve_for_node(node, cfg.swarm.run_id, host=cfg.train.dashboard_host,
+                                       port=cfg.train.dashboard_port, period=cfg.swarm.progress_period)
         swarm.check_fingerprint(cfg.fingerprint(), cfg.fingerprint_fields())
         swarm.timeouts.configure(min_link_mbit=cfg.swarm.min_link_mbit, adaptive=cfg.swarm.adaptive_timeouts)
         swarm.matchmaker.adaptive = cfg.swarm.adaptive_timeouts
@@ -219,6 +225,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
         swarm.update_progress(step=diloco.inner_step, round=diloco.outer_round(), samples=0, sent=0, recv=0,
                               loss=None, val_loss=val0, digest=diloco.digest(), last_sync=None, sps=0.0,
                               next_sync=diloco.next_sync_step(), synced_step=diloco.synced_step)
+        swarm.note_val_loss(diloco.outer_round(), val0)  # the dashboard's history (issue 21)
         swarm.publish_progress(wait=True)  # visible before we wait for peers
         swarm.start_publishing()
         _wait_for_peers(swarm, cfg, me)
@@ -255,6 +262,10 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
             swarm.update_progress(round=diloco.outer_round(), digest=digest, last_sync=time.time(),
                                   synced_step=synced_step,
                                   val_loss=state["val"], loss=train_loss, next_sync=diloco.next_sync_step())
+            if rep.ok:  # the dashboard's history (issue 21): loss per outer step, failed rounds and why
+                swarm.note_val_loss(diloco.outer_round(), state["val"])
+            else:
+                swarm.note_failure(rep.round + 1, rep.fragment, rep.error or "failed")
             swarm.publish_progress()  # at once: peers matchmaking for our next sync count on it
             logger.info(f"[{me}] sync frag {rep.fragment} round {rep.round} {'ok' if rep.ok else 'FAILED'} "
                         f"group {rep.group_size} {rep.seconds:.2f}s val_loss {state['val']:.4f} digest {rep.digest}")
@@ -342,6 +353,8 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
         metrics.write("summary", **summary)
         return summary
     finally:
+        if dashboard is not None:
+            dashboard.close()
         if metrics is not None:
             metrics.close()
         if swarm is not None:

@@ -39,6 +39,7 @@ several identities of one attacker (Sybils) count as several peers.
 """
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -53,7 +54,8 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 from ..identity import peer_id_of_public_key
 
-__all__ = ["RecordBook", "RecordSchema", "kind_of", "SCHEMAS", "MAX_RECORD", "run_fingerprint"]
+__all__ = ["RecordBook", "RecordSchema", "kind_of", "SCHEMAS", "MAX_RECORD", "run_fingerprint", "note_val_loss",
+           "note_failure"]
 
 #: largest record value accepted (bytes)
 MAX_RECORD = 1 << 16
@@ -102,6 +104,13 @@ class _Open(BaseModel):
         return _check_extras(cls, values)
 
 
+#: how many outer steps' validation losses a progress record carries (``vr``/``vl``)
+VAL_HISTORY = 16
+#: how many failed rounds a progress record carries (``fr``/``ff``/``ft``/``fw``), and reason length
+FAIL_HISTORY = 4
+FAIL_REASON_CHARS = 160
+
+
 class ProgressRecord(_Open):
     """``<run>:progress`` (one per live peer, refreshed every progress_period)."""
 
@@ -121,6 +130,16 @@ class ProgressRecord(_Open):
     gone: Optional[StrictBool] = None
     #: can others dial this peer (swarm/reachability.py): public, private or relayed
     reach: Optional[constr(strict=True, regex=r"^(public|private|relayed)$")] = None
+    # -- a short history for the dashboard (issue 21; p2pdiloco/dashboard), filled by note_val_loss and
+    # note_failure below: a dashboard started mid-run still shows the recent past. Oldest first, equal lengths.
+    #: the last VAL_HISTORY outer steps at which this peer measured a validation loss, and those losses
+    vr: Optional[conlist(Count, max_items=VAL_HISTORY)] = None
+    vl: Optional[conlist(Number, max_items=VAL_HISTORY)] = None
+    #: the last FAIL_HISTORY failed rounds: outer step, fragment, time (unix s) and reason (truncated)
+    fr: Optional[conlist(Count, max_items=FAIL_HISTORY)] = None
+    ff: Optional[conlist(Count, max_items=FAIL_HISTORY)] = None
+    ft: Optional[conlist(Number, max_items=FAIL_HISTORY)] = None
+    fw: Optional[conlist(constr(strict=True, max_length=FAIL_REASON_CHARS), max_items=FAIL_HISTORY)] = None
 
 
 class ReadyRecord(_Open):
@@ -383,6 +402,33 @@ def run_fingerprint(claims: Dict[str, Dict[str, Any]], mine: Dict[str, Any]) -> 
     if counts.get(mine.get("fp"), 0) >= n:
         return mine
     return next(v for v in claims.values() if v.get("fp") == best)
+
+
+def note_val_loss(progress: Dict[str, Any], outer_step: int, val_loss: float) -> None:
+    """Add (outer step, validation loss) to a progress record's ``vr``/``vl`` (in place); a later value
+    for the same outer step replaces the earlier one; only the last VAL_HISTORY steps are kept; a
+    non-finite loss is left out (the record's ``val_loss`` still shows it)."""
+    if not isinstance(val_loss, (int, float)) or not math.isfinite(val_loss):
+        return
+    steps, losses = list(progress.get("vr") or []), list(progress.get("vl") or [])
+    if steps and steps[-1] == outer_step:
+        del steps[-1], losses[-1]
+    steps.append(int(outer_step))
+    losses.append(float(val_loss))
+    progress["vr"], progress["vl"] = steps[-VAL_HISTORY:], losses[-VAL_HISTORY:]
+
+
+def note_failure(progress: Dict[str, Any], outer_step: int, fragment: int, reason: str,
+                 when: Optional[float] = None) -> None:
+    """Add a failed round to a progress record's ``fr``/``ff``/``ft``/``fw`` (in place), keeping the
+    last FAIL_HISTORY; the reason is cut to FAIL_REASON_CHARS characters."""
+    reason = " ".join(str(reason or "unknown").split())
+    if len(reason) > FAIL_REASON_CHARS:
+        reason = reason[:FAIL_REASON_CHARS - 1] + "…"
+    new = {"fr": int(outer_step), "ff": int(fragment), "ft": float(time.time() if when is None else when),
+           "fw": reason}
+    for k, v in new.items():
+        progress[k] = (list(progress.get(k) or []) + [v])[-FAIL_HISTORY:]
 
 
 def _dht_time() -> float:

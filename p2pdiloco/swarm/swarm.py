@@ -4,7 +4,9 @@ Records in the DHT (values are msgpack maps, keys prefixed with the run id):
 
     <run>:fingerprint            {fp, fields}      the configuration every peer must share
     <run>:progress  [peer id]    {step, round, next_sync, sps, samples, sent, recv, loss, val_loss,
-                                  digest, last_sync, t, reach}   refreshed every progress_period
+                                  digest, last_sync, t, reach,
+                                  vr, vl, fr, ff, ft, fw}        refreshed every progress_period
+                                  (the last six: a short history for the dashboard, records.py)
     <run>:mm:<frag>:<round> [peer id]                            matchmaking (see matchmaking.py)
     <run>:group:<frag>:<round> [leader id]  {members, base}      the one group of that round
 
@@ -28,6 +30,7 @@ from .allreduce import AllReducer, Coverage, Group
 from .matchmaking import Matchmaker
 from .node import SwarmNode
 from .timeouts import Timeouts, allreduce_bytes
+from . import records
 from .records import run_fingerprint
 
 __all__ = ["Swarm"]
@@ -103,6 +106,15 @@ class Swarm:
     def update_progress(self, **fields: Any) -> None:
         with self._progress_lock:
             self._progress.update(fields)
+
+    # dashboard history (issue 21): the last validation losses and failed rounds, in our own record
+    def note_val_loss(self, outer_step: int, val_loss: float) -> None:
+        with self._progress_lock:
+            records.note_val_loss(self._progress, outer_step, val_loss)
+
+    def note_failure(self, outer_step: int, fragment: int, reason: str) -> None:
+        with self._progress_lock:
+            records.note_failure(self._progress, outer_step, fragment, reason)
 
     def own_progress(self) -> Dict[str, Any]:
         """A copy of our progress record as last updated (not necessarily published yet)."""
