@@ -122,7 +122,7 @@
                         : ticks(x0, x1, Math.max(2, Math.floor((w - m.l) / 70)));
     if (opts.integerX) xs = xs.filter((v) => Number.isInteger(v));
     for (const v of xs) {
-      if (X(v) - m.l < 24 && xs.length > 2) continue;  // would collide with the y axis' labels
+      if (opts.xTime && X(v) - m.l < 20) continue;  // a clock label there would run into the y axis' labels
       axis.appendChild(svg("text", {x: X(v), y: h - m.b + 15, "text-anchor": "middle"},
                            opts.xTime ? fmtClock(v) : String(v)));
     }
@@ -281,7 +281,7 @@
       }
       if (dg.elsewhere && dg.elsewhere.length) {
         out.push(el("p", {class: "empty"},
-                    `${dg.elsewhere.length} other peer(s) at an earlier step: ${dg.elsewhere.map(short).join(", ")}`));
+                    `${dg.elsewhere.length} other peer(s) not at that step: ${dg.elsewhere.map(short).join(", ")}`));
       }
     }
     box.replaceChildren(...out);
