@@ -7,7 +7,7 @@ single read cannot say, it accumulates here, in memory and bounded:
 * validation loss per outer step, per peer: from each record's short history (``vr``/``vl``,
   records.py) plus what earlier reads showed, so the plot reaches back before the dashboard started
   and keeps a peer's points after it left;
-* swarm-wide tokens/s and bytes/s over time: each peer's rate between two of its records
+* swarm-wide tokens/s and bytes/s over time: each peer's rate over its records of the last 10 s
   (difference of ``samples``/``sent``/``recv`` over the difference of ``t``), summed over live peers;
 * recent failed rounds with their reason (``fr``/``ff``/``ft``/``fw``), kept after the peer drops
   them from its record or leaves.
@@ -31,8 +31,10 @@ MAX_PEERS = 512
 MAX_VAL_POINTS = 2000
 MAX_RATE_POINTS = 3600
 MAX_FAILURES = 200
-#: a peer's rate counts in the swarm's sum while its last two records are at most this many periods old
+#: a peer's rate counts in the swarm's sum while it was updated at most this many periods ago
 RATE_FRESH_PERIODS = 4.0
+#: seconds of a peer's records its rates are measured over
+RATE_WINDOW = 10.0
 
 
 def live_records(records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
@@ -77,7 +79,7 @@ class SwarmView:
         self._peers: Dict[str, Dict[str, Any]] = {}
         self._val: Dict[str, Dict[int, float]] = {}          # peer → outer step → validation loss
         self._seen: Dict[str, float] = {}                     # peer → when we last read its record
-        self._last: Dict[str, Tuple[float, int, int, int]] = {}   # peer → (t, samples, sent, recv)
+        self._last: Dict[str, List[Tuple[float, int, int, int]]] = {}  # peer → its recent (t, samples, sent, recv)
         self._rate: Dict[str, Tuple[float, float, float, float]] = {}  # peer → (t, samples/s, sent/s, recv/s)
         self._rates: List[Dict[str, Any]] = []
         self._failures: Dict[Tuple[str, float], Dict[str, Any]] = {}
@@ -153,21 +155,23 @@ class SwarmView:
                 del points[s]
 
     def _fold_rate(self, pid: str, v: Dict[str, Any], now: float) -> None:
+        """The peer's rates over its records of the last RATE_WINDOW seconds (bytes move in bursts at
+        syncs: a rate between two consecutive records would jump between 0 and the link speed)."""
         t, samples, sent, recv = _num(v.get("t")), v.get("samples"), v.get("sent"), v.get("recv")
-        if t is None or not all(isinstance(x, int) for x in (samples, sent, recv)):
+        if t is None or not all(isinstance(x, int) and not isinstance(x, bool) for x in (samples, sent, recv)):
             return
-        prev = self._last.get(pid)
-        if prev is not None and t <= prev[0]:
+        seen = self._last.setdefault(pid, [])
+        if seen and t <= seen[-1][0]:
             return  # the same record as last time (or an older one)
-        self._last[pid] = (t, samples, sent, recv)
-        if prev is None:
-            return
-        dt = t - prev[0]
-        deltas = (samples - prev[1], sent - prev[2], recv - prev[3])
-        if dt > 0 and min(deltas) >= 0:
-            self._rate[pid] = (now, *(d / dt for d in deltas))
-        else:
-            self._rate.pop(pid, None)  # counters went back: the peer restarted; wait for its next record
+        if seen and min(samples - seen[-1][1], sent - seen[-1][2], recv - seen[-1][3]) < 0:
+            seen.clear()  # counters went back: the peer restarted
+            self._rate.pop(pid, None)
+        seen.append((t, samples, sent, recv))
+        while len(seen) > 2 and seen[1][0] <= t - RATE_WINDOW:
+            seen.pop(0)
+        if len(seen) >= 2:
+            first, dt = seen[0], t - seen[0][0]
+            self._rate[pid] = (now, (samples - first[1]) / dt, (sent - first[2]) / dt, (recv - first[3]) / dt)
 
     def _fold_failures(self, pid: str, v: Dict[str, Any]) -> None:
         cols = [v.get(k) for k in ("fr", "ff", "ft", "fw")]

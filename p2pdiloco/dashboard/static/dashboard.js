@@ -134,8 +134,9 @@
 
     const drawn = series.filter((s) => s.points.length);
     drawn.forEach((s, k) => {
-      // peers that agree draw the same line: each earlier one is wider, so all stay visible as rings
-      const under = Math.min(drawn.length - 1 - k, 4);
+      // peers that agree draw the same line: each earlier one is a little wider (its points a ring
+      // around the later ones'), so all stay visible
+      const under = Math.min(drawn.length - 1 - k, 3);
       const g = svg("g", {class: "line"});
       const d = s.points.map((p, i) => (i ? "L" : "M") + X(p[0]).toFixed(1) + " " + Y(p[1]).toFixed(1)).join(" ");
       if (s.area) {
@@ -144,10 +145,11 @@
                                       `L${X(s.points[0][0]).toFixed(1)} ${base} Z`, class: "area", fill: s.color}));
       }
       g.appendChild(svg("path", {d: d, class: "series" + (s.dashed ? " dashed" : ""), stroke: s.color,
-                                 style: {strokeWidth: String(2 + 2.5 * under)}}));
+                                 style: {strokeWidth: String(2 + 1.5 * under)}}));
       if (opts.markers) {
         for (const p of s.points) {
-          const c = svg("circle", {cx: X(p[0]), cy: Y(p[1]), r: 3.5 + 2.5 * under, class: "pt", fill: s.color});
+          const c = svg("circle", {cx: X(p[0]), cy: Y(p[1]), r: 3.5 + 2 * under, class: under ? "pt ring" : "pt",
+                                   stroke: s.color, fill: under ? "none" : s.color});
           c.appendChild(svg("title", {}, `${s.label}: outer step ${p[0]}, ${(opts.yFmt || String)(p[1])}`));
           g.appendChild(c);
         }
