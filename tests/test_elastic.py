@@ -100,7 +100,8 @@ def test_tampered_and_stalled_donors_are_rejected_or_the_joiner_stops_cleanly(pr
     and J1 are gone, J2 has only A: it must give up on the stalled donor within a bounded time and
     stop with one clear error line, without ever training."""
     addr = procs.bootstrap()
-    run = swarm_settings("donors", "swarm.min_peers_to_start=2")
+    # A stays until stopped: with a budget it could finish before J2 looks for it (it did, under load)
+    run = swarm_settings("donors", "swarm.min_peers_to_start=2", "train.max_outer_steps=1000000")
     bad = faults_env({"phase": "state.serve", "action": "tamper", "times": 1},
                      {"phase": "state.serve", "action": "stall", "seconds": 30, "times": 0})
     a = procs.start(*join_args(addr, tmp_path / "a", *run), name="a", env=bad)
