@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from typing import Any, Dict, List
 
@@ -117,6 +118,50 @@ def test_view_rates_history_failures_and_no_nan():
     view.refresh()
     doc = view.document()
     assert not doc["dht"]["ok"] and "ZeroDivisionError" in doc["dht"]["error"] and set(doc["peers"]) == {"A"}
+
+
+def test_server_routes_headers_and_port_in_use():
+    from p2pdiloco.dashboard import Dashboard
+    from p2pdiloco.errors import UserError
+
+    view = SwarmView("r")
+    dash = Dashboard(view, "127.0.0.1", 0)
+    try:
+        with urllib.request.urlopen(dash.url, timeout=10) as r:
+            page = r.read().decode()
+            csp = r.headers["Content-Security-Policy"]
+        assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "/static/dashboard.js" in page
+        assert _get(dash.url + "api/swarm")["peers"] == {}
+        for path, code in (("static/../server.py", 404), ("nope", 404)):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(dash.url + path, timeout=10)
+            assert e.value.code == code
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(dash.url + "api/swarm", data=b"x"), timeout=10)
+        assert e.value.code == 405
+        with pytest.raises(UserError, match="port is in use.*--port"):
+            Dashboard(view, "127.0.0.1", dash.port)
+    finally:
+        dash.close()
+
+
+@pytest.mark.timeout(60)
+def test_cli_errors_are_one_line(procs):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        peer = "/ip4/127.0.0.1/tcp/1/p2p/QmVQvgh1Ujy2QG8t7PRbDz2a6TWDHFwy8wrGSEpjVYiGrk"
+        for name, args, words in (("busy", ["--port", str(busy)], f"127.0.0.1:{busy}: the port is in use"),
+                                  ("range", ["--port", "70000"], "--port (70000) must be a TCP port"),
+                                  ("addr", ["--port", "0", "--initial-peers", "/ip4/1.2.3.4/tcp/x"], "initial peer")):
+            argv = ["dashboard", "--initial-peers", peer, *args] if name != "addr" else ["dashboard", *args]
+            p = procs.start(*argv, name=name)
+            assert procs.wait(p, 30) == 2
+            err = procs.err(name)
+            assert words in err and "Traceback" not in err and err.count("error:") == 1, err
+    p = procs.start("join", "--config", TINY, "--dashboard-port", "70000", name="join")
+    assert procs.wait(p, 30) == 2 and "train.dashboard_port (70000)" in procs.err("join")
 
 
 # ---- end to end ----------------------------------------------------------------------------------------
@@ -271,8 +316,10 @@ def test_dashboard_in_a_browser(procs, tmp_path, chromium):
         rows = _rows(dom)
         if set(ids) <= set(rows) and _loss_points(dom) >= 2 and liar in rows and "&lt;script&gt;" in dom:
             break
-        assert time.time() < deadline, f"page never showed both peers and 2 loss points: rows {rows}, " \
-                                       f"{_loss_points(dom)} points; {procs.err('dash')[-1500:]}"
+        assert time.time() < deadline, (
+            f"the page never showed both volunteers {ids}, the stranger {liar}, >= 2 loss points and the "
+            f"stranger's markup as text: rows {rows}, {_loss_points(dom)} points, escaped markup "
+            f"{'&lt;script&gt;' in dom}, a stranger's element {'<img' in dom}; {procs.err('dash')[-1500:]}")
     browser.screenshot(url, str(tmp_path / "dashboard.png"))
     with open(tmp_path / "dashboard.png", "rb") as f:
         png = f.read()
