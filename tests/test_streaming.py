@@ -376,10 +376,15 @@ def test_valid_streaming_settings_load():
 
 
 def test_eager_at_a_high_outer_lr_is_advised_against_not_refused():
-    """peers/tiny-cpu.toml has outer lr 0.7: eager loads, with one line of advice naming the fix."""
-    (line,) = load_config(TINY, ["streaming.mode=eager"]).advice()
-    assert "outer.lr=0.7" in line and "--set outer.lr=0.4" in line
-    assert load_config(TINY, ["streaming.mode=eager", "outer.lr=0.4"]).advice() == []
+    """peers/tiny-cpu.toml has outer lr 0.7: eager loads, with one line on the paper's rule as measured
+    (naming the heuristic) and one naming the lr fix; nothing is refused."""
+    paper, lr = load_config(TINY, ["streaming.mode=eager"]).advice()
+    assert "as published" in paper and "eager_estimate=fresh_heuristic" in paper
+    assert "outer.lr=0.7" in lr and "--set outer.lr=0.4" in lr
+    (paper,) = load_config(TINY, ["streaming.mode=eager", "outer.lr=0.4"]).advice()
+    assert "as published" in paper
+    assert load_config(TINY, ["streaming.mode=eager", "outer.lr=0.4",
+                              "streaming.eager_estimate=fresh_heuristic"]).advice() == []
     assert load_config(TINY, ["streaming.mode=delay"]).advice() == []   # delay is bad at any lr: the docs say so
     assert load_config(TINY, []).advice() == []
 
