@@ -875,3 +875,27 @@ def test_a_digest_mismatch_names_the_first_differing_tensor():
     assert diff == {"fragment": 1, "tensor": d.layout.names[1][1], "kind": "momentum", "differing": 2,
                     "numel": o1.buffers[1].numel(), "max_abs_diff": pytest.approx(1.0)}
     assert d.first_difference({**meta, "step": meta["step"] + 2}, flat.numpy().tobytes()) is None  # a catch-up
+
+
+def test_eager_offset_survives_a_checkpoint():
+    """A peer's eager offset (its own share of the trajectory) is part of its checkpoint: a resumed peer
+    restarts its next phase from agreed θ plus the same offset; a downloaded state zeroes it."""
+    cfg = make_cfg("inner.sync_every=2", "streaming.mode=eager")
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    d = DiLoCo(model, cfg)
+    for k in range(3):
+        d.after_inner_step(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.01 * (k + 1))  # some progress for the next pseudo-gradient
+        d.after_inner_step(1)
+    state = d.overlap_state_dict()
+    assert state["offsets"][0] is not None and float(state["offsets"][0][0][0].abs().max()) > 0
+    d2 = DiLoCo(build_model(cfg.model), cfg)
+    d2.load_overlap_state(state)
+    for a, b in zip(d._offsets[0][0] + d._offsets[0][1], d2._offsets[0][0] + d2._offsets[0][1]):
+        assert torch.equal(a, b)
+    meta, payload = d.snapshot()
+    d2.load_snapshot(meta, payload)
+    assert d2._offsets == [None]
