@@ -231,8 +231,12 @@ def _fake_matchmaker(records, announce=False, **kwargs):
             raise AssertionError("announced itself")
         records.setdefault(key, {})[subkey] = value
 
+    async def connect(peer, addrs):  # every link the warm step opens is up at once
+        pass
+
     node = SimpleNamespace(peer_id_str="me", short_id="me", traffic=None, add_handler=lambda *a: None,
-                           aget_subkeys=aget_subkeys, astore=astore, gate=SimpleNamespace(banned=lambda pid: False))
+                           aget_subkeys=aget_subkeys, astore=astore, gate=SimpleNamespace(banned=lambda pid: False),
+                           p2p=SimpleNamespace(_client=SimpleNamespace(connect=connect)))
     return Matchmaker(node, "t", **{"matchmaking_timeout": 5, **kwargs})
 
 
@@ -504,15 +508,24 @@ def test_a_join_request_counts_as_the_joiners_ready_record_and_the_leader_closes
         reply = _Sink()
         info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "z"))
         handler = asyncio.ensure_future(mm._handle_join(info, reader, reply))  # z asks before we are ready
-        group = await mm.form_group(0, 5, 2, sync_step=100)
+        forming = asyncio.ensure_future(mm.form_group(0, 5, 2, sync_step=100))
+        for _ in range(200):  # closing: the group is proposed to z first (the link check, item 10)
+            await asyncio.sleep(0.01)
+            if reply.data:
+                break
+        warmed = _Sink()
+        await write_frame(warmed, {"t": "warmed", "unreachable": []})
+        reader.feed_data(bytes(warmed.data))  # z connected to the owners it sends parts to
+        group = await asyncio.wait_for(forming, timeout=5)
         reader.feed_eof()  # z read the reply and hangs up
         await asyncio.wait_for(handler, timeout=2)
         answer = asyncio.StreamReader()
         answer.feed_data(bytes(reply.data))
         answer.feed_eof()
-        return group, (await read_frame(answer, 0, None, "me"))[0]
+        return group, (await read_frame(answer, 0, None, "me"))[0], (await read_frame(answer, 0, None, "me"))[0]
 
-    group, answer = asyncio.run(scenario())
+    group, proposal, answer = asyncio.run(scenario())
     assert group.members == ("me", "z")
+    assert proposal == {"t": "warm", "members": ["me", "z"]}
     assert answer["t"] == "group" and answer["members"] == ["me", "z"] and answer["gid"] == group.gid
     assert reads.count("t:mm:0:5") <= 4, reads  # z's ready record was never needed

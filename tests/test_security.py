@@ -627,15 +627,21 @@ def test_nothing_from_the_network_is_unpickled():
     assert not offenders, "\n".join(offenders)
 
 
-def test_a_failed_first_dial_is_retried_and_counted_other_errors_are_not():
+def test_a_failed_first_dial_is_waited_out_and_counted_other_errors_are_not():
+    """A failed dial (here: libp2p's dial backoff) is waited out within the round's timeout, polling
+    the daemon's connect, then the stream is opened; a failure that is not a dial is raised at once;
+    a dial still failing at the deadline raises ConnectionError naming the cause."""
     import asyncio
     from types import SimpleNamespace
 
-    calls = []
+    peer = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
+    backoff = RuntimeError("Connect failed. msg=failed to dial: all dials failed * [/ip4/10.0.0.1/tcp/1] dial backoff")
+    calls, connects = [], []
 
     class P2P:
-        def __init__(self, errors):
-            self.errors = list(errors)
+        def __init__(self, errors, connect_errors):
+            self.errors, self.connect_errors = list(errors), list(connect_errors)
+            self._client = SimpleNamespace(connect=self.connect)
 
         async def call_binary_stream_handler(self, peer, name):
             calls.append(peer)
@@ -643,21 +649,28 @@ def test_a_failed_first_dial_is_retried_and_counted_other_errors_are_not():
                 raise self.errors.pop(0)
             return None, "reader", "writer"
 
-    def reducer(errors):
-        node = SimpleNamespace(p2p=P2P(errors), short_id="me", add_handler=lambda *a: None)
-        return AllReducer(node, "r", timeout=5)
+        async def connect(self, peer, addrs):
+            connects.append(peer)
+            if self.connect_errors:
+                raise self.connect_errors.pop(0)
 
-    ar = reducer([RuntimeError("Connect failed. msg=failed to dial: all dials failed")])
-    assert asyncio.run(ar._connect("peer", backoff=0.01)) == (None, "reader", "writer")
-    assert ar.stats["dial_retries"] == 1 and len(calls) == 2
-    ar = reducer([RuntimeError("failed to dial")] * 3)
-    with pytest.raises(RuntimeError, match="dial"):
-        asyncio.run(ar._connect("peer", backoff=0.01))
-    assert ar.stats["dial_retries"] == 2
-    ar = reducer([ValueError("protocol not supported")])
+    def reducer(errors, connect_errors=(), timeout=5):
+        calls.clear(), connects.clear()
+        node = SimpleNamespace(p2p=P2P(errors, connect_errors), short_id="me", add_handler=lambda *a: None)
+        return AllReducer(node, "r", timeout=timeout), node
+
+    ar, node = reducer([backoff], [backoff, backoff])  # in backoff for two polls, then connected
+    assert asyncio.run(ar._connect(peer)) == (None, "reader", "writer")
+    assert ar.stats["dial_retries"] == 1 and len(calls) == 2 and len(connects) == 3
+    assert node.dial_stats["dial_failed"] == 1 and node.dial_stats["dial_recovered"] == 1
+    ar, node = reducer([backoff], [backoff] * 100, timeout=1)
+    with pytest.raises(ConnectionError, match="dial backoff"):
+        asyncio.run(ar._connect(peer))
+    assert node.dial_stats["dial_gave_up"] == 1
+    ar, node = reducer([ValueError("protocol not supported")])
     with pytest.raises(ValueError):
-        asyncio.run(ar._connect("peer", backoff=0.01))
-    assert ar.stats["dial_retries"] == 0
+        asyncio.run(ar._connect(peer))
+    assert ar.stats["dial_retries"] == 0 and not connects
 
 
 @pytest.mark.timeout(120)

@@ -75,6 +75,7 @@ from .. import faults
 from ..compression import Codec, codec_by_id
 from ..compression.robust import NORM_SCREEN_MIN_NUMEL, RobustConfig, aggregate, screen
 from ..errors import SyncFailed, WireError
+from .dialing import open_stream
 from .protocol import (PROTOCOL_VERSION, Traffic, check_version, close_after_reply, note_offence, read_frame,
                        read_header, read_payload, write_frame)
 
@@ -215,7 +216,8 @@ class AllReducer:
     """Serves the ``part`` handler and runs all-reduce rounds. Lives on the node's event loop.
 
     Counters for tests and operators: ``stats`` (``parts_dropped``, ``dropped:<check>``,
-    ``replies_rejected``, ``rounds``, ``dial_retries``) and ``dropped_log`` (the last 256 ``(peer, gid, phase, reason)``).
+    ``replies_rejected``, ``rounds``, ``dial_retries``: streams to an owner whose dial failed
+    first and was waited out, see :mod:`.dialing`) and ``dropped_log`` (the last 256 ``(peer, gid, phase, reason)``).
     """
 
     def __init__(self, node, run_id: str, timeout: float, robust: Optional[RobustConfig] = None):
@@ -512,32 +514,20 @@ class AllReducer:
         misbehaving peer overrides; everything else it runs is the real code.)"""
         return part, weight
 
-    async def _connect(self, peer, attempts: int = 3, backoff: float = 0.3):
-        """Open a stream to ``peer``'s part handler. The first dial to a peer we have not talked to yet
-        sometimes fails at once ("all dials failed": no address known yet, a connection still being
-        set up); that would fail the round for the whole group, so it is retried briefly (the
-        round's timeout still bounds the whole exchange)."""
-        for attempt in range(attempts):
-            try:
-                return await self.node.p2p.call_binary_stream_handler(peer, self.handler_name)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                if attempt == attempts - 1 or "dial" not in str(e).lower():
-                    raise
-                self.stats["dial_retries"] += 1
-                reason = " ".join(str(e).split())  # the daemon's reasons, one per address, on one line
-                logger.info(f"[{self.node.short_id}] dialing {str(peer)[-6:]} failed ({reason[:600]}); retrying")
-                await asyncio.sleep(backoff * (attempt + 1))
+    async def _connect(self, peer: str):
+        """Open a stream to ``peer``'s part handler. Matchmaking connected the group's members already
+        (its warm step); a dial that still fails (a cold peer, an address in libp2p's dial backoff) is
+        waited out within the round's timeout rather than failing the round for the whole group
+        (:mod:`.dialing`)."""
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        return await open_stream(self.node, peer, self.handler_name, deadline, stats=self.stats)
 
     async def _send_part(self, group: Group, phase: str, j: int, part: torch.Tensor, weight: float,
                          codec: Codec) -> Tuple[torch.Tensor, Tuple[int, ...], float]:
-        from hivemind.p2p import PeerID
-
         owner = group.members[j]
         traffic: Traffic = self.node.traffic
         sent_part, sent_weight = self._outgoing(group, phase, j, part, weight)
-        _, reader, writer = await self._connect(PeerID.from_base58(owner))
+        _, reader, writer = await self._connect(owner)
         try:
             header = {"t": "part", "v": PROTOCOL_VERSION, "gid": group.gid, "phase": phase, "idx": group.my_index,
                       "w": float(sent_weight), "codec": codec.codec_id, "numel": sent_part.numel()}

@@ -57,6 +57,21 @@
    such a request as that peer's ready record: usually the group closes without any peer waiting
    for another's record to reach the DHT. The request decides nothing: when the poll picks another
    leader (or us), the peer hangs up first, and a joiner that hung up is never admitted.
+10. Links are warmed before the round (issue 22). When the leader closes a group it first sends
+   every joiner the *proposed* members and owners (``warm``); each member, the leader too, opens a
+   connection to every owner it will send parts to (:func:`~p2pdiloco.swarm.dialing.ensure_connected`:
+   waits out libp2p's dial backoff, and both ends of a public pair dial each other, so one failed
+   direction is rescued by the other) for up to ``warm_timeout`` seconds, and answers with the
+   owners it could not reach (``warmed``). The all-reduce then starts on open connections, usually
+   while the pseudo-gradient is still being computed. A member really unreachable is left out
+   *before* the round, not discovered by every member after it started: the leader takes the
+   pairs (reporter, owner) that stayed unconnected and, while any is left, removes the member in
+   the most of them (ties: the larger rank, so public peers and small ids stay; never the leader);
+   a joiner that sends no answer in time is removed too. The final group (``group``) has the
+   others; a removed joiner gets ``refuse`` with reason ``left out`` and raises
+   :class:`RoundMissed` (it catches up like any peer that missed a round). A joiner that lies
+   about its links can get itself, or one peer it names, left out of that round: no worse than a
+   member that stalls.
 """
 from __future__ import annotations
 
@@ -70,6 +85,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Set, Tuple
 
 from ..errors import MatchmakingFailed, RoundMissed, WireError
 from .allreduce import Group, make_group_id
+from .dialing import ensure_connected
 from .reachability import REACHABILITY, is_private
 from .protocol import (PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header,
                        refuse_bad_request, write_frame)
@@ -94,6 +110,21 @@ class _Slot:
     closed: bool = False
     arrivals: Set[str] = field(default_factory=set)  # peers that asked us to admit them: ready, they say
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Proposal:
+    """The group a leader is about to close, sent to its joiners to warm their links (item 10)."""
+
+    members: Tuple[str, ...]
+    owners: Optional[Tuple[str, ...]]
+    reports: Dict[str, asyncio.Future]   # joiner -> the owners it could not reach (None: no answer)
+    final: asyncio.Future                # -> the final Group, or None (no group after all)
+    left: Dict[str, str] = field(default_factory=dict)  # members left out -> why
+
+
+class _LeftOut(str):
+    """A joiner's answer: it was left out of the group (the reason)."""
 
 
 def _short_ids(peers: Iterable[str]) -> str:
@@ -123,12 +154,15 @@ class Matchmaker:
     :param join_grace: how long a leader waits for the ready peers to send their join request.
     :param eta_slack: multiplier on a missing peer's expected time to reach the sync (>= 1).
     :param eta_margin: seconds added to it (DHT latency, a progress period of staleness).
+    :param warm_timeout: how long the members of a closing group try to connect to each other before
+        a member they cannot reach is left out (item 10); covers one libp2p dial backoff (~5 s).
     """
 
     def __init__(self, node, run_id: str, *, matchmaking_timeout: float, min_group_size: int = 1,
                  join_grace: float = 3.0, eta_slack: float = 2.0, eta_margin: float = 3.0,
-                 reevaluate_period: float = 0.5):
+                 reevaluate_period: float = 0.5, warm_timeout: float = 8.0):
         self.node = node
+        self.warm_timeout = warm_timeout
         self.run_id = run_id
         self.matchmaking_timeout = matchmaking_timeout
         self.min_group_size = min_group_size
@@ -519,16 +553,20 @@ class Matchmaker:
                     fut.set_result(None)
             raise MatchmakingFailed(f"only {len(members)} peer(s) ready, swarm.min_group_size is {self.min_group_size}")
         base = self.base
-        # the shard owners: the members others can dial (all of them unless some are private)
-        owners = tuple(m for m in members if not self._private(m)) or None
-        if owners == members or len(members) == 1:
-            owners = None
+        proposal = None
+        if len(members) > 1:
+            members, proposal = await self._warm_group(slot, frag, round_, members)
+        if len(members) < self.min_group_size:
+            if proposal is not None:
+                proposal.final.set_result(None)
+            raise MatchmakingFailed(f"only {len(members)} peer(s) left after the link check, swarm.min_group_size "
+                                    f"is {self.min_group_size}")
+        owners = self._owners(members)
         gid = make_group_id(self.run_id, frag, round_, members, base, owners)
         group = Group(gid=gid, members=members, my_index=members.index(me), frag=frag, round=round_, owners=owners)
         slot.final, slot.base = group, base
-        for fut in slot.joiners.values():  # the members first: the all-reduce can start
-            if not fut.done():
-                fut.set_result(group)
+        if proposal is not None:
+            proposal.final.set_result(group)  # the members first: the all-reduce can start
         # One group per (fragment, round): announce it so a late peer knows it missed the round (until
         # the record is out, a late peer asking us to admit it gets the "closed" refusal instead)
         self._background(self.node.astore(self._group_key(frag, round_), {"members": list(members), "base": base},
@@ -538,6 +576,132 @@ class Matchmaker:
             logger.info(f"[{self.node.short_id}] group for fragment {frag} round {round_} formed without "
                         f"{len(missing)} ready peer(s) that did not join in time")
         return group
+
+    def _owners(self, members: Tuple[str, ...]) -> Optional[Tuple[str, ...]]:
+        """The shard owners: the members others can dial (None: all of them, or a group of one)."""
+        owners = tuple(m for m in members if not self._private(m)) or None
+        return None if owners == members or len(members) == 1 else owners
+
+    # ---- warm links before the round (module docstring, item 10) -----------------------------------
+    async def _warm_links(self, members: Sequence[str], owners: Optional[Sequence[str]]) -> Set[str]:
+        """Connect to every owner we will send parts to; returns those still unreachable after
+        ``warm_timeout`` seconds."""
+        me = self.node.peer_id_str
+        targets = [o for o in (owners if owners is not None else members) if o != me]
+        if not targets:
+            return set()
+        deadline = asyncio.get_running_loop().time() + self.warm_timeout
+        results = await asyncio.gather(*(ensure_connected(self.node, t, deadline, why=" (warming the group's links)")
+                                         for t in targets))
+        return {t for t, failure in zip(targets, results) if failure is not None}
+
+    async def _warm_group(self, slot: _Slot, frag: int, round_: int,
+                          members: Tuple[str, ...]) -> Tuple[Tuple[str, ...], _Proposal]:
+        """Leader: propose ``members`` to the joiners, warm our own links meanwhile, collect their
+        reports; returns the members that stay (and the proposal, whose ``final`` the caller sets)."""
+        loop = asyncio.get_running_loop()
+        me = self.node.peer_id_str
+        owners = self._owners(members)
+        joiners = {j: f for j, f in slot.joiners.items() if j in members}
+        proposal = _Proposal(members, owners, {j: loop.create_future() for j in joiners}, loop.create_future())
+        for fut in joiners.values():
+            if not fut.done():
+                fut.set_result(proposal)
+        own = asyncio.ensure_future(self._warm_links(members, owners))
+        await asyncio.wait([own, *proposal.reports.values()], timeout=self.warm_timeout + 2)
+        reports = {j: (f.result() if f.done() else None) for j, f in proposal.reports.items()}
+        if not own.done():
+            own.cancel()
+            own.add_done_callback(_consume)
+        reports[me] = own.result() if own.done() and not own.cancelled() else set()
+        proposal.left = self._left_out(members, reports)
+        if proposal.left:
+            logger.warning(f"[{self.node.short_id}] leaving {len(proposal.left)} member(s) out of the group for "
+                           f"fragment {frag} round {round_} before the round: "
+                           + "; ".join(f"{p[-6:]}: {why}" for p, why in sorted(proposal.left.items())))
+        return tuple(m for m in members if m not in proposal.left), proposal
+
+    def _left_out(self, members: Sequence[str], reports: Dict[str, Optional[Set[str]]]) -> Dict[str, str]:
+        """Who leaves the group before the round (item 10): joiners that did not report, then, while a
+        pair (reporter, owner) stayed unconnected, the member in the most such pairs (ties: the larger
+        rank); never us, the leader. Deterministic for given reports."""
+        me = self.node.peer_id_str
+        left = {m: "it did not answer the link check in time" for m, r in reports.items() if r is None and m != me}
+        pairs = {(a, b) for a, r in reports.items() if r for b in r
+                 if b in members and a != b and a not in left and b not in left}
+        while pairs:
+            count: Dict[str, int] = {}
+            for pair in pairs:
+                for p in pair:
+                    if p != me:
+                        count[p] = count.get(p, 0) + 1
+            worst = max(count, key=lambda p: (count[p], self._rank(p)))
+            others = sorted({a if b == worst else b for a, b in pairs if worst in (a, b)})
+            left[worst] = f"no connection between it and {', '.join(o[-6:] for o in others)}"
+            pairs = {pair for pair in pairs if worst not in pair}
+        return left
+
+    async def _warm_exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sender: str,
+                             proposal: _Proposal) -> Union[Group, _LeftOut, None]:
+        """Handler side of the link check with one joiner: send the proposal, read its report, wait for
+        the final group. Returns the group, the reason it was left out, or None (no group)."""
+        traffic = self.node.traffic
+        report = proposal.reports[sender]
+        try:
+            msg: Dict[str, Any] = {"t": "warm", "members": list(proposal.members)}
+            if proposal.owners is not None:
+                msg["owners"] = list(proposal.owners)
+            await write_frame(writer, msg, traffic=traffic)
+            answer, _ = await asyncio.wait_for(read_frame(reader, 0, traffic, sender), self.warm_timeout + 2)
+            bad = answer.get("unreachable")
+            if (answer.get("t") != "warmed" or not isinstance(bad, list) or len(bad) > len(proposal.members)
+                    or not all(isinstance(p, str) for p in bad)):
+                raise WireError("malformed link report", sender)
+            if not report.done():
+                report.set_result({p for p in bad if p in proposal.members and p != sender})
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            logger.info(f"[{self.node.short_id}] {sender[-6:]} sent no link report ({type(e).__name__})")
+        finally:
+            if not report.done():
+                report.set_result(None)
+        try:
+            group = await asyncio.wait_for(asyncio.shield(proposal.final), timeout=self.warm_timeout + 10)
+        except asyncio.TimeoutError:
+            return None
+        if sender in proposal.left:
+            return _LeftOut(proposal.left[sender])
+        return group
+
+    async def _answer_warm(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: Dict[str, Any],
+                           leader: str) -> Dict[str, Any]:
+        """Joiner side of the link check: warm our links to the proposed owners, report the ones we
+        could not reach, and return the leader's final reply ({} when the proposal is malformed)."""
+        parsed = self._parse_members(reply, leader)
+        if parsed is None:
+            return {}
+        unreachable = await self._warm_links(*parsed)
+        await write_frame(writer, {"t": "warmed", "unreachable": sorted(unreachable)}, traffic=self.node.traffic)
+        final, _ = await asyncio.wait_for(read_frame(reader, 0, self.node.traffic, leader), self.warm_timeout + 12)
+        return final
+
+    def _parse_members(self, reply: Dict[str, Any], leader: str) -> Optional[Tuple[Tuple[str, ...], Optional[Tuple[str, ...]]]]:
+        """(members, owners) of a ``warm`` or ``group`` reply, checked; None when malformed or unacceptable."""
+        me = self.node.peer_id_str
+        members = reply.get("members")
+        if (not isinstance(members, list) or me not in members or leader not in members
+                or not all(isinstance(m, str) for m in members) or members != sorted(set(members))):
+            return None
+        owners = reply.get("owners")
+        if owners is not None:  # a subset of the members, in member order, with the leader, without us if private
+            if (not isinstance(owners, list) or not owners or not set(owners) <= set(members)
+                    or owners != sorted(set(owners)) or leader not in owners):
+                return None
+            owners = tuple(owners)
+        if self._private(me) and me in (owners if owners is not None else members) and len(members) > 1:
+            logger.warning(f"[{self.node.short_id}] leader {leader[-6:]} made this private peer a shard owner; "
+                           "not joining that group")
+            return None
+        return tuple(members), owners
 
     async def _live_peers(self, check: bool = False) -> Dict[str, Dict[str, Any]]:
         """The live peers' progress records; with ``check``, raise RoundMissed when the caller's
@@ -636,35 +800,28 @@ class Matchmaker:
                                        "reach": self._my_reach()}, traffic=traffic)
             reply, _ = await asyncio.wait_for(read_frame(reader, 0, traffic, leader),
                                               timeout=timeout or self.matchmaking_timeout + self.join_grace + 10)
+            if reply.get("t") == "warm":  # the group is closing: warm our links first (item 10)
+                reply = await self._answer_warm(reader, writer, reply, leader)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, WireError) as e:
             logger.info(f"[{self.node.short_id}] join with {leader[-6:]} failed ({type(e).__name__}); trying the next")
             return None, None
         finally:
             writer.close()
         if reply.get("t") == "group":
-            members = reply.get("members")
-            if (not isinstance(members, list) or me not in members or leader not in members
-                    or not all(isinstance(m, str) for m in members) or members != sorted(set(members))):
-                return None, None
+            parsed = self._parse_members(reply, leader)
             base = reply.get("base", "")
-            if not isinstance(base, str) or len(base) > 64:
+            if parsed is None or not isinstance(base, str) or len(base) > 64:
                 return None, None
-            owners = reply.get("owners")
-            if owners is not None:  # a subset of the members, in member order, with the leader, without us if private
-                if (not isinstance(owners, list) or not owners or not set(owners) <= set(members)
-                        or owners != sorted(set(owners)) or leader not in owners):
-                    return None, None
-                owners = tuple(owners)
-            if self._private(me) and me in (owners if owners is not None else members) and len(members) > 1:
-                logger.warning(f"[{self.node.short_id}] leader {leader[-6:]} made this private peer a shard owner; "
-                               "not joining that group")
-                return None, None
+            members, owners = parsed
             gid = make_group_id(self.run_id, frag, round_, members, base, owners)
             if reply.get("gid") != gid:
                 return None, None
-            return Group(gid=gid, members=tuple(members), my_index=members.index(me), frag=frag, round=round_,
+            return Group(gid=gid, members=members, my_index=members.index(me), frag=frag, round=round_,
                          owners=owners), None
         reason = reply.get("reason")
+        if reason == "left out":
+            raise RoundMissed(f"left out of the group for fragment {frag}, round {round_} before it started: "
+                              f"{str(reply.get('why'))[:300]} (leader {leader[-6:]})")
         size = reply.get("size")
         if reason == "closed" and isinstance(size, int) and not self._authoritative([leader] * size, due,
                                                                                     reply.get("base")):
@@ -745,7 +902,12 @@ class Matchmaker:
                             f"round {round_} before the group closed; not admitted")
                 return
             group = fut.result()
-            if isinstance(group, str):  # we stepped down: a peer with a smaller id leads this round
+            if isinstance(group, _Proposal):  # closing: the link check first (item 10)
+                group = await self._warm_exchange(reader, writer, sender, group)
+            if isinstance(group, _LeftOut):
+                await write_frame(writer, {"t": "refuse", "reason": "left out", "why": str(group)[:300]},
+                                  traffic=traffic)
+            elif isinstance(group, str):  # we stepped down: a peer with a smaller id leads this round
                 await write_frame(writer, {"t": "refuse", "reason": "not leader", "hint": group}, traffic=traffic)
             elif group is None:
                 await write_frame(writer, {"t": "refuse", "reason": "group too small"}, traffic=traffic)

@@ -15,12 +15,18 @@ Handlers (the name is prefixed with the run id, so several runs can share one DH
            request  {t: "join", v, frag, round, reach}                 reach: public | private | relayed
                                                                         (the joiner's own word; private
                                                                         peers are never dialed)
+           reply    {t: "warm", members, owners?}                      the group is closing with these
+                                                                        members: connect to the owners
+                                                                        you send parts to, then answer
+           request  {t: "warmed", unreachable: [peer id, ...]}         the owners we could not connect to
            reply    {t: "group", gid, members: [peer id, ...], base, owners?}
                                                                        admitted; the group is final.
                                                                         owners: the members that own a
                                                                         shard (absent: all of them)
-                    {t: "refuse", reason, hint?}                       not admitted (hint: the leader
-                                                                        this peer follows, if any)
+                    {t: "refuse", reason, hint?, why?}                 not admitted (hint: the leader
+                                                                        this peer follows, if any; reason
+                                                                        "left out", why: the members it
+                                                                        could not be connected with)
     part   all-reduce: a member sends the shard owned by the receiver, gets the averaged shard back
            request  {t: "part", v, gid, phase, idx, w, codec, numel, n} + payload (encoded part)
            reply    {t: "avg", codec, numel, cov, w, n} + payload      the owner's encoded mean, the
@@ -84,8 +90,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: bumped whenever a message changes incompatibly
-PROTOCOL_VERSION = 4  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover;
-#                      4: reachability: join requests say whether the joiner can be dialed, groups name their shard owners
+PROTOCOL_VERSION = 5  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover;
+#                      4: reachability: join requests say whether the joiner can be dialed, groups name their shard owners;
+#                      5: a closing group is proposed ('warm') and its members report unreachable owners ('warmed')
 #: largest accepted header (a group of thousands of peer ids fits easily)
 MAX_HEADER = 256 * 1024
 #: a handler waits this long for a request header before dropping the stream (seconds)

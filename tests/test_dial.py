@@ -1,0 +1,116 @@
+"""Issue 22: a first dial that fails must not fail the round.
+
+libp2p refuses to dial an address for ~5 s after a dial to it failed ("dial backoff"); the round
+used to retry at 0.3 and 0.6 s and fail on every member. Each scenario runs three real SwarmNodes in
+a fresh network namespace (tests/dial_support.py) where nftables breaks links; every fault asserts
+that it fired (its rule's counter, the refused dial's error).
+
+* backoff: a member's only address for an owner is in dial backoff when the round starts (shown by
+  a plain dial right before it): the round waits it out and completes on every member.
+* warm: a private member's first dial to an owner is refused while the group forms: the warm step
+  waits out the backoff, the group forms with everyone and its round opens no cold connection.
+* unreachable: two members cannot exchange a packet: the larger one is left out *before* the round
+  (one clear RoundMissed), the round completes for the others.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+pytestmark = [pytest.mark.netem]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_missing = [tool for tool in ("ip", "nft") if subprocess.run(["which", tool], capture_output=True).returncode]
+needs_netns = pytest.mark.skipif(os.geteuid() != 0 or bool(_missing),
+                                 reason="needs root, iproute2 and nftables (a network namespace of its own)")
+
+
+def _run(scenario: str, tmp_path) -> dict:
+    ns = f"p2pdd-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    err = tmp_path / f"{scenario}.err"
+    try:
+        with open(err, "w") as e:
+            out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, os.path.join(HERE, "dial_support.py"),
+                                  scenario], stdout=subprocess.PIPE, stderr=e, text=True, timeout=150)
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, f"scenario {scenario} failed (rc {out.returncode}):\n{err.read_text()[-3000:]}"
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["log"] = err.read_text()
+    return result
+
+
+def test_the_leader_leaves_out_the_member_in_most_unconnected_pairs_never_itself():
+    from types import SimpleNamespace
+
+    from p2pdiloco.swarm.matchmaking import Matchmaker
+
+    node = SimpleNamespace(peer_id_str="a", add_handler=lambda *a: None, gate=SimpleNamespace(banned=lambda p: False))
+    mm = Matchmaker(node, "t", matchmaking_timeout=5)
+    members = ("a", "b", "c", "d")
+    assert mm._left_out(members, {"a": set(), "b": set(), "c": set(), "d": set()}) == {}
+    # d reaches nobody: only d goes (3 pairs), not the peers it names
+    assert set(mm._left_out(members, {"a": set(), "b": set(), "c": set(), "d": {"a", "b", "c"}})) == {"d"}
+    # b and c cannot reach each other: a tie, the larger rank (id) goes; the leader is never removed
+    assert set(mm._left_out(members, {"a": set(), "b": {"c"}, "c": {"b"}, "d": set()})) == {"c"}
+    assert set(mm._left_out(members, {"a": {"b"}, "b": set(), "c": set(), "d": set()})) == {"b"}
+    # a joiner that sent no report is out; its pairs do not count against others
+    left = mm._left_out(members, {"a": set(), "b": None, "c": {"b"}, "d": set()})
+    assert set(left) == {"b"} and "did not answer" in left["b"]
+    # a private member loses a tie against a public owner
+    mm._reach.update(b="private")
+    assert set(mm._left_out(members, {"a": set(), "b": {"c"}, "c": set(), "d": set()})) == {"b"}
+
+
+@pytest.mark.timeout(200)
+@needs_netns
+def test_a_round_that_starts_with_an_owner_in_dial_backoff_completes(tmp_path):
+    r = _run("backoff", tmp_path)
+    assert r["hits"] >= 1 and "connection refused" in r["first"], r["first"]  # the fault fired
+    assert "dial backoff" in r["second"], r["second"]  # and the round starts with the address in backoff
+    outs = r["outs"]
+    assert all(o["ok"] for o in outs), outs
+    assert len({o["sum"] for o in outs}) == 1 and all(o["members"] == 3 for o in outs), outs
+    assert r["b_stats"].get("dial_retries", 0) >= 1 and r["b_dials"].get("dial_recovered", 0) >= 1, r
+    assert r["seconds"] < 15, r["seconds"]  # one backoff (~5 s), well within the round's 20 s timeout
+    assert "dial backoff (libp2p refuses to dial an address" in r["log"]  # the cause is logged
+
+
+@pytest.mark.timeout(200)
+@needs_netns
+def test_the_group_warms_its_links_before_the_round_and_waits_out_a_refused_first_dial(tmp_path):
+    r = _run("warm", tmp_path)
+    assert r["fired"], "the refusing rule never fired"
+    groups = r["groups"]
+    assert all(isinstance(g, list) and len(g) == 3 for g in groups) and len({tuple(g) for g in groups}) == 1, groups
+    assert all(r["x"] not in o for o in r["owners"])  # the private member owns nothing
+    x = groups[0].index(r["x"])
+    assert r["dials"][x].get("dial_failed", 0) >= 1 and r["dials"][x].get("dial_recovered", 0) >= 1, r["dials"]
+    outs = r["outs"]
+    assert all(o["ok"] for o in outs) and len({o["sum"] for o in outs}) == 1, outs
+    # the round started on open connections: no stream open of the all-reduce had to wait for a dial
+    assert all(s.get("dial_retries", 0) == 0 for s in r["stats"]), r["stats"]
+    assert r["formed"] < 15, r["formed"]
+
+
+@pytest.mark.timeout(200)
+@needs_netns
+def test_a_member_the_others_cannot_reach_is_left_out_before_the_round(tmp_path):
+    r = _run("unreachable", tmp_path)
+    assert r["hits"] >= 1, "the dropping rules never fired"
+    ids, groups = r["ids"], r["groups"]
+    leader, x, y = ids  # sorted: the leader reaches both, x and y cannot reach each other
+    assert groups[0] == groups[1] == [leader, x], groups  # the larger of the tied pair is left out
+    assert isinstance(groups[2], str) and groups[2].startswith("RoundMissed: left out of the group"), groups[2]
+    assert x[-6:] in groups[2]  # it says whom it could not be connected with
+    outs = r["outs"]
+    assert len(outs) == 2 and all(o["ok"] and o["members"] == 2 for o in outs) and outs[0]["sum"] == outs[1]["sum"]
+    assert all(s.get("dial_retries", 0) == 0 for s in r["stats"]), r["stats"]
+    assert r["formed"] < 20, r["formed"]  # the link check is bounded (warm_timeout 3 s here)
