@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -38,328 +38,406 @@ def _inner_lr(cfg: RunConfig, step: int) -> float:
 
 
 def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, Any]:
-    from ..swarm.node import SwarmNode
-    from ..swarm.swarm import Swarm
+    """Run one volunteer until a budget is reached or SIGINT/SIGTERM; return its summary.
 
+    The peer's life, as named steps (:class:`_Peer`): ``connect`` (DHT node, swarm, fingerprint
+    check, run folder) → ``build`` (model from the run's seed, data shard, optimiser, DiLoCo; resume
+    from a checkpoint) → ``join_run`` (a run in progress: its verified state) → ``announce`` (start
+    event, first progress record, wait for peers) → ``train`` (inner steps; syncs, catch-ups and
+    divergence checks between them) → ``finish`` (syncs in flight applied, checkpoint, summary).
+    ``close`` releases everything, whatever happened.
+    """
     faults.install_from_env()  # P2PDILOCO_FAULTS: fault injection for tests (p2pdiloco/faults.py)
     stop = stop_flag if stop_flag is not None else []
     _install_signal_handlers(stop)  # from the start: a SIGTERM while starting up still leaves cleanly
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    device = cfg.train.resolved_device()
-    node = SwarmNode(cfg.swarm.initial_peers, host_maddrs=cfg.swarm.host_maddrs,
-                     announce_maddrs=cfg.swarm.announce_maddrs, identity_path=cfg.swarm.identity_path,
-                     bootstrap_timeout=cfg.swarm.bootstrap_timeout, reachability=cfg.swarm.reachability)
-    swarm = None
-    metrics = None
-    dashboard = None
+    peer = _Peer(cfg, stop)
     try:
-        swarm = Swarm(node, cfg.swarm.run_id, matchmaking_timeout=cfg.swarm.matchmaking_timeout,
-                      allreduce_timeout=cfg.swarm.allreduce_timeout, min_group_size=cfg.swarm.min_group_size,
-                      progress_period=cfg.swarm.progress_period, robust=cfg.robust)
+        peer.connect()
+        peer.build()
+        peer.join_run()
+        peer.announce()
+        peer.train()
+        return peer.finish()
+    finally:
+        peer.close()
+
+
+class _Peer:
+    """One volunteer's state between the steps of :func:`run_peer` (one training thread owns it)."""
+
+    def __init__(self, cfg: RunConfig, stop: list):
+        from ..swarm.node import SwarmNode
+
+        self.cfg, self.stop = cfg, stop
+        self.device = cfg.train.resolved_device()
+        self.node = SwarmNode(cfg.swarm.initial_peers, host_maddrs=cfg.swarm.host_maddrs,
+                              announce_maddrs=cfg.swarm.announce_maddrs, identity_path=cfg.swarm.identity_path,
+                              bootstrap_timeout=cfg.swarm.bootstrap_timeout, reachability=cfg.swarm.reachability)
+        self.me = self.node.short_id
+        self.swarm = None
+        self.metrics: Optional[MetricsWriter] = None
+        self.dashboard = None
+        # the training loop's counters (summary, progress records)
+        self.losses: List[float] = []
+        self.val = self.val0 = float("nan")
+        self.syncs = self.failed = self.samples = self.steps = 0
+        self.t_start = time.time()
+
+    # ---- connect -------------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """The swarm facade, the optional dashboard, the fingerprint check, the run folder and metrics."""
+        from ..swarm.swarm import Swarm
+
+        cfg, node = self.cfg, self.node
+        self.swarm = swarm = Swarm(node, cfg.swarm.run_id, matchmaking_timeout=cfg.swarm.matchmaking_timeout,
+                                   allreduce_timeout=cfg.swarm.allreduce_timeout,
+                                   min_group_size=cfg.swarm.min_group_size,
+                                   progress_period=cfg.swarm.progress_period, robust=cfg.robust)
         if cfg.train.dashboard_port:  # join --dashboard-port: this peer serves the swarm's dashboard (issue 21)
             from ..dashboard import serve_for_node
 
-            dashboard = serve_for_node(node, cfg.swarm.run_id, host=cfg.train.dashboard_host,
-                                       port=cfg.train.dashboard_port, period=cfg.swarm.progress_period)
+            self.dashboard = serve_for_node(node, cfg.swarm.run_id, host=cfg.train.dashboard_host,
+                                            port=cfg.train.dashboard_port, period=cfg.swarm.progress_period)
         swarm.check_fingerprint(cfg.fingerprint(), cfg.fingerprint_fields())
         swarm.timeouts.configure(min_link_mbit=cfg.swarm.min_link_mbit, adaptive=cfg.swarm.adaptive_timeouts)
         swarm.matchmaker.adaptive = cfg.swarm.adaptive_timeouts
-        me = node.short_id
-        run_dir = cfg.train.run_dir or os.path.join("runs", cfg.swarm.run_id, me)
-        os.makedirs(run_dir, exist_ok=True)
-        metrics = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))
+        self.run_dir = cfg.train.run_dir or os.path.join("runs", cfg.swarm.run_id, self.me)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.metrics = metrics = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"))
         faults.set_sink(lambda **event: metrics.write("fault", **event))  # tests assert faults fired
 
+    # ---- build -----------------------------------------------------------------------------------------
+    def build(self) -> None:
+        """Model, data, inner optimiser and DiLoCo; resume from this peer's checkpoint if there is one."""
+        cfg, me = self.cfg, self.me
         # Same seed on every peer: everyone starts from the same global parameters without a download.
         torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model).to(device)
-        corpus = load_corpus(cfg.data)
-        ckpt_path = find_checkpoint(run_dir)
+        self.model = build_model(cfg.model).to(self.device)
+        self.corpus = load_corpus(cfg.data)
+        ckpt_path = find_checkpoint(self.run_dir)
         ckpt = load_checkpoint(ckpt_path) if ckpt_path is not None else None
-        shard = _data_shard(cfg, node.peer_id_str, ckpt)
-        stream = BatchStream(corpus.train, shard=shard, num_shards=cfg.data.num_shards,
-                             batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
-        inner_opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
-                                      betas=(cfg.inner.beta1, cfg.inner.beta2))
-        diloco = DiLoCo(model, cfg, swarm)
-        StateServer(node, cfg.swarm.run_id, diloco.snapshot)
-        logger.info(f"[{me}] peer {node.peer_id_str} joined run {cfg.swarm.run_id} (fingerprint {cfg.fingerprint()}); "
-                    f"model {count_parameters(model):,} params on {device}; data shard {shard}/{cfg.data.num_shards} "
-                    f"of {corpus.description}")
+        self.shard = _data_shard(cfg, self.node.peer_id_str, ckpt)
+        self.stream = BatchStream(self.corpus.train, shard=self.shard, num_shards=cfg.data.num_shards,
+                                  batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
+        self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner.lr,
+                                           weight_decay=cfg.inner.weight_decay, betas=(cfg.inner.beta1, cfg.inner.beta2))
+        self.diloco = diloco = DiLoCo(self.model, cfg, self.swarm)
+        StateServer(self.node, cfg.swarm.run_id, diloco.snapshot)
+        logger.info(f"[{me}] peer {self.node.peer_id_str} joined run {cfg.swarm.run_id} (fingerprint "
+                    f"{cfg.fingerprint()}); model {count_parameters(self.model):,} params on {self.device}; data shard "
+                    f"{self.shard}/{cfg.data.num_shards} of {self.corpus.description}")
         for line in diloco.layout.describe().splitlines():
             logger.info(f"[{me}] {line}")
         for line in cfg.advice():
             logger.warning(f"[{me}] {line}")
-
         if ckpt is not None:
-            _restore(ckpt, model, inner_opt, diloco, stream)
+            _restore(ckpt, self.model, self.inner_opt, diloco, self.stream)
             logger.info(f"[{me}] resumed from {ckpt_path} at inner step {diloco.inner_step}")
-            metrics.write("resume", step=diloco.inner_step, synced_step=diloco.synced_step, digest=diloco.digest(),
-                          outer_step=diloco.outer_round())
-
-        numels = [o.numel for o in diloco.outer]
-        recent = 2 * diloco.num_fragments + 2  # how many of our lineage's latest groups identify our side
-
-        def rivals(peers: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, Dict[str, Any]]]:
-            """The peers of a rival history that outnumbers ours (a healed partition), or None
-            (state_sync.rival_lineage). Our synced step and digest as last published: this also runs
-            on the network thread (Matchmaker.give_way), never waiting on a background sync."""
-            own = swarm.own_progress()
-            step, digest = own.get("synced_step"), own.get("digest")
-            if not isinstance(step, int) or not step or not isinstance(digest, str):
-                return None  # nothing synced yet: a fresh run, or a joiner that catches up at its first sync
-            return rival_lineage(peers, node.peer_id_str, swarm.matchmaker.lineage(recent), step, digest,
-                                 swarm.matchmaker.companions)
-
-        def adopt_rivals() -> bool:
-            """Give way to the rival history: adopt its verified state, even if our step count is ahead."""
-            return catch_up(wait=0, min_step=-1, peers=lambda: rivals(swarm.live_peers()) or {})
-
-        swarm.matchmaker.give_way = lambda peers: (
+            self.metrics.write("resume", step=diloco.inner_step, synced_step=diloco.synced_step,
+                               digest=diloco.digest(), outer_step=diloco.outer_round())
+        self.numels = [o.numel for o in diloco.outer]
+        self.recent = 2 * diloco.num_fragments + 2  # how many of our lineage's latest groups identify our side
+        self.swarm.matchmaker.give_way = lambda peers: (
             f"{len(found)} peer(s) of another history outnumber ours: adopting their state instead"
-            if (found := rivals(peers)) else None)
+            if (found := self.rivals(peers)) else None)
 
-        def announce(target_step: int) -> None:
-            # before the download: the next round's group waits for us (our first contribution lands there)
-            swarm.update_progress(step=target_step, next_sync=_next_sync_after(diloco, target_step), sps=0.0)
-            swarm.publish_progress()
+    # ---- catching up, giving way -------------------------------------------------------------------------
+    def rivals(self, peers: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, Dict[str, Any]]]:
+        """The peers of a rival history that outnumbers ours (a healed partition), or None
+        (state_sync.rival_lineage). Our synced step and digest as last published: this also runs
+        on the network thread (Matchmaker.give_way), never waiting on a background sync."""
+        swarm = self.swarm
+        own = swarm.own_progress()
+        step, digest = own.get("synced_step"), own.get("digest")
+        if not isinstance(step, int) or not step or not isinstance(digest, str):
+            return None  # nothing synced yet: a fresh run, or a joiner that catches up at its first sync
+        return rival_lineage(peers, self.node.peer_id_str, swarm.matchmaker.lineage(self.recent), step, digest,
+                             swarm.matchmaker.companions)
 
-        def report_mismatch(got) -> None:
-            """A verified state of our own synced step with another digest: every peer of a step should
-            hold the same bits, so this is a bug. Say where the states first differ before adopting."""
-            diff = diloco.first_difference(got.meta, got.payload)
-            if diff is None:
+    def adopt_rivals(self) -> bool:
+        """Give way to the rival history: adopt its verified state, even if our step count is ahead."""
+        return self.catch_up(wait=0, min_step=-1, peers=lambda: self.rivals(self.swarm.live_peers()) or {})
+
+    def _announce_target(self, target_step: int) -> None:
+        # before the download: the next round's group waits for us (our first contribution lands there)
+        self.swarm.update_progress(step=target_step, next_sync=_next_sync_after(self.diloco, target_step), sps=0.0)
+        self.swarm.publish_progress()
+
+    def _report_mismatch(self, got) -> None:
+        """A verified state of our own synced step with another digest: every peer of a step should
+        hold the same bits, so this is a bug. Say where the states first differ before adopting."""
+        diloco = self.diloco
+        diff = diloco.first_difference(got.meta, got.payload)
+        if diff is None:
+            return
+        logger.warning(f"[{self.me}] digest mismatch at step {diloco.synced_step} (ours {diloco.digest()}, the "
+                       f"swarm's {got.digest}); this is a bug, please report it with this line: first differing "
+                       f"tensor: fragment {diff['fragment']} {diff['tensor']} ({diff['kind']}), "
+                       f"{diff['differing']} of {diff['numel']} elements differ, max |diff| "
+                       f"{diff['max_abs_diff']:.3g}; adopting the majority's state")
+        self.metrics.write("digest_mismatch", step=diloco.synced_step, ours=diloco.digest(), theirs=got.digest,
+                           **diff)
+
+    def catch_up(self, wait: float, min_step: Optional[int] = None, joining: bool = False, peers=None) -> bool:
+        """Adopt the swarm's verified state if it is ahead of ours; poll up to ``wait`` seconds.
+        A failed download while ``joining`` stops the peer (JoinFailed); later it keeps our state."""
+        cfg, swarm, diloco, metrics = self.cfg, self.swarm, self.diloco, self.metrics
+        deadline = time.time() + wait
+        read: Dict[str, Dict[str, Any]] = {}  # the records the target was picked from
+
+        def source() -> Dict[str, Dict[str, Any]]:
+            view = (peers or swarm.live_peers)()
+            read.clear()
+            read.update(view)
+            return view
+
+        while True:
+            t_try = time.time()
+            try:
+                got = download_state(self.node, cfg.swarm.run_id, source, self.numels,
+                                     timeout=swarm.timeouts.transfer(8 * sum(self.numels)),
+                                     min_step=diloco.synced_step if min_step is None else min_step,
+                                     on_target=self._announce_target,
+                                     # a rival lineage (peers given) was already judged by majority
+                                     companions=() if peers else swarm.matchmaker.companions)
+            except SyncFailed as e:
+                metrics.write("catch_up_failed", step=diloco.inner_step, error=str(e),
+                              seconds=round(time.time() - t_try, 3))
+                if joining:
+                    raise JoinFailed(f"could not join run {cfg.swarm.run_id!r}: {e}") from None
+                logger.warning(f"[{self.me}] {e}; keeping our own state for now")
+                got = None
+            if got is not None:
+                self._adopt(got, read)
+                return True
+            if time.time() >= deadline:
+                return False
+            time.sleep(0.5)
+
+    def _adopt(self, got, read: Dict[str, Dict[str, Any]]) -> None:
+        """Load a verified download and take the donors' history as ours."""
+        swarm, diloco, metrics = self.swarm, self.diloco, self.metrics
+        for donor, why in got.rejected:
+            metrics.write("state_rejected", donor=donor, reason=why, step=got.step)
+        self._report_mismatch(got)
+        diloco.load_snapshot(got.meta, got.payload)
+        # we left our history for the donors': their last group is our lineage now (else the lineage
+        # rule would see them as rivals again and again), they are our side
+        gids = [g for g in dict.fromkeys(read.get(d, {}).get("gid") for d in got.donors) if isinstance(g, str) and g]
+        swarm.matchmaker.adopt_lineage(gids)
+        swarm.matchmaker.set_companions(got.donors)
+        logger.info(f"[{self.me}] caught up with the swarm: step {diloco.inner_step}, digest {diloco.digest()} "
+                    f"from {len(got.donors)} donor(s) in {got.seconds:.1f} s")
+        metrics.write("catch_up", step=diloco.inner_step, digest=diloco.digest(), outer_step=diloco.outer_round(),
+                      donors=got.donors, seconds=round(got.seconds, 3), rejected=len(got.rejected))
+        swarm.update_progress(step=diloco.inner_step, synced_step=diloco.synced_step, gid=gids[0] if gids else "",
+                              round=diloco.outer_round(), digest=diloco.digest(), next_sync=diloco.next_sync_step())
+        swarm.publish_progress()
+
+    def val_loss(self) -> float:
+        cfg = self.cfg
+        return evaluate(self.model, self.corpus.val, batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
+                        max_batches=cfg.train.eval_batches, device=self.device)
+
+    # ---- join_run, announce ------------------------------------------------------------------------------
+    def join_run(self) -> None:
+        """Joining a run in progress: start from the swarm's verified state, not from scratch.
+        For a moment the live peers' records can disagree (one published its latest sync, the other
+        not yet: no corroborated target) or not be visible yet to our fresh DHT node; keep looking
+        for a bounded time while the run has clearly started without us."""
+        swarm, diloco = self.swarm, self.diloco
+        deadline = time.time() + swarm.matchmaker.record_lifetime  # a progress record's lifetime
+        while not self.catch_up(wait=0, joining=True):
+            peers = {pid: v for pid, v in swarm.live_peers().items() if pid != self.node.peer_id_str}
+            ahead = [v for v in peers.values()
+                     if isinstance(v.get("synced_step"), int) and v["synced_step"] > diloco.synced_step]
+            if not ahead and (peers or not swarm.run_existed):
+                return  # a fresh run (or we are level with it): nothing to fetch
+            if time.time() >= deadline:
+                if ahead:
+                    logger.warning(f"[{self.me}] the run is in progress but its peers do not agree on one state "
+                                   "yet; starting from our own and catching up at the first sync")
+                else:
+                    logger.info(f"[{self.me}] run {self.cfg.swarm.run_id!r} has no live peer; starting it afresh")
                 return
-            logger.warning(f"[{me}] digest mismatch at step {diloco.synced_step} (ours {diloco.digest()}, the "
-                           f"swarm's {got.digest}); this is a bug, please report it with this line: first differing "
-                           f"tensor: fragment {diff['fragment']} {diff['tensor']} ({diff['kind']}), "
-                           f"{diff['differing']} of {diff['numel']} elements differ, max |diff| "
-                           f"{diff['max_abs_diff']:.3g}; adopting the majority's state")
-            metrics.write("digest_mismatch", step=diloco.synced_step, ours=diloco.digest(), theirs=got.digest, **diff)
+            time.sleep(0.5)
 
-        def catch_up(wait: float, min_step: Optional[int] = None, joining: bool = False, peers=None) -> bool:
-            """Adopt the swarm's verified state if it is ahead of ours; poll up to ``wait`` seconds.
-            A failed download while ``joining`` stops the peer (JoinFailed); later it keeps our state."""
-            deadline = time.time() + wait
-            read: Dict[str, Dict[str, Any]] = {}  # the records the target was picked from
-
-            def source() -> Dict[str, Dict[str, Any]]:
-                view = (peers or swarm.live_peers)()
-                read.clear()
-                read.update(view)
-                return view
-
-            while True:
-                t_try = time.time()
-                try:
-                    got = download_state(node, cfg.swarm.run_id, source, numels,
-                                         timeout=swarm.timeouts.transfer(8 * sum(numels)),
-                                         min_step=diloco.synced_step if min_step is None else min_step,
-                                         on_target=announce,
-                                         # a rival lineage (peers given) was already judged by majority
-                                         companions=() if peers else swarm.matchmaker.companions)
-                except SyncFailed as e:
-                    metrics.write("catch_up_failed", step=diloco.inner_step, error=str(e),
-                                  seconds=round(time.time() - t_try, 3))
-                    if joining:
-                        raise JoinFailed(f"could not join run {cfg.swarm.run_id!r}: {e}") from None
-                    logger.warning(f"[{me}] {e}; keeping our own state for now")
-                    got = None
-                if got is not None:
-                    for donor, why in got.rejected:
-                        metrics.write("state_rejected", donor=donor, reason=why, step=got.step)
-                    report_mismatch(got)
-                    diloco.load_snapshot(got.meta, got.payload)
-                    # we left our history for the donors': their last group is our lineage now (else
-                    # the lineage rule would see them as rivals again and again), they are our side
-                    gids = [g for g in dict.fromkeys(read.get(d, {}).get("gid") for d in got.donors)
-                            if isinstance(g, str) and g]
-                    swarm.matchmaker.adopt_lineage(gids)
-                    swarm.matchmaker.set_companions(got.donors)
-                    logger.info(f"[{me}] caught up with the swarm: step {diloco.inner_step}, digest {diloco.digest()} "
-                                f"from {len(got.donors)} donor(s) in {got.seconds:.1f} s")
-                    metrics.write("catch_up", step=diloco.inner_step, digest=diloco.digest(),
-                                  outer_step=diloco.outer_round(), donors=got.donors, seconds=round(got.seconds, 3),
-                                  rejected=len(got.rejected))
-                    swarm.update_progress(step=diloco.inner_step, synced_step=diloco.synced_step,
-                                          gid=gids[0] if gids else "",
-                                          round=diloco.outer_round(), digest=diloco.digest(),
-                                          next_sync=diloco.next_sync_step())
-                    swarm.publish_progress()
-                    return True
-                if time.time() >= deadline:
-                    return False
-                time.sleep(0.5)
-
-        def val_loss() -> float:
-            return evaluate(model, corpus.val, batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
-                            max_batches=cfg.train.eval_batches, device=device)
-
-        def join_run() -> None:
-            """Joining a run in progress: start from the swarm's verified state, not from scratch.
-            For a moment the live peers' records can disagree (one published its latest sync, the other
-            not yet: no corroborated target) or not be visible yet to our fresh DHT node; keep looking
-            for a bounded time while the run has clearly started without us."""
-            deadline = time.time() + swarm.matchmaker.record_lifetime  # a progress record's lifetime
-            while not catch_up(wait=0, joining=True):
-                peers = {pid: v for pid, v in swarm.live_peers().items() if pid != node.peer_id_str}
-                ahead = [v for v in peers.values()
-                         if isinstance(v.get("synced_step"), int) and v["synced_step"] > diloco.synced_step]
-                if not ahead and (peers or not swarm.run_existed):
-                    return  # a fresh run (or we are level with it): nothing to fetch
-                if time.time() >= deadline:
-                    if ahead:
-                        logger.warning(f"[{me}] the run is in progress but its peers do not agree on one state "
-                                       "yet; starting from our own and catching up at the first sync")
-                    else:
-                        logger.info(f"[{me}] run {cfg.swarm.run_id!r} has no live peer; starting it afresh")
-                    return
-                time.sleep(0.5)
-
-        join_run()
-        val0 = val_loss()
-        metrics.write("start", peer=node.peer_id_str, shard=shard, params=count_parameters(model), val_loss=val0,
-                      fingerprint=cfg.fingerprint(), digest=diloco.digest(), step=diloco.inner_step,
-                      device=str(device), cpu_capability=torch.backends.cpu.get_cpu_capability())
+    def announce(self) -> None:
+        """The start event and our first progress record; then wait for swarm.min_peers_to_start."""
+        cfg, swarm, diloco = self.cfg, self.swarm, self.diloco
+        self.val = self.val0 = self.val_loss()
+        self.metrics.write("start", peer=self.node.peer_id_str, shard=self.shard,
+                           params=count_parameters(self.model), val_loss=self.val0, fingerprint=cfg.fingerprint(),
+                           digest=diloco.digest(), step=diloco.inner_step, device=str(self.device),
+                           cpu_capability=torch.backends.cpu.get_cpu_capability())
         swarm.update_progress(step=diloco.inner_step, round=diloco.outer_round(), samples=0, sent=0, recv=0,
-                              loss=None, val_loss=val0, digest=diloco.digest(), last_sync=None, sps=0.0,
+                              loss=None, val_loss=self.val0, digest=diloco.digest(), last_sync=None, sps=0.0,
                               next_sync=diloco.next_sync_step(), synced_step=diloco.synced_step)
-        swarm.note_val_loss(diloco.outer_round(), val0)  # the dashboard's history (issue 21)
+        swarm.note_val_loss(diloco.outer_round(), self.val0)  # the dashboard's history (issue 21)
         swarm.publish_progress(wait=True)  # visible before we wait for peers
         swarm.start_publishing()
-        _wait_for_peers(swarm, cfg, me)
+        _wait_for_peers(swarm, cfg, self.me)
 
-        state = {"losses": [], "val": val0, "syncs": 0, "failed": 0, "samples": 0, "steps": 0}
-        t_start = time.time()
-        bar = _ProgressLine(cfg, me)
-        last_check = time.time()
-
-        def on_sync(rep: SyncReport) -> None:
-            sent, recv = node.traffic.snapshot()
-            # null, not 0.0, when no inner step happened since the last event (overlapped modes)
-            train_loss = sum(state["losses"]) / len(state["losses"]) if state["losses"] else None
-            state["losses"].clear()
-            if rep.ok:
-                state["syncs"] += 1
-                group = swarm.matchmaker.groups.get((rep.fragment, rep.round))
-                if group is not None:  # published: peers that trained in other groups are a rival lineage
-                    swarm.matchmaker.add_lineage(group.gid)
-                    swarm.update_progress(gid=group.gid)
-                    swarm.matchmaker.set_companions(group.members)
-                state["val"] = val_loss()
-            else:
-                state["failed"] += 1
-            metrics.write("sync", step=rep.step, fragment=rep.fragment, outer_step=rep.round + 1, ok=rep.ok,
-                          loss=train_loss, val_loss=state["val"], group_size=rep.group_size,
-                          sync_seconds=round(rep.seconds, 4), samples=rep.samples, bytes_sent=sent, bytes_received=recv,
-                          sync_bytes_sent=rep.bytes_sent, sync_bytes_received=rep.bytes_received,
-                          digest=rep.digest, error=rep.error or None, applied_step=rep.applied_step,
-                          wait_seconds=round(rep.wait_seconds, 4), overlapped_steps=rep.overlapped_steps,
-                          sync_bytes=rep.bytes_sent + rep.bytes_received,
-                          peak_bytes_per_s=round(rep.peak_bytes_per_s, 1), **rep.extra)
-            synced_step, digest = diloco.sync_point()  # read together: a background sync may land any time
-            swarm.update_progress(round=diloco.outer_round(), digest=digest, last_sync=time.time(),
-                                  synced_step=synced_step,
-                                  val_loss=state["val"], loss=train_loss, next_sync=diloco.next_sync_step())
-            if rep.ok:  # the dashboard's history (issue 21): loss per outer step, failed rounds and why
-                swarm.note_val_loss(diloco.outer_round(), state["val"])
-            else:
-                swarm.note_failure(rep.round + 1, rep.fragment, rep.error or "failed")
-            swarm.publish_progress()  # at once: peers matchmaking for our next sync count on it
-            logger.info(f"[{me}] sync frag {rep.fragment} round {rep.round} {'ok' if rep.ok else 'FAILED'} "
-                        f"group {rep.group_size} {rep.seconds:.2f}s val_loss {state['val']:.4f} digest {rep.digest}")
-            if rep.ok and rep.fragment == diloco.num_fragments - 1:
-                with diloco.state_lock:  # not while a background sync writes a global copy
-                    snap = _snapshot(model, inner_opt, diloco, stream)
-                save_checkpoint(run_dir, snap)
-
-        diloco.on_sync = on_sync
-        model.train()
-        while not stop:
+    # ---- train ---------------------------------------------------------------------------------------------
+    def train(self) -> None:
+        """Inner steps until a budget is reached or a signal arrives; after each, the syncs that are due
+        (DiLoCo.after_inner_step), the catch-up a failed or missed round calls for, and now and then a
+        check against the swarm's records (behind, or diverged)."""
+        cfg, diloco = self.cfg, self.diloco
+        self.t_start = time.time()
+        self.bar = _ProgressLine(cfg, self.me)
+        self.last_check = time.time()
+        diloco.on_sync = self.on_sync
+        self.model.train()
+        while not self.stop:
             if cfg.train.max_outer_steps and diloco.outer_round() >= cfg.train.max_outer_steps:
                 break
-            if cfg.train.max_seconds and time.time() - t_start >= cfg.train.max_seconds:
+            if cfg.train.max_seconds and time.time() - self.t_start >= cfg.train.max_seconds:
                 break
-            for group in inner_opt.param_groups:
-                group["lr"] = _inner_lr(cfg, diloco.inner_step)
-            x, y = stream.next_batch(device)
-            _, loss = model(x, y)
-            inner_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.inner.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
-            inner_opt.step()
-            state["losses"].append(loss.item())
-            state["samples"] += x.shape[0]
-            state["steps"] += 1
+            loss, batch = self._inner_step()
             faults.set_step(diloco.inner_step + 1)
             faults.fire("step")  # fault-injection hook: after this step's update, before its syncs
-            reports = diloco.after_inner_step(x.shape[0])
-            if any(r.missed for r in reports):
-                # our history went on without us (catch up), or another one outnumbers ours (give way)
-                if rivals(swarm.live_peers()) is not None:
-                    logger.warning(f"[{me}] peers of another history outnumber ours; adopting their state")
-                    adopt_rivals()
-                elif not catch_up(wait=cfg.swarm.allreduce_timeout):
-                    logger.warning(f"[{me}] missed a round and found no verified state to catch up to yet")
-            elif any(not r.ok and not r.missed for r in reports):
-                # A failed round may have completed for the others (a reply lost on its way to us only).
-                # Then our θ is stale: adopt theirs rather than contribute against an old base.
-                catch_up(wait=3 * cfg.swarm.progress_period)
-            if (time.time() - last_check >= cfg.swarm.progress_period and diloco.synced_step
-                    and (peers := swarm.peers_view()) is not None):
-                # Diverged from the majority at the same step (a group-formation race, a healed
-                # partition)? Give way and adopt their verified state. (The records were read in the
-                # background: no DHT wait in the training loop.)
-                last_check = time.time()
-                companions = swarm.matchmaker.companions
-                if pick_target(peers, node.peer_id_str, diloco.next_sync_step() - 1, len(numels),
-                               companions=companions) is not None:
-                    # Behind (we were stopped, or slow): the swarm already did our next sync without us.
-                    # Re-sync now instead of training on, and never send a contribution for a past round.
-                    logger.warning(f"[{me}] the swarm is past our next sync (step {diloco.next_sync_step()}); "
-                                   "catching up")
-                    catch_up(wait=0)
-                elif (found := rivals(peers)) is not None:
-                    # They trained in groups we were not in (a healed partition) and outnumber us: we are
-                    # the minority history. Adopt theirs, even if our step count is ahead.
-                    logger.warning(f"[{me}] {len(found)} peer(s) trained in other groups and outnumber ours; "
-                                   "adopting their state")
-                    adopt_rivals()
-                elif in_minority(peers, node.peer_id_str, *diloco.sync_point()):
-                    logger.warning(f"[{me}] our state at step {diloco.synced_step} differs from the majority's; "
-                                   "adopting theirs")
-                    catch_up(wait=0, min_step=diloco.synced_step - 1)
-            elapsed = time.time() - t_start
-            sent, recv = node.traffic.snapshot()
-            swarm.update_progress(step=diloco.inner_step, samples=state["samples"], sent=sent, recv=recv,
-                                  sps=state["steps"] / max(elapsed, 1e-9))  # this session's speed
-            bar.update(diloco, loss.item(), state["val"], sent, recv)
-        # Syncs still in flight (streaming overlap): wait for them and apply them, then keep the result.
+            self._after_syncs(diloco.after_inner_step(batch))
+            self._check_against_swarm()
+            sent, recv = self.node.traffic.snapshot()
+            self.swarm.update_progress(step=diloco.inner_step, samples=self.samples, sent=sent, recv=recv,
+                                       sps=self.steps / max(time.time() - self.t_start, 1e-9))  # this session's
+            self.bar.update(diloco, loss, self.val, sent, recv)
+
+    def _inner_step(self) -> Tuple[float, int]:
+        """One AdamW step on the next batch of our shard; returns (loss, batch size)."""
+        cfg, model, inner_opt = self.cfg, self.model, self.inner_opt
+        for group in inner_opt.param_groups:
+            group["lr"] = _inner_lr(cfg, self.diloco.inner_step)
+        x, y = self.stream.next_batch(self.device)
+        _, loss = model(x, y)
+        inner_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.inner.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+        inner_opt.step()
+        value = loss.item()
+        self.losses.append(value)
+        self.samples += x.shape[0]
+        self.steps += 1
+        return value, x.shape[0]
+
+    def _after_syncs(self, reports: List[SyncReport]) -> None:
+        """A missed round: catch up with our history, or give way to one that outnumbers ours. A failed
+        round that may have completed for the others: adopt their θ rather than build on a stale one."""
+        cfg = self.cfg
+        if any(r.missed for r in reports):
+            if self.rivals(self.swarm.live_peers()) is not None:
+                logger.warning(f"[{self.me}] peers of another history outnumber ours; adopting their state")
+                self.adopt_rivals()
+            elif not self.catch_up(wait=cfg.swarm.allreduce_timeout):
+                logger.warning(f"[{self.me}] missed a round and found no verified state to catch up to yet")
+        elif any(not r.ok and not r.missed for r in reports):
+            # A failed round may have completed for the others (a reply lost on its way to us only).
+            # Then our θ is stale: adopt theirs rather than contribute against an old base.
+            self.catch_up(wait=3 * cfg.swarm.progress_period)
+
+    def _check_against_swarm(self) -> None:
+        """Every progress_period, from the records read in the background (no DHT wait here): are we
+        behind the swarm, in a rival history that is outnumbered, or diverged at the same step?"""
+        diloco, me = self.diloco, self.me
+        if not (time.time() - self.last_check >= self.cfg.swarm.progress_period and diloco.synced_step
+                and (peers := self.swarm.peers_view()) is not None):
+            return
+        self.last_check = time.time()
+        if pick_target(peers, self.node.peer_id_str, diloco.next_sync_step() - 1, len(self.numels),
+                       companions=self.swarm.matchmaker.companions) is not None:
+            # Behind (we were stopped, or slow): the swarm already did our next sync without us.
+            # Re-sync now instead of training on, and never send a contribution for a past round.
+            logger.warning(f"[{me}] the swarm is past our next sync (step {diloco.next_sync_step()}); catching up")
+            self.catch_up(wait=0)
+        elif (found := self.rivals(peers)) is not None:
+            # They trained in groups we were not in (a healed partition) and outnumber us: we are
+            # the minority history. Adopt theirs, even if our step count is ahead.
+            logger.warning(f"[{me}] {len(found)} peer(s) trained in other groups and outnumber ours; "
+                           "adopting their state")
+            self.adopt_rivals()
+        elif in_minority(peers, self.node.peer_id_str, *diloco.sync_point()):
+            logger.warning(f"[{me}] our state at step {diloco.synced_step} differs from the majority's; "
+                           "adopting theirs")
+            self.catch_up(wait=0, min_step=diloco.synced_step - 1)
+
+    def on_sync(self, rep: SyncReport) -> None:
+        """DiLoCo's callback when a sync's result reached the model: metrics, progress record, lineage,
+        validation loss, and a checkpoint once the last fragment of an outer step is in."""
+        swarm, diloco = self.swarm, self.diloco
+        sent, recv = self.node.traffic.snapshot()
+        # null, not 0.0, when no inner step happened since the last event (overlapped modes)
+        train_loss = sum(self.losses) / len(self.losses) if self.losses else None
+        self.losses.clear()
+        if rep.ok:
+            self.syncs += 1
+            group = swarm.matchmaker.groups.get((rep.fragment, rep.round))
+            if group is not None:  # published: peers that trained in other groups are a rival lineage
+                swarm.matchmaker.add_lineage(group.gid)
+                swarm.update_progress(gid=group.gid)
+                swarm.matchmaker.set_companions(group.members)
+            self.val = self.val_loss()
+        else:
+            self.failed += 1
+        self.metrics.write("sync", step=rep.step, fragment=rep.fragment, outer_step=rep.round + 1, ok=rep.ok,
+                           loss=train_loss, val_loss=self.val, group_size=rep.group_size,
+                           sync_seconds=round(rep.seconds, 4), samples=rep.samples, bytes_sent=sent,
+                           bytes_received=recv, sync_bytes_sent=rep.bytes_sent,
+                           sync_bytes_received=rep.bytes_received, digest=rep.digest, error=rep.error or None,
+                           applied_step=rep.applied_step, wait_seconds=round(rep.wait_seconds, 4),
+                           overlapped_steps=rep.overlapped_steps, sync_bytes=rep.bytes_sent + rep.bytes_received,
+                           peak_bytes_per_s=round(rep.peak_bytes_per_s, 1), **rep.extra)
+        synced_step, digest = diloco.sync_point()  # read together: a background sync may land any time
+        swarm.update_progress(round=diloco.outer_round(), digest=digest, last_sync=time.time(),
+                              synced_step=synced_step, val_loss=self.val, loss=train_loss,
+                              next_sync=diloco.next_sync_step())
+        if rep.ok:  # the dashboard's history (issue 21): loss per outer step, failed rounds and why
+            swarm.note_val_loss(diloco.outer_round(), self.val)
+        else:
+            swarm.note_failure(rep.round + 1, rep.fragment, rep.error or "failed")
+        swarm.publish_progress()  # at once: peers matchmaking for our next sync count on it
+        logger.info(f"[{self.me}] sync frag {rep.fragment} round {rep.round} {'ok' if rep.ok else 'FAILED'} "
+                    f"group {rep.group_size} {rep.seconds:.2f}s val_loss {self.val:.4f} digest {rep.digest}")
+        if rep.ok and rep.fragment == diloco.num_fragments - 1:
+            self._save_checkpoint()
+
+    def _save_checkpoint(self) -> None:
+        with self.diloco.state_lock:  # not while a background sync writes a global copy
+            snap = _snapshot(self.model, self.inner_opt, self.diloco, self.stream)
+        save_checkpoint(self.run_dir, snap)
+
+    # ---- finish, close -------------------------------------------------------------------------------------
+    def finish(self) -> Dict[str, Any]:
+        """Syncs still in flight (streaming overlap) are waited for and applied, then kept: checkpoint,
+        summary event. Returns the summary."""
+        diloco = self.diloco
         diloco.finish()
         diloco.close()
-        with diloco.state_lock:
-            snap = _snapshot(model, inner_opt, diloco, stream)
-        save_checkpoint(run_dir, snap)
-        bar.close()
-        sent, recv = node.traffic.snapshot()
-        summary = {"peer": node.peer_id_str, "short_id": me, "val_loss_start": val0, "val_loss_end": state["val"],
-                   "outer_steps": diloco.outer_round(), "inner_steps": diloco.inner_step, "syncs": state["syncs"],
-                   "failed_syncs": state["failed"], "bytes_sent": sent, "bytes_received": recv,
-                   "seconds": round(time.time() - t_start, 2), "digest": diloco.digest(), "run_dir": run_dir,
-                   "streaming_mode": diloco.mode, "network_wait_seconds": round(diloco.wait_seconds, 3),
+        self._save_checkpoint()
+        self.bar.close()
+        sent, recv = self.node.traffic.snapshot()
+        summary = {"peer": self.node.peer_id_str, "short_id": self.me, "val_loss_start": self.val0,
+                   "val_loss_end": self.val, "outer_steps": diloco.outer_round(), "inner_steps": diloco.inner_step,
+                   "syncs": self.syncs, "failed_syncs": self.failed, "bytes_sent": sent, "bytes_received": recv,
+                   "seconds": round(time.time() - self.t_start, 2), "digest": diloco.digest(),
+                   "run_dir": self.run_dir, "streaming_mode": diloco.mode,
+                   "network_wait_seconds": round(diloco.wait_seconds, 3),
                    "peak_bytes_per_s": round(diloco.meter.peak if diloco.meter else 0.0, 1)}
-        metrics.write("summary", **summary)
+        self.metrics.write("summary", **summary)
         return summary
-    finally:
-        if dashboard is not None:
-            dashboard.close()
-        if metrics is not None:
-            metrics.close()
-        if swarm is not None:
-            swarm.shutdown()
-        node.shutdown()
+
+    def close(self) -> None:
+        """Stop serving, close the metrics, say goodbye to the swarm, stop the node (in that order)."""
+        if self.dashboard is not None:
+            self.dashboard.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.swarm is not None:
+            self.swarm.shutdown()
+        self.node.shutdown()
 
 
 def _data_shard(cfg: RunConfig, peer_id: str, ckpt: Optional[Dict[str, Any]]) -> int:
