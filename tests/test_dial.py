@@ -9,7 +9,7 @@ that it fired (its rule's counter, the refused dial's error).
   a plain dial right before it): the round waits it out and completes on every member.
 * warm: a private member's first dial to an owner is refused while the group forms: the warm step
   waits out the backoff, the group forms with everyone and its round opens no cold connection.
-* unreachable: two members cannot exchange a packet: the larger one is left out *before* the round
+* unreachable: two members cannot connect to each other: the larger one is left out *before* the round
   (one clear RoundMissed), the round completes for the others.
 """
 from __future__ import annotations
