@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -95,3 +97,37 @@ def assert_agree(run_dirs: Sequence, min_common: int = 1) -> int:
     shared = sum(1 for per_peer in table.values() if len(per_peer) == len(run_dirs))
     assert shared >= min_common, f"only {shared} syncs shared by all {len(run_dirs)} peers: {sorted(table)}"
     return shared
+
+
+def ns_cli(*args: str) -> List[str]:
+    """argv of the p2pdiloco command, to run inside a network namespace host."""
+    return [sys.executable, "-m", "p2pdiloco.cli", *args]
+
+
+class NsPeers:
+    """CLI processes started inside network-namespace hosts (``host.popen``); output in tmp_path."""
+
+    def __init__(self, tmp_path):
+        self.tmp = tmp_path
+        self.procs = {}
+
+    def start(self, host, name, *args, env=None):
+        out = open(self.tmp / f"{name}.out", "w")
+        err = open(self.tmp / f"{name}.err", "w")
+        e = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        p = host.popen(ns_cli(*args), stdout=out, stderr=err, cwd=str(self.tmp), env=e)
+        p.name = name
+        self.procs[name] = p
+        return p
+
+    def err(self, name):
+        return (self.tmp / f"{name}.err").read_text()
+
+    def wait(self, p, timeout):
+        try:
+            return p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{p.name} did not exit in {timeout} s:\n{self.err(p.name)[-3000:]}")
+
+    def alive(self):
+        return [n for n, p in self.procs.items() if p.poll() is None]

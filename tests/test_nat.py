@@ -28,47 +28,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from elastic_support import digests_by_sync, faults_env, join_args, ok_syncs, read_events, wait_for
+from elastic_support import (NsPeers, digests_by_sync, faults_env, join_args, ns_cli, ok_syncs, read_events,
+                             wait_for)
 
 pytestmark = [pytest.mark.netem]
 
 H = 20
 KILL_ROUND = 7
 _missing = [tool for tool in ("ip", "tc") if subprocess.run(["which", tool], capture_output=True).returncode]
-
-
-def _cli(*args):
-    return [sys.executable, "-m", "p2pdiloco.cli", *args]
-
-
-class NsPeers:
-    """CLI processes started inside namespaces; output files in tmp_path (cleaned up by the NatNet)."""
-
-    def __init__(self, tmp_path):
-        self.tmp = tmp_path
-        self.procs = {}
-
-    def start(self, host, name, *args, env=None):
-        out = open(self.tmp / f"{name}.out", "w")
-        err = open(self.tmp / f"{name}.err", "w")
-        e = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.procs[name] = host.popen(_cli(*args), stdout=out, stderr=err, cwd=str(self.tmp), env=e)
-        self.procs[name].name = name
-        return self.procs[name]
-
-    def err(self, name):
-        return (self.tmp / f"{name}.err").read_text()
-
-    def wait(self, p, timeout):
-        try:
-            return p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{p.name} did not exit in {timeout} s:\n{self.err(p.name)[-3000:]}")
 
 
 def _peer_id(run_dir):
@@ -130,14 +101,14 @@ def test_private_peers_behind_a_real_nat_train_as_full_members(tmp_path):
             assert f"reachability: {reach}" in peers.err(n) and f"DHT {dht}" in peers.err(n), peers.err(n)[-2000:]
         # status, read on a public host from the DHT the private peers write to as clients
         t0 = time.time()
-        status = h1.run(_cli("status", "--initial-peers", addr, "--run-id", "nat", "--json"), timeout=60,
+        status = h1.run(ns_cli("status", "--initial-peers", addr, "--run-id", "nat", "--json"), timeout=60,
                         cwd=str(tmp_path))
         took = time.time() - t0
         listed = {pid: v.get("reach") for pid, v in json.loads(status.stdout).items()}
         assert {ids[n]: listed.get(ids[n]) for n in "abcd"} == {
             ids["a"]: "public", ids["b"]: "public", ids["c"]: "private", ids["d"]: "private"}, listed
         assert took < 30, f"status took {took:.1f} s"
-        table = h1.run(_cli("status", "--initial-peers", addr, "--run-id", "nat"), timeout=60, cwd=str(tmp_path))
+        table = h1.run(ns_cli("status", "--initial-peers", addr, "--run-id", "nat"), timeout=60, cwd=str(tmp_path))
         assert "reach" in table.stdout and "private" in table.stdout and "public" in table.stdout, table.stdout
 
         # 4. d is SIGKILLed mid-round (by its own pid, from its fault hook): the others go on

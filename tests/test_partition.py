@@ -12,43 +12,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from elastic_support import FAST, ok_syncs, read_events, wait_for
+from elastic_support import FAST, NsPeers, ok_syncs, read_events, wait_for
 
 pytestmark = [pytest.mark.netem]
 
 H = 30  # outer steps of ~3 s
 _missing = [tool for tool in ("ip", "tc") if subprocess.run(["which", tool], capture_output=True).returncode]
-
-
-def _cli(*args):
-    return [sys.executable, "-m", "p2pdiloco.cli", *args]
-
-
-class NsPeers:
-    """CLI processes started inside the emulated hosts; output files in tmp_path."""
-
-    def __init__(self, tmp_path):
-        self.tmp = tmp_path
-        self.procs = {}
-
-    def start(self, host, name, *args):
-        out = open(self.tmp / f"{name}.out", "w")
-        err = open(self.tmp / f"{name}.err", "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        p = host.popen(_cli(*args), stdout=out, stderr=err, cwd=str(self.tmp), env=env)
-        self.procs[name] = p
-        return p
-
-    def err(self, name):
-        return (self.tmp / f"{name}.err").read_text()
-
-    def alive(self):
-        return [n for n, p in self.procs.items() if p.poll() is None]
 
 
 @pytest.mark.timeout(300)
