@@ -49,6 +49,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,7 +87,27 @@ MODES: Dict[str, Tuple[str, ...]] = {
     "streaming4-tau8-e3m0": ("streaming.fragments=4", "streaming.tau=8", "streaming.alpha=0.5", "compression.codec=e3m0"),
     "streaming4-eager-fp32": ("streaming.fragments=4", "streaming.mode=eager"),
     "streaming4-eager-nf4": ("streaming.fragments=4", "streaming.mode=eager", "compression.codec=nf4"),
+    # issue 16: the same as their all-public namesakes with every odd-numbered peer private (HALF_PRIVATE)
+    "diloco-fp32-halfprivate": (),
+    "streaming4-tau4-e3m0-halfprivate": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5",
+                                         "compression.codec=e3m0"),
 }
+
+#: modes whose odd-numbered peers are *private*: their host drops inbound TCP connections (nftables,
+#: with connection tracking: outbound connections and their replies pass, as behind a home router's
+#: NAT). They find out with swarm.reachability=auto (nobody can dial them back) and train as members
+#: that own no all-reduce shard (swarm/reachability.py).
+HALF_PRIVATE = frozenset({"diloco-fp32-halfprivate", "streaming4-tau4-e3m0-halfprivate"})
+_PRIVATE_TABLE = "p2pdiloco_private"
+_PRIVATE_RULES = f"""table inet {_PRIVATE_TABLE} {{
+  chain input {{
+    type filter hook input priority 0; policy accept;
+    ct state established,related accept
+    iifname "lo" accept
+    meta l4proto tcp ct state new drop
+  }}
+}}
+"""
 
 #: baselines: name -> extra arguments of ``python -m p2pdiloco.bench.hivemind_dp``.
 BASELINES: Dict[str, Tuple[str, ...]] = {
@@ -106,11 +127,14 @@ MATRICES: Dict[str, Tuple[str, ...]] = {
     "overlap": ("streaming4-e3m0", "streaming4-tau4-e3m0"),
     # the same at the papers' longer rounds: run with --set inner.sync_every=40 (tau 8 < H/P = 10)
     "overlap-h40": ("streaming4-e3m0", "streaming4-tau8-e3m0"),
+    # issue 16: half the peers private (behind a stateful firewall) beside all public
+    "private": ("diloco-fp32", "diloco-fp32-halfprivate", "streaming4-tau4-e3m0", "streaming4-tau4-e3m0-halfprivate"),
 }
 
 #: default budget of each matrix in outer rounds (inner steps per peer = rounds * H), sized for
 #: about 20 minutes on 2 cores at 10 Mbit/s (the data-parallel baseline needs ~8 s per step there)
-MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4, "streaming": 4, "overlap": 4, "overlap-h40": 4}
+MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4, "streaming": 4, "overlap": 4, "overlap-h40": 4,
+                                 "private": 4}
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _DEFAULT_CONFIG = os.path.join(_REPO, "peers", "tiny-cpu.toml")
@@ -327,6 +351,8 @@ def _run_mode(plan: _Plan, mode: _ModeRun, wan: EmulatedWAN, sampler: _Sampler, 
     boot = None
     try:
         mode.t_begin = time.time()
+        if mode.name in HALF_PRIVATE:
+            _make_private([wan.hosts[i] for i in range(1, plan.peers, 2)])
         boot, maddr = _start_bootstrap(wan.hosts[plan.peers], mode_dir, files)
         for i in range(plan.peers):
             log = open(os.path.join(mode_dir, f"peer{i}.log"), "w")
@@ -375,6 +401,23 @@ def _run_mode(plan: _Plan, mode: _ModeRun, wan: EmulatedWAN, sampler: _Sampler, 
             _kill_group(boot)
         for f in files:
             f.close()
+        if mode.name in HALF_PRIVATE:
+            for i in range(1, plan.peers, 2):
+                wan.hosts[i].run([_nft(), "delete", "table", "inet", _PRIVATE_TABLE], check=False)
+
+
+def _nft() -> str:
+    path = shutil.which("nft")
+    if path is None:
+        raise UserError("the half-private modes need nftables (nft) to firewall their private peers: "
+                        "apt-get install nftables")
+    return path
+
+
+def _make_private(hosts: Sequence[Host]) -> None:
+    """Drop inbound TCP connections to ``hosts`` (replies to their own connections still pass)."""
+    for host in hosts:
+        host.run([_nft(), "-f", "-"], input=_PRIVATE_RULES, timeout=30)
 
 
 def _status_line(plan: _Plan, mode: _ModeRun, sampler: _Sampler, label: str) -> str:
