@@ -9,7 +9,10 @@
    joiner with the same ``(gid, members)``. A group is therefore decided by exactly one peer and
    every member gets the same answer.
 3. A peer that is asked to lead but follows someone else refuses with a *hint* (its leader); a
-   peer whose leader is unreachable drops it and tries the next smallest id.
+   peer whose leader is unreachable drops it and tries the next smallest id. "Unreachable" means a
+   dial that still fails after ``JOIN_DIAL_WAIT`` seconds: a first dial to a live leader can be
+   refused by libp2p's dial backoff left by an earlier failed dial (seen in the 2-peer benchmark:
+   the follower then led a group of one and the leader missed the round), which is waited out.
 4. There is one group per (fragment, round), because all peers share one global state. The leader
    records the final members under ``<run>:group:<f>:<r>``. A peer that finds a closed group
    without itself (or is refused with ``closed``) raises :class:`MatchmakingFailed`: it missed
@@ -85,13 +88,17 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Set, Tuple
 
 from ..errors import MatchmakingFailed, RoundMissed, WireError
 from .allreduce import Group, make_group_id
-from .dialing import ensure_connected
+from .dialing import dial_reason, ensure_connected, open_stream
 from .reachability import REACHABILITY, is_private
 from .protocol import (PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header,
                        refuse_bad_request, write_frame)
 from .state_sync import pick_target
 
 __all__ = ["Matchmaker", "expected_peers"]
+
+#: how long a join request waits out a failed first dial to a leader that is live by its records
+#: (seconds): a cold address or libp2p's dial backoff (dialing.py) must not split a round in two
+JOIN_DIAL_WAIT = 3.0
 
 logger = logging.getLogger(__name__)
 
@@ -785,15 +792,17 @@ class Matchmaker:
     async def _join(self, leader: str, frag: int, round_: int, due: Optional[int] = None,
                     timeout: Optional[float] = None) -> Tuple[Optional[Group], Optional[str]]:
         """Ask ``leader`` to admit us. (group, None) when admitted, (None, hint) when refused."""
-        from hivemind.p2p import PeerID
-
         me = self.node.peer_id_str
         traffic = self.node.traffic
         try:
+            # a first dial can fail while the leader is alive (its addresses not yet known to us, a dial
+            # backoff left by a DHT call): wait it out briefly instead of leading a split group alone
+            deadline = asyncio.get_running_loop().time() + JOIN_DIAL_WAIT
             _, reader, writer = await asyncio.wait_for(
-                self.node.p2p.call_binary_stream_handler(PeerID.from_base58(leader), self.handler_name), timeout=10)
+                open_stream(self.node, leader, self.handler_name, deadline), timeout=JOIN_DIAL_WAIT + 10)
         except Exception as e:
-            logger.info(f"[{self.node.short_id}] leader {leader[-6:]} unreachable ({type(e).__name__}); trying the next")
+            logger.info(f"[{self.node.short_id}] leader {leader[-6:]} unreachable ({type(e).__name__}: "
+                        f"{dial_reason(e)[:200]}); trying the next")
             return None, None
         try:
             await write_frame(writer, {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_,
