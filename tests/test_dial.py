@@ -25,9 +25,17 @@ import pytest
 pytestmark = [pytest.mark.netem]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_missing = [tool for tool in ("ip", "nft") if subprocess.run(["which", tool], capture_output=True).returncode]
+_missing = [tool for tool in ("ip",) if subprocess.run(["which", tool], capture_output=True).returncode]
 needs_netns = pytest.mark.skipif(os.geteuid() != 0 or bool(_missing),
-                                 reason="needs root, iproute2 and nftables (a network namespace of its own)")
+                                 reason="needs root and iproute2 (a network namespace of its own)")
+
+
+@pytest.fixture(scope="module")
+def nftables():
+    """nftables, installed with apt-get when missing (root): CI starts from a fresh machine."""
+    from nat_support import ensure_nft
+
+    return ensure_nft()
 
 
 def _run(scenario: str, tmp_path) -> dict:
@@ -69,9 +77,9 @@ def test_the_leader_leaves_out_the_member_in_most_unconnected_pairs_never_itself
     assert set(mm._left_out(members, {"a": set(), "b": {"c"}, "c": set(), "d": set()})) == {"b"}
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(200, func_only=True)
 @needs_netns
-def test_a_round_that_starts_with_an_owner_in_dial_backoff_completes(tmp_path):
+def test_a_round_that_starts_with_an_owner_in_dial_backoff_completes(tmp_path, nftables):
     r = _run("backoff", tmp_path)
     assert r["hits"] >= 1 and "connection refused" in r["first"], r["first"]  # the fault fired
     assert "dial backoff" in r["second"], r["second"]  # and the round starts with the address in backoff
@@ -83,9 +91,9 @@ def test_a_round_that_starts_with_an_owner_in_dial_backoff_completes(tmp_path):
     assert "dial backoff (libp2p refuses to dial an address" in r["log"]  # the cause is logged
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(200, func_only=True)
 @needs_netns
-def test_the_group_warms_its_links_before_the_round_and_waits_out_a_refused_first_dial(tmp_path):
+def test_the_group_warms_its_links_before_the_round_and_waits_out_a_refused_first_dial(tmp_path, nftables):
     r = _run("warm", tmp_path)
     assert r["fired"], "the refusing rule never fired"
     groups = r["groups"]
@@ -100,9 +108,9 @@ def test_the_group_warms_its_links_before_the_round_and_waits_out_a_refused_firs
     assert r["formed"] < 15, r["formed"]
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(200, func_only=True)
 @needs_netns
-def test_a_member_the_others_cannot_reach_is_left_out_before_the_round(tmp_path):
+def test_a_member_the_others_cannot_reach_is_left_out_before_the_round(tmp_path, nftables):
     r = _run("unreachable", tmp_path)
     assert r["hits"] >= 1, "the dropping rules never fired"
     ids, groups = r["ids"], r["groups"]
