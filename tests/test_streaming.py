@@ -24,6 +24,7 @@ from p2pdiloco.config import load_config
 from p2pdiloco.data import BatchStream, load_corpus
 from p2pdiloco.diloco.core import DiLoCo
 from p2pdiloco.diloco.fragments import Schedule
+from p2pdiloco.diloco.loop import inner_step
 from p2pdiloco.diloco.outer import OuterState
 from p2pdiloco.diloco.overlap import BandwidthMeter, lookahead
 from p2pdiloco.errors import ConfigError, SyncFailed
@@ -126,18 +127,8 @@ def _inner_setup(cfg, shard: int):
 
 
 def _inner_step(cfg, model, opt, stream, step: int) -> int:
-    """One inner step exactly as loop.py takes it (warm-up, clip); ``step`` = steps taken before."""
-    w = cfg.inner.warmup_steps
-    for g in opt.param_groups:
-        g["lr"] = cfg.inner.lr * min(1.0, (step + 1) / w) if w else cfg.inner.lr
-    x, y = stream.next_batch("cpu")
-    _, loss = model(x, y)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    if cfg.inner.grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
-    opt.step()
-    return x.shape[0]
+    """One inner step as loop.py takes it (the same function); ``step`` = steps taken before."""
+    return inner_step(cfg, model, opt, stream, step)[1]
 
 
 def run_peers(cfg, m: int, outer_steps: int, hub: Optional[Hub] = None, hold=None, factory=DiLoCo,

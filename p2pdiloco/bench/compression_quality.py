@@ -29,6 +29,7 @@ import torch
 from ..compression import Codec, get_codec
 from ..config import RunConfig, load_config
 from ..data import BatchStream, evaluate, load_corpus
+from ..diloco.loop import inner_step
 from ..diloco.outer import OuterState
 from ..diloco.reducers import make_reducer
 from ..model import build_model
@@ -110,16 +111,7 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int) -> Dict[str, object]:
         for model, opt, stream in zip(models, opts, streams):
             model.train()
             for k in range(cfg.inner.sync_every):
-                w = cfg.inner.warmup_steps
-                for g in opt.param_groups:
-                    g["lr"] = cfg.inner.lr * min(1.0, (step + k + 1) / w) if w else cfg.inner.lr
-                x, y = stream.next_batch("cpu")
-                _, loss = model(x, y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if cfg.inner.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
-                opt.step()
+                inner_step(cfg, model, opt, stream, step + k)
         step += cfg.inner.sync_every
         deltas = [outer.pseudo_gradient(ps) for ps in params]
         bf = _Butterfly(peers, [1.0] * peers, codec)

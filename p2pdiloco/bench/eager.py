@@ -102,6 +102,7 @@ def run_variant(config: Optional[str], sets: Sequence[str], spec: str, peers: in
     from ..config import load_config
     from ..data import BatchStream, evaluate, load_corpus
     from ..diloco.core import DiLoCo
+    from ..diloco.loop import inner_step
     from ..model import build_model
 
     name, lr = _parse(spec)
@@ -131,18 +132,9 @@ def run_variant(config: Optional[str], sets: Sequence[str], spec: str, peers: in
                         if status:
                             status(f"{spec}: outer step {len(curve)}/{outer_steps} val {curve[-1]:.4f}")
                 d.on_sync = on_sync
-            w = cfg.inner.warmup_steps
             while d.outer_round() < outer_steps:
-                for g in opt.param_groups:
-                    g["lr"] = cfg.inner.lr * min(1.0, (d.inner_step + 1) / w) if w else cfg.inner.lr
-                x, y = stream.next_batch("cpu")
-                _, loss = model(x, y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if cfg.inner.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
-                opt.step()
-                d.after_inner_step(x.shape[0])
+                _, batch = inner_step(cfg, model, opt, stream, d.inner_step)
+                d.after_inner_step(batch)
             d.finish()
             d.close()
             out[i] = model

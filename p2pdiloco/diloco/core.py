@@ -263,7 +263,8 @@ class DiLoCo:
         outer = self.outer[p]
         mu, lr = outer.momentum, outer.lr
         size = self._expected_size(group, prev)
-        if prev is not None and prev.ok:
+        arrived = prev is not None and prev.ok
+        if arrived:
             last_share = prev.weight / prev.covered_weight
             stale = prev.delta.to(delta.device) * last_share
             # our share of round k: as in round k−1 (peers' speeds change slowly), scaled to k's group size
@@ -274,16 +275,13 @@ class DiLoCo:
         if self._offsets[p] is None:
             self._offsets[p] = ([torch.zeros_like(x) for x in outer.params], [torch.zeros_like(x) for x in outer.params])
         f_list, e_list = self._offsets[p]
-        arrived = prev is not None and prev.ok
         for f, e, b, d in zip(f_list, e_list, outer.buffers, outer.unflatten(d_flat)):
             if arrived:
                 nesterov_step_(f, e, d, lr=lr, momentum=mu, nesterov=outer.nesterov)
             else:  # the peer's own step from (θ + f, b + e); the agreed copy stays at (θ, b)
                 bm = b + e
-                fm = f.clone()
-                nesterov_step_(fm, bm, d, lr=lr, momentum=mu, nesterov=outer.nesterov)
+                nesterov_step_(f, bm, d, lr=lr, momentum=mu, nesterov=outer.nesterov)
                 e.copy_(bm - b)
-                f.copy_(fm)
         return [x + f for x, f in zip(outer.params, f_list)]
 
     def _expected_size(self, group: concurrent.futures.Future, prev: Optional[SyncJob]) -> int:

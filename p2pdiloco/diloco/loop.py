@@ -26,7 +26,7 @@ from ..errors import JoinFailed, SyncFailed
 from ..swarm.state_sync import StateServer, download_state, in_minority, pick_target, rival_lineage
 from .core import DiLoCo, SyncReport
 
-__all__ = ["run_peer"]
+__all__ = ["run_peer", "inner_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,22 @@ def _inner_lr(cfg: RunConfig, step: int) -> float:
     """Linear warm-up over inner.warmup_steps, then constant."""
     w = cfg.inner.warmup_steps
     return cfg.inner.lr * min(1.0, (step + 1) / w) if w else cfg.inner.lr
+
+
+def inner_step(cfg: RunConfig, model, opt, stream: BatchStream, step: int, device="cpu") -> Tuple[float, int]:
+    """One inner AdamW step on the next batch of ``stream`` (warm-up lr for ``step`` = steps taken
+    before, gradient clipping); returns (loss, batch size). The peer's loop, the benchmarks and the
+    tests' references all take their inner steps here."""
+    for group in opt.param_groups:
+        group["lr"] = _inner_lr(cfg, step)
+    x, y = stream.next_batch(device)
+    _, loss = model(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.inner.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+    opt.step()
+    return loss.item(), x.shape[0]
 
 
 def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, Any]:
@@ -308,21 +324,12 @@ class _Peer:
 
     def _inner_step(self) -> Tuple[float, int]:
         """One AdamW step on the next batch of our shard; returns (loss, batch size)."""
-        cfg, model, inner_opt = self.cfg, self.model, self.inner_opt
-        for group in inner_opt.param_groups:
-            group["lr"] = _inner_lr(cfg, self.diloco.inner_step)
-        x, y = self.stream.next_batch(self.device)
-        _, loss = model(x, y)
-        inner_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.inner.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
-        inner_opt.step()
-        value = loss.item()
+        value, batch = inner_step(self.cfg, self.model, self.inner_opt, self.stream, self.diloco.inner_step,
+                                  self.device)
         self.losses.append(value)
-        self.samples += x.shape[0]
+        self.samples += batch
         self.steps += 1
-        return value, x.shape[0]
+        return value, batch
 
     def _after_syncs(self, reports: List[SyncReport]) -> None:
         """A missed round: catch up with our history, or give way to one that outnumbers ours. A failed

@@ -409,9 +409,9 @@ class AllReducer:
         out, covers = await self._exchange(group, phase, vec, weight, codec)
         sets = {cov for cov, _ in covers}
         common = sorted(set.intersection(*(set(c) for c in sets)))
+        members = tuple(group.members[i] for i in common)
+        left = tuple(m for m in group.members if m not in members)
         if len(sets) == 1:
-            members = tuple(group.members[i] for i in common)
-            left = tuple(m for m in group.members if m not in members)
             if left:
                 self.stats["rounds_degraded"] += 1
                 logger.warning(f"[{self.node.short_id}] group {group.gid} (fragment {group.frag}, round {group.round}, "
@@ -422,8 +422,6 @@ class AllReducer:
             raise SyncFailed(f"the shards of group {group.gid} cover different members "
                              f"({sorted(sets)}); not applied")
         self.stats["rounds_redone"] += 1
-        members = [group.members[i] for i in common]
-        left = [m for m in group.members if m not in members]
         logger.warning(f"[{self.node.short_id}] the shards of group {group.gid} (fragment {group.frag}, round "
                        f"{group.round}, {phase}) covered different members; re-doing it without {', '.join(left)}")
         sub = restricted_group(group, members)
