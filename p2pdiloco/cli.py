@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import logging
 import os
 import signal
@@ -162,13 +163,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
         node.shutdown()
     peers = {pid: v for pid, v in peers.items() if not v.get("gone")}
     if args.json:
-        print(json.dumps(peers, indent=1))
+        from .dashboard.view import json_safe
+
+        print(json.dumps(json_safe(peers), indent=1))  # a record's NaN (no val loss yet) as null
         return 0
     if not peers:
         print(f"no live peers in run {args.run_id!r}")
         return 0
     now = time.time()
-    cols = f"{'peer':<8} {'reach':<8} {'outer':>5} {'step':>7} {'steps/s':>7} {'samples':>9} {'sent':>9} {'recv':>9} {'last sync':>9} {'loss':>7} {'val':>7}"
+    cols = f"{'peer':<8} {'reach':<8} {'outer':>5} {'step':>7} {'samples/s':>9} {'share':>5} {'samples':>9} {'sent':>9} {'recv':>9} {'last sync':>9} {'loss':>7} {'val':>7}"
     print(cols)
     for pid, v in sorted(peers.items(), key=lambda kv: kv[0]):
         last = v.get("last_sync")
@@ -176,7 +179,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         loss = v.get("loss")
         val = v.get("val_loss")
         reach = v.get("reach") or "?"  # public / private / relayed (swarm/reachability.py)
-        print(f"{pid[-6:]:<8} {reach:<8} {v.get('round', 0):>5} {v.get('step', 0):>7} {v.get('sps', 0.0):>7.2f} "
+        rate, share = v.get("rate"), v.get("share")  # samples/s, share of the last round's samples (issue 23)
+        rate = f"{rate:.1f}" if isinstance(rate, (int, float)) and math.isfinite(rate) else "-"
+        share = f"{100 * share:.0f}%" if isinstance(share, (int, float)) and 0 <= share <= 1 else "-"
+        print(f"{pid[-6:]:<8} {reach:<8} {v.get('round', 0):>5} {v.get('step', 0):>7} {rate:>9} {share:>5} "
               f"{v.get('samples', 0):>9} {format_bytes(v.get('sent', 0)):>9} {format_bytes(v.get('recv', 0)):>9} "
               f"{ago:>9} {loss if loss is None else f'{loss:.3f}':>7} {val if val is None else f'{val:.3f}':>7}")
     return 0

@@ -60,9 +60,21 @@ class InnerConfig:
     batch_size: int = 8
     #: gradient-norm clip (0 disables)
     grad_clip: float = 1.0
+    #: rounds by the swarm's samples (issue 23): 0 = every peer takes sync_every inner steps per round
+    #: (the papers' DiLoCo; the swarm runs at its slowest peer's speed); N > 0 = a round ends when the
+    #: whole swarm has processed N sequences, each peer taking as many inner steps as it can meanwhile,
+    #: and sync_every only sets the schedule's granularity (N / sync_every sequences per position).
+    #: docs/heterogeneous.md
+    round_samples: int = 0
 
     def validate(self) -> None:
         _positive(self, "inner", "sync_every", "batch_size")
+        if not isinstance(self.round_samples, int) or self.round_samples < 0:
+            raise ConfigError(f"inner.round_samples ({self.round_samples!r}) must be an integer >= 0 (0: rounds of "
+                              "inner.sync_every steps on every peer)")
+        if 0 < self.round_samples < self.sync_every:
+            raise ConfigError(f"inner.round_samples ({self.round_samples}) must be >= inner.sync_every "
+                              f"({self.sync_every}): a schedule position is round_samples / sync_every sequences")
         _positive_float(self, "inner", "lr")
         if not 0 <= self.weight_decay < 1:
             raise ConfigError(f"inner.weight_decay ({self.weight_decay}) must be in [0, 1)")
@@ -377,6 +389,7 @@ class RunConfig:
         out["data.vocab"] = "bytes-256"
         out["train.seed"] = self.train.seed
         out["inner.sync_every"] = self.inner.sync_every
+        out["inner.round_samples"] = self.inner.round_samples  # the budget; each peer's steps per round are its own
         for k, v in d["outer"].items():
             out[f"outer.{k}"] = v
         for k, v in d["streaming"].items():

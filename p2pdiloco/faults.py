@@ -75,6 +75,8 @@ ACTIONS = {
     "kill": "SIGKILL this peer and its DHT/daemon children, as a crashed machine",
     "exit": "os._exit(code) without any cleanup",
     "tamper": "corrupt the bytes about to be sent (state.serve only)",
+    "slow": "step only: sleep (factor - 1) times this inner step's compute time, a machine `factor` times "
+            "slower (with times 0, every step; reported at the first firing and every 100th, all counted)",
 }
 
 
@@ -89,6 +91,7 @@ class Fault:
     round: Optional[int] = None
     times: int = 1
     seconds: float = 3600.0
+    factor: float = 1.0
     code: int = 1
     fired: int = 0
 
@@ -133,6 +136,10 @@ def parse_faults(spec: Union[str, Dict[str, Any], List[Dict[str, Any]]]) -> List
             raise ConfigError(f"{ENV_VAR}: unknown phase {fault.phase!r}; phases: {', '.join(PHASES)}")
         if fault.action not in ACTIONS:
             raise ConfigError(f"{ENV_VAR}: unknown action {fault.action!r}; actions: {', '.join(ACTIONS)}")
+        if fault.action == "slow" and (fault.phase != "step" or not isinstance(fault.factor, (int, float))
+                                       or isinstance(fault.factor, bool) or not fault.factor >= 1):
+            raise ConfigError(f"{ENV_VAR}: action 'slow' applies to phase 'step' with a factor >= 1, got phase "
+                              f"{fault.phase!r} factor {fault.factor!r}")
         if fault.action == "tamper" and fault.phase != "state.serve":
             raise ConfigError(f"{ENV_VAR}: action 'tamper' only applies to phase 'state.serve'")
         for name in ("step", "frag", "round"):
@@ -201,6 +208,8 @@ def _match(phase: str, frag: Optional[int], round_: Optional[int]) -> Optional[F
                 break
         else:
             return None
+    if rule.action == "slow" and count > 1 and count % 100:
+        return rule  # counted; a throttle fires every step, reported at the first firing and every 100th
     event = dict(phase=phase, action=rule.action, step=_step, frag=frag, round=round_, count=count)
     logger.warning(f"injected fault: {rule.action} at {phase} (step {_step}, fragment {frag}, round {round_}, "
                    f"firing {count})")
@@ -222,15 +231,19 @@ def _act(rule: Fault) -> None:
         os._exit(rule.code)
 
 
-def fire(phase: str, *, frag: Optional[int] = None, round: Optional[int] = None) -> Optional[Fault]:
+def fire(phase: str, *, frag: Optional[int] = None, round: Optional[int] = None,
+         busy: float = 0.0) -> Optional[Fault]:
     """Run the matching rule's action here (stalls with time.sleep); returns the rule, or None.
 
-    ``tamper`` is returned to the caller, which owns the bytes (see :func:`tamper_bytes`).
+    ``tamper`` is returned to the caller, which owns the bytes (see :func:`tamper_bytes`). ``busy``: the
+    compute seconds of the inner step just taken (``slow`` sleeps a multiple of it).
     """
     rule = _match(phase, frag, round)
     if rule is not None:
         if rule.action == "stall":
             time.sleep(rule.seconds)
+        elif rule.action == "slow":
+            time.sleep((rule.factor - 1) * max(0.0, busy))
         _act(rule)
     return rule
 

@@ -91,7 +91,17 @@ MODES: Dict[str, Tuple[str, ...]] = {
     "diloco-fp32-halfprivate": (),
     "streaming4-tau4-e3m0-halfprivate": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5",
                                          "compression.codec=e3m0"),
+    # issue 23 (peers of different speeds, --speeds): rounds by the swarm's samples, a round being as many
+    # samples as the step-based rounds of all peers ("auto": peers * H * batch); and the step-based
+    # rounds of the full-speed peers alone (FAST_ONLY), the slower ones left out, for as many tokens
+    "rounds-samples": ("inner.round_samples=auto",),
+    "fast-only": (),
 }
+
+#: modes in which only the peers at full speed (--speeds 1) train, for as many rounds as make the same tokens
+FAST_ONLY = frozenset({"fast-only"})
+#: --speeds of the "speeds" matrix when none are given: two full-speed peers, one at half and one at a fifth
+SPEEDS_DEFAULT = (1.0, 1.0, 0.5, 0.2)
 
 #: modes whose odd-numbered peers are *private*: their host drops inbound TCP connections (nftables,
 #: with connection tracking: outbound connections and their replies pass, as behind a home router's
@@ -129,12 +139,15 @@ MATRICES: Dict[str, Tuple[str, ...]] = {
     "overlap-h40": ("streaming4-e3m0", "streaming4-tau8-e3m0"),
     # issue 16: half the peers private (behind a stateful firewall) beside all public
     "private": ("diloco-fp32", "diloco-fp32-halfprivate", "streaming4-tau4-e3m0", "streaming4-tau4-e3m0-halfprivate"),
+    # issue 23: peers of different speeds (--speeds, default 1,1,0.5,0.2): rounds of H steps on every peer,
+    # rounds by the swarm's samples, and the full-speed peers alone
+    "speeds": ("diloco-fp32", "rounds-samples", "fast-only"),
 }
 
 #: default budget of each matrix in outer rounds (inner steps per peer = rounds * H), sized for
 #: about 20 minutes on 2 cores at 10 Mbit/s (the data-parallel baseline needs ~8 s per step there)
 MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4, "streaming": 4, "overlap": 4, "overlap-h40": 4,
-                                 "private": 4}
+                                 "private": 4, "speeds": 6}
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _DEFAULT_CONFIG = os.path.join(_REPO, "peers", "tiny-cpu.toml")
@@ -209,6 +222,7 @@ class _Plan:
     matchmaking_timeout: float
     supports_start_wait: bool
     pin_cores: bool = False          # each peer (with its DHT and p2p daemon) on its own share of the cores
+    speeds: Tuple[float, ...] = ()   # per peer, 1 = full speed (issue 23: a slower peer sleeps after each step)
 
 
 @dataclass
@@ -241,10 +255,33 @@ def _peer_overrides(plan: _Plan, name: str, i: int, host: Optional[Host]) -> Lis
     return sets + list(plan.user_sets)
 
 
+def _mode_peers(plan: _Plan, mode: _ModeRun) -> List[int]:
+    """The peers that train in ``mode``: all, or the full-speed ones (FAST_ONLY)."""
+    if mode.name in FAST_ONLY and plan.speeds:
+        return [i for i in range(plan.peers) if plan.speeds[i] >= 1]
+    return list(range(plan.peers))
+
+
 def _diloco_sets(plan: _Plan, mode: _ModeRun, i: int, host: Optional[Host]) -> List[str]:
     outer = plan.steps // plan.sync_every
+    start = []
+    if mode.name in FAST_ONLY and plan.speeds:  # fewer peers: more rounds for the same tokens
+        outer = math.ceil(outer * plan.peers / max(1, len(_mode_peers(plan, mode))))
+        if plan.supports_start_wait:
+            start = [f"swarm.min_peers_to_start={len(_mode_peers(plan, mode))}"]
+    extra = [s.replace("round_samples=auto", f"round_samples={plan.peers * plan.sync_every * plan.batch_size}")
+             for s in mode.argv_extra]
     return [*_peer_overrides(plan, mode.name, i, host), f"train.max_outer_steps={outer}",
-            f"train.max_seconds={plan.mode_timeout:g}", *mode.argv_extra]
+            f"train.max_seconds={plan.mode_timeout:g}", *start, *extra]
+
+
+def _peer_env(plan: _Plan, i: int) -> Dict[str, str]:
+    """The peer's environment: with --speeds, a slower peer's throttle (the fault hook's ``slow``)."""
+    env = _child_env()
+    if plan.speeds and plan.speeds[i] < 1:
+        env["P2PDILOCO_FAULTS"] = json.dumps({"phase": "step", "action": "slow", "factor": 1 / plan.speeds[i],
+                                              "times": 0})
+    return env
 
 
 def _validate_mode(plan: _Plan, mode: _ModeRun) -> Optional[str]:
@@ -345,7 +382,8 @@ def _pin(plan: _Plan, i: int):
 def _run_mode(plan: _Plan, mode: _ModeRun, wan: EmulatedWAN, sampler: _Sampler, label: str) -> None:
     mode_dir = os.path.join(plan.out, mode.name)
     os.makedirs(mode_dir, exist_ok=True)
-    mode.peer_dirs = [os.path.join(mode_dir, f"peer{i}") for i in range(plan.peers)]
+    peers = _mode_peers(plan, mode)
+    mode.peer_dirs = [os.path.join(mode_dir, f"peer{i}") for i in peers]
     files: List[IO[Any]] = []
     procs: List[subprocess.Popen] = []
     boot = None
@@ -354,13 +392,13 @@ def _run_mode(plan: _Plan, mode: _ModeRun, wan: EmulatedWAN, sampler: _Sampler, 
         if mode.name in HALF_PRIVATE:
             _make_private([wan.hosts[i] for i in range(1, plan.peers, 2)])
         boot, maddr = _start_bootstrap(wan.hosts[plan.peers], mode_dir, files)
-        for i in range(plan.peers):
+        for i in peers:
             log = open(os.path.join(mode_dir, f"peer{i}.log"), "w")
             files.append(log)
             argv = _peer_argv(plan, mode, i, wan.hosts[i], maddr)
             log.write("$ " + shlex.join(argv) + "\n")
             log.flush()
-            procs.append(wan.hosts[i].popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_child_env(),
+            procs.append(wan.hosts[i].popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_peer_env(plan, i),
                                             cwd=mode_dir, preexec_fn=_pin(plan, i)))
         deadline = time.monotonic() + plan.mode_timeout + 180  # + start-up and shutdown
         last_status = 0.0
@@ -383,7 +421,7 @@ def _run_mode(plan: _Plan, mode: _ModeRun, wan: EmulatedWAN, sampler: _Sampler, 
         if all(c == 0 for c in codes):
             mode.status = "ok"
             return
-        logs = [os.path.join(mode_dir, f"peer{i}.log") for i in range(plan.peers)]
+        logs = [os.path.join(mode_dir, f"peer{i}.log") for i in peers]
         errors = [line for path in logs for line in _tail(path).splitlines() if line.startswith("error: ")]
         if errors and all(c in (None, 2) for c in codes):
             mode.status, mode.note = "skipped", f"rejected by the CLI: {errors[0][7:]}"
@@ -500,9 +538,11 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
             p["time"].append(e["time"])
             p["val"].append(e["val_loss"])
     curve = [{"tokens": 0, "seconds": 0.0, "val_loss": val0}]
+    # steps are schedule positions: with rounds by the swarm's samples one is tokens_per_position of the swarm
+    per_position = starts[0].get("tokens_per_position") or n * tokens_per_step
     for p in sorted(points.values(), key=lambda p: (max(p["time"]), sum(p["step"]))):
         mean_step = sum(p["step"]) / len(p["step"])
-        curve.append({"tokens": int(round(mean_step * n * tokens_per_step)),
+        curve.append({"tokens": int(round(mean_step * per_position)),
                       "seconds": round(max(p["time"]) - t0, 3),
                       "val_loss": sum(p["val"]) / len(p["val"])})
     curve.sort(key=lambda c: (c["tokens"], c["seconds"]))
@@ -708,6 +748,8 @@ def _finish(results: Dict[str, Any], modes: List[_ModeRun], plan: _Plan, sampler
         if mode.status == "ok":
             events = [_read_jsonl(os.path.join(d, "metrics.jsonl")) for d in mode.peer_dirs]
             samples = sampler.window(mode.t_begin, mode.t_end + 2) if sampler else []
+            idx = _mode_peers(plan, mode)  # the hosts of the peers that trained, in peer order
+            samples = [(t, [hosts[i] for i in idx]) for t, hosts in samples]
             try:
                 entry.update(summarize_mode(events, samples, tokens_per_step=plan.batch_size * plan.seq_len,
                                             baseline=mode.kind == "baseline"))
@@ -808,7 +850,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
         mode_timeout=args.mode_timeout, allreduce_timeout=allreduce_timeout,
         matchmaking_timeout=max(60.0, allreduce_timeout),
         supports_start_wait=hasattr(SwarmConfig(), "min_peers_to_start"),
-        pin_cores=args.pin_cores,
+        pin_cores=args.pin_cores, speeds=_speeds(args),
     )
     os.makedirs(plan.out, exist_ok=True)
     modes = [_ModeRun(n, "baseline" if n in BASELINES else "diloco", BASELINES.get(n) or MODES.get(n, ())) for n in names]
@@ -821,7 +863,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": _machine(),
         "git": _git_state(),
-        "link": vars(link), "peers": plan.peers, "pin_cores": plan.pin_cores, "steps_per_peer": steps, "sync_every": H,
+        "link": vars(link), "peers": plan.peers, "speeds": list(plan.speeds), "pin_cores": plan.pin_cores, "steps_per_peer": steps, "sync_every": H,
         "batch_size": plan.batch_size, "seq_len": plan.seq_len, "params": params,
         "tokens_planned": steps * plan.peers * plan.batch_size * plan.seq_len,
         "config": os.path.relpath(args.config, _REPO) if args.config.startswith(_REPO) else args.config,
@@ -876,6 +918,18 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
     return results
 
 
+def _speeds(args: argparse.Namespace) -> Tuple[float, ...]:
+    if not args.speeds:
+        return SPEEDS_DEFAULT if args.matrix == "speeds" and not args.modes and args.peers == len(SPEEDS_DEFAULT) else ()
+    try:
+        speeds = tuple(float(x) for x in args.speeds.split(","))
+    except ValueError:
+        raise ConfigError(f"--speeds {args.speeds!r}: expected comma-separated numbers, e.g. 1,1,0.5,0.2") from None
+    if len(speeds) != args.peers or not all(0 < x <= 1 for x in speeds):
+        raise ConfigError(f"--speeds {args.speeds!r}: one speed in (0, 1] per peer ({args.peers} peers)")
+    return speeds
+
+
 def _count_params(cfg: Any) -> int:
     from ..model import build_model, count_parameters
 
@@ -905,6 +959,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode-timeout", type=float, default=1800, help="training budget of one mode, s")
     p.add_argument("--allreduce-timeout", type=float, default=0,
                    help="swarm.allreduce_timeout / hivemind averaging_timeout, s (default: sized for the link)")
+    p.add_argument("--speeds", default="", metavar="S0,S1,...",
+                   help="relative speed of each peer (1 = full; 0.2 = 5x slower: sleeps 4x each step's compute "
+                        f"time); the speeds matrix defaults to {','.join(f'{x:g}' for x in SPEEDS_DEFAULT)}")
     p.add_argument("--pin-cores", action="store_true",
                    help="pin peer i (with its DHT and p2p daemon) to core i mod the number of cores")
     p.add_argument("--out", default=None, help="output directory (default bench_results/<UTC date-time>)")

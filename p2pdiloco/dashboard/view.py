@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-__all__ = ["SwarmView", "digest_agreement", "live_records"]
+__all__ = ["SwarmView", "digest_agreement", "json_safe", "live_records"]
 
 #: bounds on what the view keeps (records come from strangers: a flood of peers must not grow memory)
 MAX_PEERS = 512
@@ -49,13 +49,14 @@ def _num(v: Any) -> Optional[float]:
     return v if math.isfinite(v) else None
 
 
-def _json_safe(v: Any) -> Any:
+def json_safe(v: Any) -> Any:
+    """``v`` with every NaN or infinity replaced by None (JSON has neither)."""
     if isinstance(v, float):
         return v if math.isfinite(v) else None
     if isinstance(v, list):
-        return [_json_safe(x) for x in v]
+        return [json_safe(x) for x in v]
     if isinstance(v, dict):
-        return {str(k): _json_safe(x) for k, x in v.items()}
+        return {str(k): json_safe(x) for k, x in v.items()}
     return v
 
 
@@ -208,7 +209,7 @@ class SwarmView:
                            "last_read": self._last_read},
                    "seq_len": self._seq_len}
         doc.update(peers=peers, val_loss=val, rates=rates, digests=digest_agreement(peers), failures=failures)
-        return _json_safe(doc)
+        return json_safe(doc)
 
 
 def digest_agreement(peers: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from torch import nn
 from ..compression import Codec, get_codec
 from ..config import RunConfig
 from ..errors import ConfigError, RoundMissed, SyncFailed
+from .clock import SwarmClock
 from .fragments import FragmentLayout, Schedule, split_fragments
 from .outer import OuterState, nesterov_step_
 from .overlap import BandwidthMeter, SyncJob, SyncWorker, lookahead, merge_into, pseudo_gradient_from
@@ -108,7 +110,15 @@ class DiLoCo:
         self.codec: Codec = get_codec(cfg.compression.codec)
         #: one reducer per fragment: how its pseudo-gradient is averaged (plain, or compressed)
         self.reducers: List[Reducer] = [make_reducer(cfg, ps) for ps in self.local]
+        #: the schedule position: inner steps taken (rounds of H steps), or the swarm clock's position
+        #: (inner.round_samples > 0, :mod:`.clock`); send steps, synced_step and tau count positions
         self.inner_step = 0
+        #: inner steps this peer took (the inner lr warm-up's counter with the swarm clock)
+        self.local_steps = 0
+        #: rounds by the swarm's samples (issue 23): the swarm clock, None for rounds of H steps
+        self.clock: Optional[SwarmClock] = (SwarmClock(self.H, cfg.inner.round_samples)
+                                            if cfg.inner.round_samples else None)
+        self._resumed_at = math.nan  # time.time() when the loop last got control back (compute time)
         #: send step of the last sync applied to the global copy (the schedule position the digest belongs to)
         self.synced_step = 0
         self.samples_since = [0] * P
@@ -163,24 +173,63 @@ class DiLoCo:
                                              if j.fragment == 0 and not (j.applied or j.failed))
 
     # ---- the training loop's entry points ------------------------------------------------------------
+    @property
+    def lr_step(self) -> int:
+        """The inner lr schedule's step: the schedule position with rounds of H steps (as the papers),
+        this peer's own step count with the swarm clock (positions are not steps there)."""
+        return self.inner_step if self.clock is None else self.local_steps
+
     def after_inner_step(self, samples: int) -> List[SyncReport]:
         """Count one inner step of ``samples`` sequences; send the fragments that are due and apply the
-        results that are due (waiting for them if they are late). Returns the syncs applied now."""
-        self.inner_step += 1
-        t = self.inner_step
+        results that are due (waiting for them if they are late). Returns the syncs applied now.
+
+        Rounds of H steps: one step is one schedule position. Swarm clock: the position moves to where
+        the clock says the swarm is, sending early what our next step would carry past (:mod:`.clock`);
+        every position passed runs its sends, results due and group preparation in order."""
+        self.local_steps += 1
         for p in range(self.num_fragments):
             self.samples_since[p] += samples
         for job in self._inflight:
             if not job.future.done():
                 job.overlapped_steps += 1
-        reports: List[SyncReport] = []
-        for p in self.schedule.due(t):
-            reports += self._send(p, t)
-        if self.mode == "tau":
-            for job in [j for j in self._inflight if j.due_step <= t]:
-                reports.append(self._resolve(job))
-        self._prepare(t)
+        if self.clock is None:
+            return self._advance_to(self.inner_step + 1)
+        reports = self._advance_to(self._clock_target(samples))
+        self._resumed_at = time.time()
         return reports
+
+    def _advance_to(self, target: int) -> List[SyncReport]:
+        reports: List[SyncReport] = []
+        while self.inner_step < target:
+            self.inner_step += 1
+            t = self.inner_step
+            for p in self.schedule.due(t):
+                reports += self._send(p, t)
+            if self.mode == "tau":
+                for job in [j for j in self._inflight if j.due_step <= t]:
+                    reports.append(self._resolve(job))
+            self._prepare(t)
+        return reports
+
+    def start_clock(self) -> None:
+        """Training (re)starts now: the swarm clock's first step counts its time from here."""
+        if self.clock is not None:
+            self._resumed_at = time.time()
+            self.clock.start(self._resumed_at)
+
+    def _clock_target(self, samples: int) -> int:
+        """The position to advance to after a step of ``samples`` sequences (swarm clock)."""
+        clock, now = self.clock, time.time()
+        compute = now - self._resumed_at if not math.isnan(self._resumed_at) else 0.0
+        view = self.swarm.peers_view() if self.swarm is not None else None
+        others = {pid: v for pid, v in (view or {}).items() if pid != self.swarm.peer_id and not v.get("gone")}
+        clock.others_rate = sum(float(v["rate"]) for v in others.values()
+                                if isinstance(v.get("rate"), (int, float)) and 0 <= v["rate"] < 1e9)
+        clock.observe(samples, now, compute)
+        clock.align([(float(v["pos"]), float(v["pt"])) for v in others.values()
+                     if isinstance(v.get("pos"), (int, float)) and isinstance(v.get("pt"), (int, float))
+                     and math.isfinite(v["pos"]) and math.isfinite(v["pt"])], now)
+        return clock.target(self.inner_step, self.schedule.next_send)
 
     def finish(self) -> List[SyncReport]:
         """End of training: wait for every sync in flight and apply it (in ``delay``/``eager`` the model
@@ -205,6 +254,8 @@ class DiLoCo:
 
     # ---- sending ----------------------------------------------------------------------------------
     def _send(self, p: int, t: int) -> List[SyncReport]:
+        if self.clock is not None and self.samples_since[p] == 0:
+            return [self._not_a_member(p, t)]
         reports: List[SyncReport] = []
         for job in [j for j in self._inflight if j.fragment == p]:
             if self.mode == "tau":  # cannot happen with tau < H/P; never two rounds of a fragment in flight
@@ -247,6 +298,19 @@ class DiLoCo:
         del self._groups[key]
         self._launch(p, t, delta, weight, due=t + self.H, group=group)
         return reports
+
+    def _not_a_member(self, p: int, t: int) -> SyncReport:
+        """Swarm clock: the clock passed fragment ``p``'s send point with no sample of ours since its last
+        round (one inner step longer than a round). We are no member of that round; reported as missed,
+        so the loop catches up from the swarm's verified state (:mod:`.clock`)."""
+        round_ = self.schedule.round_of(p, t)
+        self._groups.pop((p, round_), None)
+        report = SyncReport(step=t, fragment=p, round=round_, ok=False, missed=True, applied_step=t,
+                            error=f"no sample of fragment {p} since its last round: not a member of round "
+                                  f"{round_} (an inner step longer than a round); catching up")
+        logger.warning(f"fragment {p} round {round_}: {report.error}")
+        self._notify(report)
+        return report
 
     def _eager_start(self, p: int, delta: torch.Tensor, weight: float, prev: Optional[SyncJob],
                      group: concurrent.futures.Future) -> List[torch.Tensor]:
@@ -313,6 +377,8 @@ class DiLoCo:
             return
         for s in range(t + 1, t + self.lead + 1):
             for p in self.schedule.due(s):
+                if self.clock is not None and self.samples_since[p] == 0:
+                    continue  # nothing to send yet: no group (a member with no sample is no member)
                 key = (p, self.schedule.round_of(p, s))
                 if key not in self._groups:
                     self._groups[key] = self._form_group(p, key[1], s)
@@ -428,6 +494,7 @@ class DiLoCo:
                             overlapped_steps=job.overlapped_steps,
                             peak_bytes_per_s=self.meter.take_peak() if self.meter is not None else 0.0,
                             extra={**(job.extra if job.ok else {}),
+                                   **({"round_samples": job.covered_weight} if job.ok else {}),
                                    "group_wait_seconds": round(job.group_wait, 4)})
         if notify:
             self._notify(report)
@@ -501,6 +568,8 @@ class DiLoCo:
             for o, local in zip(self.outer, self.local):
                 o.copy_to(local)
             self.inner_step = self.synced_step = int(meta["step"])
+            if self.clock is not None:
+                self.clock.jump_to(self.inner_step)
             self.samples_since = [0] * self.num_fragments
             if self._inflight:
                 logger.info(f"dropped {len(self._inflight)} sync(s) in flight for the downloaded state")

@@ -287,7 +287,10 @@ class _Peer:
         self.metrics.write("start", peer=self.node.peer_id_str, shard=self.shard,
                            params=count_parameters(self.model), val_loss=self.val0, fingerprint=cfg.fingerprint(),
                            digest=diloco.digest(), step=diloco.inner_step, device=str(self.device),
-                           cpu_capability=torch.backends.cpu.get_cpu_capability())
+                           cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                           # rounds by the swarm's samples: tokens of the whole swarm per schedule position
+                           tokens_per_position=(cfg.inner.round_samples / cfg.inner.sync_every * cfg.model.seq_len
+                                                if cfg.inner.round_samples else None))
         swarm.update_progress(step=diloco.inner_step, round=diloco.outer_round(), samples=0, sent=0, recv=0,
                               loss=None, val_loss=self.val0, digest=diloco.digest(), last_sync=None, sps=0.0,
                               next_sync=diloco.next_sync_step(), synced_step=diloco.synced_step)
@@ -307,24 +310,38 @@ class _Peer:
         self.last_check = time.time()
         diloco.on_sync = self.on_sync
         self.model.train()
+        diloco.start_clock()
         while not self.stop:
             if cfg.train.max_outer_steps and diloco.outer_round() >= cfg.train.max_outer_steps:
                 break
             if cfg.train.max_seconds and time.time() - self.t_start >= cfg.train.max_seconds:
                 break
+            t0 = time.perf_counter()
             loss, batch = self._inner_step()
             faults.set_step(diloco.inner_step + 1)
-            faults.fire("step")  # fault-injection hook: after this step's update, before its syncs
+            # fault-injection hook: after this step's update, before its syncs (``slow``: a slower machine)
+            faults.fire("step", busy=time.perf_counter() - t0)
             self._after_syncs(diloco.after_inner_step(batch))
             self._check_against_swarm()
-            sent, recv = self.node.traffic.snapshot()
-            self.swarm.update_progress(step=diloco.inner_step, samples=self.samples, sent=sent, recv=recv,
-                                       sps=self.steps / max(time.time() - self.t_start, 1e-9))  # this session's
-            self.bar.update(diloco, loss, self.val, sent, recv)
+            self._update_progress()
+            self.bar.update(diloco, loss, self.val, *self.node.traffic.snapshot())
+
+    def _update_progress(self) -> None:
+        """Our progress record between publications: position, speed (``sps``: schedule positions per
+        second, what matchmaking's waits are derived from), samples/s and, with the swarm clock, its
+        position and when it was read (:mod:`.clock`)."""
+        diloco, now = self.diloco, time.time()
+        sent, recv = self.node.traffic.snapshot()
+        rate = self.samples / max(now - self.t_start, 1e-9)  # this session's
+        fields = dict(step=diloco.inner_step, samples=self.samples, sent=sent, recv=recv, rate=rate,
+                      sps=self.steps / max(now - self.t_start, 1e-9))
+        if diloco.clock is not None:
+            fields.update(sps=diloco.clock.speed(), rate=diloco.clock.rate(), pos=diloco.clock.pos, pt=now)
+        self.swarm.update_progress(**fields)
 
     def _inner_step(self) -> Tuple[float, int]:
         """One AdamW step on the next batch of our shard; returns (loss, batch size)."""
-        value, batch = inner_step(self.cfg, self.model, self.inner_opt, self.stream, self.diloco.inner_step,
+        value, batch = inner_step(self.cfg, self.model, self.inner_opt, self.stream, self.diloco.lr_step,
                                   self.device)
         self.losses.append(value)
         self.samples += batch
@@ -397,6 +414,8 @@ class _Peer:
                            applied_step=rep.applied_step, wait_seconds=round(rep.wait_seconds, 4),
                            overlapped_steps=rep.overlapped_steps, sync_bytes=rep.bytes_sent + rep.bytes_received,
                            peak_bytes_per_s=round(rep.peak_bytes_per_s, 1), **rep.extra)
+        if rep.ok and rep.extra.get("round_samples"):  # our share of the round's samples (status, dashboard)
+            swarm.update_progress(share=rep.samples / float(rep.extra["round_samples"]))
         synced_step, digest = diloco.sync_point()  # read together: a background sync may land any time
         swarm.update_progress(round=diloco.outer_round(), digest=digest, last_sync=time.time(),
                               synced_step=synced_step, val_loss=self.val, loss=train_loss,
@@ -427,7 +446,8 @@ class _Peer:
         self.bar.close()
         sent, recv = self.node.traffic.snapshot()
         summary = {"peer": self.node.peer_id_str, "short_id": self.me, "val_loss_start": self.val0,
-                   "val_loss_end": self.val, "outer_steps": diloco.outer_round(), "inner_steps": diloco.inner_step,
+                   "val_loss_end": self.val, "outer_steps": diloco.outer_round(), "inner_steps": diloco.local_steps,
+                   "schedule_position": diloco.inner_step,
                    "syncs": self.syncs, "failed_syncs": self.failed, "bytes_sent": sent, "bytes_received": recv,
                    "seconds": round(time.time() - self.t_start, 2), "digest": diloco.digest(),
                    "run_dir": self.run_dir, "streaming_mode": diloco.mode,
@@ -480,7 +500,8 @@ def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> Dict[str
             "outer": [o.state_dict() for o in diloco.outer], "inner_step": diloco.inner_step,
             "samples_since": list(diloco.samples_since), "stream": stream.state_dict(),
             "torch_rng": torch.get_rng_state(), "reducers": [r.state_dict() for r in diloco.reducers],
-            "synced_step": diloco.synced_step, "digest": diloco.digest(), "overlap": diloco.overlap_state_dict()}
+            "synced_step": diloco.synced_step, "digest": diloco.digest(), "overlap": diloco.overlap_state_dict(),
+            "local_steps": diloco.local_steps, "clock": diloco.clock.state_dict() if diloco.clock else None}
 
 
 def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> None:
@@ -494,6 +515,9 @@ def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: Ba
         diloco.inner_step = int(state["inner_step"])
         diloco.synced_step = int(state.get("synced_step", state["inner_step"]))
         diloco.samples_since = [int(x) for x in state["samples_since"]]
+        diloco.local_steps = int(state.get("local_steps", diloco.inner_step))
+        if diloco.clock is not None:
+            diloco.clock.load_state_dict(state.get("clock") or {"pos": diloco.inner_step})
         if "reducers" in state:  # error-feedback residuals, low-rank bases and ranks
             for r, s in zip(diloco.reducers, state["reducers"], strict=True):
                 r.load_state_dict(s)

@@ -122,6 +122,12 @@ class ProgressRecord(_Open):
     sent: Optional[Count] = None
     recv: Optional[Count] = None
     sps: Optional[Number] = None
+    #: samples (sequences) per second over the last seconds, and our share of the last round's samples
+    rate: Optional[Number] = None
+    share: Optional[Number] = None
+    #: the swarm clock (inner.round_samples > 0, diloco/clock.py): our position and when (unix s) it was read
+    pos: Optional[Number] = None
+    pt: Optional[Number] = None
     loss: Optional[Number] = None
     val_loss: Optional[Number] = None
     last_sync: Optional[Number] = None

@@ -51,6 +51,8 @@
     return String(Math.round(n));
   }
   function fmtNum(n, digits) { return isNum(n) ? n.toFixed(digits) : "–"; }
+  // a peer's share of the last round's samples (issue 23: peers of different speeds)
+  function fmtShare(n) { return isNum(n) && n >= 0 && n <= 1 ? (100 * n).toFixed(0) + "%" : "–"; }
   function fmtAgo(seconds) {
     if (!isNum(seconds)) return "never";
     if (seconds < 0) seconds = 0;
@@ -225,7 +227,7 @@
       tr.appendChild(rc);
       const lastSync = isNum(v.last_sync) ? fmtAgo(doc.time - v.last_sync) : "never";
       for (const [text, cls] of [[isNum(v.round) ? v.round : "–", "num"], [isNum(v.step) ? v.step : "–", "num"],
-                                 [fmtNum(v.sps, 2), "num"], [fmtCount(v.samples), "num"],
+                                 [fmtNum(v.rate, 1), "num"], [fmtShare(v.share), "num"], [fmtCount(v.samples), "num"],
                                  [fmtBytes(v.sent), "num"], [fmtBytes(v.recv), "num"], [lastSync, "num"],
                                  [fmtNum(v.loss, 3), "num"], [fmtNum(v.val_loss, 3), "num"]]) {
         tr.appendChild(el("td", {class: cls}, text));

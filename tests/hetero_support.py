@@ -1,0 +1,47 @@
+"""A single-process reference for rounds by the swarm's samples (tests/test_heterogeneous.py)."""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from p2pdiloco.compression.robust import weighted_mean
+from p2pdiloco.data import BatchStream, load_corpus
+from p2pdiloco.diloco.loop import inner_step
+from p2pdiloco.diloco.outer import OuterState
+from p2pdiloco.model import build_model
+
+
+def replay_rounds(cfg, plan: Sequence[Sequence[Tuple[int, int]]], shards: Dict[int, int]) -> List[torch.Tensor]:
+    """DiLoCo (one fragment, blocking) in one process: ``plan[k]`` lists round k's members as (peer,
+    inner steps it took in that round). Each peer keeps its own model, AdamW state, data stream and
+    step count (the inner lr warm-up's) across rounds, restarts every round from the global θ, and
+    the round applies the sample-weighted mean of the members' pseudo-gradients (weight = steps x
+    batch) with the outer Nesterov step. Returns the final θ."""
+    torch.set_num_threads(1)
+    corpus = load_corpus(cfg.data)
+    peers = {}
+    for i, shard in shards.items():
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
+                                betas=(cfg.inner.beta1, cfg.inner.beta2))
+        stream = BatchStream(corpus.train, shard=shard, num_shards=cfg.data.num_shards,
+                             batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
+        peers[i] = {"model": model, "opt": opt, "stream": stream, "steps": 0}
+    first = next(iter(peers.values()))["model"]
+    outer = OuterState(list(first.parameters()), lr=cfg.outer.lr, momentum=cfg.outer.momentum,
+                       nesterov=cfg.outer.nesterov)
+    for members in plan:
+        deltas, weights = [], []
+        for i, n in members:
+            peer = peers[i]
+            local = list(peer["model"].parameters())
+            outer.copy_to(local)
+            for _ in range(n):
+                inner_step(cfg, peer["model"], peer["opt"], peer["stream"], peer["steps"])
+                peer["steps"] += 1
+            deltas.append(outer.pseudo_gradient(local))
+            weights.append(float(n * cfg.inner.batch_size))
+        outer.step(weighted_mean(deltas, weights))
+    return [p.clone() for p in outer.params]

@@ -1,0 +1,95 @@
+"""The swarm clock's rules (p2pdiloco/diloco/clock.py, issue 23), each as a row of a table, and the
+one rule DiLoCo applies on top: a fragment with no sample since its last round is not sent."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import p2pdiloco
+from p2pdiloco.diloco.clock import SwarmClock
+from p2pdiloco.diloco.fragments import Schedule
+
+H, N = 20, 480   # 24 sequences of the swarm per position
+
+
+# (case, others' samples/s, steps as (samples, seconds since the previous one), expected position)
+ADVANCE = [
+    ("alone: own samples only", 0.0, [(24, 0.5)], 1.0),
+    ("others add their rate over the step's time", 48.0, [(24, 0.5)], 2.0),
+    ("several steps add up", 48.0, [(24, 0.5), (24, 0.5), (48, 1.0)], 2.0 + 2.0 + 4.0),
+    ("a slow step: others' samples dominate", 96.0, [(8, 2.5)], (8 + 240) / 24),
+]
+
+
+@pytest.mark.parametrize("case,others,steps,want", ADVANCE, ids=[r[0] for r in ADVANCE])
+def test_advance(case, others, steps, want):
+    clock = SwarmClock(H, N)
+    clock.start(100.0)
+    now = 100.0
+    for samples, dt in steps:
+        now += dt
+        clock.others_rate = others
+        clock.observe(samples, now, compute_seconds=dt)
+    assert clock.pos == pytest.approx(want)
+
+
+# (case, our position, our rate samples/s, others' rate, others' (pos, seconds ago), expected position)
+ALIGN = [
+    ("median of three", 10.0, 0.0, 0.0, [(12.0, 0.0), (30.0, 0.0)], 12.0),
+    ("two peers meet halfway", 10.0, 0.0, 0.0, [(14.0, 0.0)], 12.0),
+    ("a record is extrapolated at the swarm's speed", 10.0, 24.0, 24.0, [(9.0, 1.0), (11.0, 1.5)], 11.0),
+    ("an outlier does not move the median", 10.0, 0.0, 0.0, [(10.5, 0.0), (1e6, 0.0)], 10.5),
+    ("alone: unchanged", 10.0, 0.0, 0.0, [], 10.0),
+]
+
+
+@pytest.mark.parametrize("case,pos,own,others,records,want", ALIGN, ids=[r[0] for r in ALIGN])
+def test_align(case, pos, own, others, records, want):
+    clock = SwarmClock(H, N)
+    clock.pos = pos
+    clock.start(0.0)
+    if own:  # our measured rate: `own` samples per second over 2 s
+        clock.observe(int(own), 1.0, 1.0)
+        clock.observe(int(own), 2.0, 1.0)
+        clock.pos = pos
+    clock.others_rate = others
+    clock.align([(p, 100.0 - ago) for p, ago in records], now=100.0)
+    assert clock.pos == pytest.approx(want)
+
+
+# (case, P, positions run, clock position, lookahead in positions, expected target)
+TARGET = [
+    ("mid-round: where the clock is", 1, 12, 18.2, 1.0, 18),
+    ("the next step would pass the send point: send now", 1, 18, 19.1, 1.0, 20),
+    ("a slow peer sends a long step early", 1, 12, 15.0, 6.0, 20),
+    ("never two rounds of one fragment early (lookahead capped below H)", 1, 12, 15.0, 30.0, 20),
+    ("sent early, clock behind: no going back", 1, 20, 16.0, 1.0, 20),
+    ("a clock that jumped runs every position passed", 1, 3, 25.5, 1.0, 25),
+    ("two fragments in one long step, both early", 2, 12, 15.0, 16.0, 30),
+]
+
+
+@pytest.mark.parametrize("case,P,processed,pos,look,want", TARGET, ids=[r[0] for r in TARGET])
+def test_target(case, P, processed, pos, look, want):
+    clock = SwarmClock(H, N)
+    clock.pos = pos
+    clock.step_seconds = 1.0
+    clock.others_rate = look * clock.unit  # speed x one-second steps = the lookahead
+    assert clock.target(processed, Schedule(H, P).next_send) == want
+
+
+def test_a_fragment_without_samples_is_not_sent():
+    """One inner step worth two rounds of the swarm's samples: the first send point carries our samples,
+    the second has none of ours: we are no member of that round (a missed round, so the loop catches up)."""
+    cfg = p2pdiloco.RunConfig()
+    cfg.inner.sync_every, cfg.inner.round_samples = 4, 40
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    diloco = p2pdiloco.DiLoCo(model, cfg)
+    diloco.start_clock()
+    reports = diloco.after_inner_step(10)    # 1 round of 4 positions... of 10 each: position 1
+    assert reports == [] and diloco.inner_step == 1
+    reports = diloco.after_inner_step(75)    # 8.5 positions: to 9, passing 4 (ours) and 8 (nothing of ours)
+    assert [(r.step, r.ok, r.missed) for r in reports] == [(4, True, False), (8, False, True)]
+    assert "not a member" in reports[1].error
+    assert reports[0].samples == 85 and diloco.local_steps == 2 and diloco.lr_step == 2
