@@ -33,28 +33,44 @@ def test_advance(case, others, steps, want):
     assert clock.pos == pytest.approx(want)
 
 
-# (case, our position, our rate samples/s, others' rate, others' (pos, seconds ago), expected position)
+# (case, others' (pos, time) records, expected move): our history is one position per second, pos(t) = t
+# for t in 0..10; each record is compared with our position at its own time
 ALIGN = [
-    ("median of three", 10.0, 0.0, 0.0, [(12.0, 0.0), (30.0, 0.0)], 12.0),
-    ("two peers meet halfway", 10.0, 0.0, 0.0, [(14.0, 0.0)], 12.0),
-    ("a record is extrapolated at the swarm's speed", 10.0, 24.0, 24.0, [(9.0, 1.0), (11.0, 1.5)], 11.0),
-    ("an outlier does not move the median", 10.0, 0.0, 0.0, [(10.5, 0.0), (1e6, 0.0)], 10.5),
-    ("alone: unchanged", 10.0, 0.0, 0.0, [], 10.0),
+    ("a record equal to ours at its time: no move", [(5.0, 5.0)], 0.0),
+    ("an old record is compared at its own time: age is no difference", [(3.0, 3.0), (4.5, 4.5)], 0.0),
+    ("two peers meet halfway", [(9.0, 5.0)], 2.0),
+    ("offsets either way cancel", [(7.0, 5.0), (3.0, 5.0)], 0.0),
+    ("the median offset of the peers and ours", [(8.0, 5.0), (9.0, 5.0)], 3.0),
+    ("an outlier does not move the median", [(5.5, 5.0), (1e6, 5.0)], 0.5),
+    ("behind: moved back, by the median", [(2.0, 5.0), (1.0, 5.0)], -3.0),
+    ("a record older than we remember is ignored", [(100.0, -50.0)], 0.0),
+    ("alone: unchanged", [], 0.0),
 ]
 
 
-@pytest.mark.parametrize("case,pos,own,others,records,want", ALIGN, ids=[r[0] for r in ALIGN])
-def test_align(case, pos, own, others, records, want):
+@pytest.mark.parametrize("case,records,move", ALIGN, ids=[r[0] for r in ALIGN])
+def test_align(case, records, move):
     clock = SwarmClock(H, N)
-    clock.pos = pos
     clock.start(0.0)
-    if own:  # our measured rate: `own` samples per second over 2 s
-        clock.observe(int(own), 1.0, 1.0)
-        clock.observe(int(own), 2.0, 1.0)
-        clock.pos = pos
-    clock.others_rate = others
-    clock.align([(p, 100.0 - ago) for p, ago in records], now=100.0)
-    assert clock.pos == pytest.approx(want)
+    for t in range(1, 11):
+        clock.observe(24, float(t), compute_seconds=1.0)
+    assert clock.pos == pytest.approx(10.0)
+    records = [(f"peer{i}", p, t) for i, (p, t) in enumerate(records)]
+    assert clock.align(records, now=10.0) == pytest.approx(move)
+    assert clock.pos == pytest.approx(10.0 + move)
+    assert clock.align(records, now=10.0) == 0.0  # a record counts once
+
+
+def test_a_sync_everyone_waited_in_does_not_advance_the_clock():
+    """Blocking sync: 5 s blocked between two steps, the others (rate 48/s) blocked as well. Only the
+    compute seconds count, for us and for them."""
+    clock = SwarmClock(H, N)
+    clock.start(0.0)
+    clock.others_rate = 48.0
+    clock.observe(24, 0.5, compute_seconds=0.5)           # (24 + 24) / 24
+    clock.observe(24, 6.0, compute_seconds=0.5)           # 5 s of it blocked in a sync
+    assert clock.pos == pytest.approx(4.0)
+    assert clock.rate() == pytest.approx(48.0)            # samples per second of computing
 
 
 # (case, P, positions run, clock position, lookahead in positions, expected target)
@@ -93,3 +109,19 @@ def test_a_fragment_without_samples_is_not_sent():
     assert [(r.step, r.ok, r.missed) for r in reports] == [(4, True, False), (8, False, True)]
     assert "not a member" in reports[1].error
     assert reports[0].samples == 85 and diloco.local_steps == 2 and diloco.lr_step == 2
+
+
+# (case, weights, round_samples, dropped): the owner (index 0) screens weights (compression/robust.py)
+WEIGHTS = [
+    ("rounds of H steps: 100x the median is absurd", [8.0, 8.0, 800.0], 0, {2}),
+    ("rounds by samples: a fast peer's honest share passes", [8.0, 8.0, 800.0], 640, set()),
+    ("rounds by samples: more than twice the budget is absurd", [8.0, 8.0, 5000.0], 640, {2}),
+]
+
+
+@pytest.mark.parametrize("case,weights,budget,dropped", WEIGHTS, ids=[r[0] for r in WEIGHTS])
+def test_weight_screen_with_a_budget(case, weights, budget, dropped):
+    from p2pdiloco.compression.robust import RobustConfig, screen
+
+    got = screen(weights, [1.0] * len(weights), 0, RobustConfig(), numel=10_000, round_samples=budget)
+    assert set(got) == dropped, got

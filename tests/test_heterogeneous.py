@@ -6,14 +6,13 @@ Through the real CLI: a bootstrap and 3 peers, one made 5x slower per inner step
 fewer inner steps than the fast ones; every round was a full group and every member's weight is the
 samples it reports, summing to the round's total that every member received; digests equal after every
 sync; the fast peers waited in syncs at most 10% of their wall time (printed: the figure is the
-issue's); and the final global parameters equal a single-process reference that replays each peer's
-inner steps (same shard, same inner optimiser, same lr schedule) and applies the same sample-weighted
-averages, within 1e-6.
+issue's); and a single-process reference that replays each peer's inner steps (same shard, same inner
+optimiser, same lr schedule) and applies the same sample-weighted averages in the group's member
+order has the swarm's digest after every round and its final parameters bitwise (the issue asks 1e-6).
 """
 from __future__ import annotations
 
 import json
-import math
 from typing import Dict, List
 
 import pytest
@@ -26,7 +25,7 @@ from p2pdiloco.config import load_config
 from p2pdiloco.metrics import read_metrics
 
 H, ROUNDS, BATCH = 20, 4, 8
-SETTINGS = [f"inner.sync_every={H}", f"inner.batch_size={BATCH}", f"inner.round_samples={3 * H * BATCH}",
+SETTINGS = [f"inner.sync_every={H}", f"inner.batch_size={BATCH}", f"inner.round_samples={3 * 2 * H * BATCH}",
             f"train.max_outer_steps={ROUNDS}", "compression.codec=fp32", "train.progress_bar=false",
             "swarm.run_id=hetero", "swarm.min_peers_to_start=3"]
 SLOW = 2          # peer index made slower
@@ -80,13 +79,15 @@ def test_fast_peers_do_not_wait_for_a_slow_one(procs, tmp_path):
         if i != SLOW:
             assert waits[i] <= 0.10, f"fast peer {i} waited {waits[i]:.1%} of its wall time"
 
-    # the reference: each peer's steps replayed in one process, the same weighted averages applied
+    # the reference: each peer's steps replayed in one process, the same weighted averages applied in the
+    # group's member order (peer ids sorted): bitwise the swarm's state after every round
     cfg = load_config(TINY, SETTINGS)
-    plan = [[(i, by_peer[i]["samples"] // BATCH) for i in sorted(by_peer)] for _, by_peer in sorted(rounds.items())]
-    theta = replay_rounds(cfg, plan, shards={i: i for i in range(3)})
+    ids = [[r for r in rs if r["event"] == "start"][0]["peer"] for rs in recs]
+    plan = [[(i, by_peer[i]["samples"] // BATCH) for i in sorted(by_peer, key=lambda i: ids[i])]
+            for _, by_peer in sorted(rounds.items())]
+    theta, digests = replay_rounds(cfg, plan, shards={i: i for i in range(3)})
+    assert digests == [by_peer[0]["digest"] for _, by_peer in sorted(rounds.items())]
     state = load_checkpoint(find_checkpoint(str(tmp_path / "p0")))
     got = torch.cat([t.reshape(-1) for t in state["outer"][0]["params"]])
     want = torch.cat([t.reshape(-1) for t in theta])
-    err = float((got - want).abs().max())
-    assert err <= 1e-6, f"max |swarm - reference| = {err:.3g}"
-    assert math.isfinite(err)
+    assert torch.equal(got, want), f"max |swarm - reference| = {float((got - want).abs().max()):.3g}"

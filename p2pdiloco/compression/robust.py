@@ -95,18 +95,27 @@ class RobustConfig:
 
 
 def screen(weights: Sequence[float], norms: Sequence[float], own: int, cfg: RobustConfig,
-           numel: int) -> Dict[int, str]:
+           numel: int, round_samples: int = 0) -> Dict[int, str]:
     """Indexes to drop, with the reason: weight or norm too far above the group's median.
 
     ``own`` (the owner's index) is never dropped. Medians are lower medians over all given parts
     (the owner's included), so with an honest majority they lie inside the honest range.
+
+    With rounds by the swarm's samples (``round_samples`` = N > 0, diloco/clock.py) peers' weights
+    differ as their speeds do: a GPU among laptops honestly reports 10-50x the median. There a weight
+    is absurd only above ``2 N`` (a whole round's budget twice: one peer doing all of a round, plus a
+    failed round carried over), and the median ratio applies only beyond that.
     """
     dropped: Dict[int, str] = {}
     if cfg.max_weight_ratio and len(weights) > 1:
         med = _lower_median(weights)
+        limit = max(cfg.max_weight_ratio * med, 2.0 * round_samples)
         for i, w in enumerate(weights):
-            if i != own and w > cfg.max_weight_ratio * med:
-                dropped[i] = f"weight {w:.4g} is more than {cfg.max_weight_ratio:g}x the median weight {med:.4g}"
+            if i != own and w > limit:
+                why = (f"more than {cfg.max_weight_ratio:g}x the median weight {med:.4g}" if not round_samples else
+                       f"more than twice the round's budget ({round_samples}) and {cfg.max_weight_ratio:g}x the "
+                       f"median weight {med:.4g}")
+                dropped[i] = f"weight {w:.4g} is {why}"
     if cfg.norm_bound and len(norms) > 1 and numel >= NORM_SCREEN_MIN_NUMEL:
         med = _lower_median(norms)
         for i, n in enumerate(norms):

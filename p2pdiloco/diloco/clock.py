@@ -9,14 +9,16 @@ sequences whoever processed them. A fast peer takes many inner steps in a round,
 average stays weighted by the samples each member contributed, as hivemind's ``Optimizer`` does with
 ``target_batch_size`` and Decoupled DiLoCo with token-weighted merging. The rules, in full:
 
-* **Advance.** After each inner step of ``b`` sequences that took ``dt`` seconds (waits included),
-  ``pos += (b + R_others * dt) / (N / H)``, where ``R_others`` is the sum of the other live peers'
-  published sample rates (sequences/s over the last seconds). Alone, the clock is the peer's own
-  sample count.
-* **Agreement.** Every step the peer also moves to the median of its own position and the other live
-  peers' positions (each extrapolated from its record's time at the clock's speed), so clocks that
-  started apart (a peer that joined late, a stall) converge instead of making the group wait each
-  round. Nothing exact depends on the clock: the members of a round and their weights come from
+* **Advance.** After each inner step of ``b`` sequences that took ``c`` seconds of computing (time
+  blocked on syncs excluded: in a blocking sync every member waits alike, and nobody's samples grow),
+  ``pos += (b + R_others * c) / (N / H)``, where ``R_others`` is the sum of the other live peers'
+  published rates (sequences per second of computing, over the last seconds). Alone, the clock is
+  the peer's own sample count.
+* **Agreement.** Every step the peer compares each other live peer's published position with its
+  *own* position at the time that record was made (it remembers its recent positions), and moves by
+  the median of those offsets and 0. A record's age, or a sync that everyone waited in, is therefore
+  no difference; clocks that started apart (a peer that joined late, one that was stalled) converge
+  instead of making the group wait each round. Nothing exact depends on the clock: the members of a round and their weights come from
   matchmaking and the all-reduce, as always; the clock only decides *when* a peer sends.
 * **Send early, never late.** A peer sends a fragment at the last step boundary *before* the swarm
   reaches the send point: when its next step would carry the clock past it (``pos + lookahead`` where
@@ -40,7 +42,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Callable, Deque, Iterable, Tuple
+from typing import Callable, Deque, Dict, Iterable, Optional, Tuple
 
 __all__ = ["SwarmClock", "RATE_WINDOW"]
 
@@ -59,47 +61,72 @@ class SwarmClock:
         self.unit = round_samples / H
         self.pos = 0.0
         self.window = window
-        self._last: float = math.nan            # time of the last step (or of start())
-        self._steps: Deque[Tuple[float, int]] = deque()   # (end time, samples) of recent steps
+        self._steps: Deque[Tuple[float, int, float]] = deque()   # (end time, samples, compute s) of recent steps
+        self._history: Deque[Tuple[float, float]] = deque()      # (time, pos) at our recent step ends
         self.step_seconds = 0.0                 # our recent compute time per inner step (EMA)
-        self.others_rate = 0.0                  # the other live peers' samples/s, as last read
+        self.others_rate = 0.0                  # the other live peers' samples per compute second, as last read
+        self._seen: Dict[str, float] = {}       # peer -> time of its record last used by align()
 
     def start(self, now: float) -> None:
-        """Training starts (or resumes) now: the first step's time counts from here."""
-        self._last = now
+        """Training starts (or resumes) now."""
+        self._history.append((now, self.pos))
 
     def rate(self) -> float:
-        """Our samples per second over the last ``window`` seconds (waits included): what others add for us."""
-        if len(self._steps) < 2:
-            return 0.0
-        span = self._steps[-1][0] - self._steps[0][0]
-        return sum(s for _, s in list(self._steps)[1:]) / span if span > 0 else 0.0
+        """Our samples per second of computing over the last ``window`` seconds (time blocked on syncs is
+        not counted: in a blocking sync every member waits alike). What the others add for us."""
+        busy = sum(c for _, _, c in self._steps)
+        return sum(s for _, s, _ in self._steps) / busy if busy > 0 else 0.0
 
     def speed(self) -> float:
-        """Positions per second of the whole swarm (ours plus the others' rate)."""
+        """Positions per second of computing of the whole swarm (ours plus the others' rate)."""
         return (self.rate() + self.others_rate) / self.unit
 
     def observe(self, samples: int, now: float, compute_seconds: float) -> None:
-        """One inner step of ``samples`` sequences ended at ``now``; ``compute_seconds`` of it were our own
-        work (the rest waited on syncs)."""
-        dt = 0.0 if math.isnan(self._last) else max(0.0, now - self._last)
-        self._last = now
-        self.pos += (samples + self.others_rate * dt) / self.unit
-        if not self._steps:
-            self._steps.append((now - dt, 0))
-        self._steps.append((now, samples))
-        while len(self._steps) > 2 and now - self._steps[1][0] > self.window:
+        """One inner step of ``samples`` sequences ended at ``now`` after ``compute_seconds`` of our work
+        (waits on syncs excluded: the swarm computes while we compute)."""
+        busy = max(0.0, compute_seconds)
+        self.pos += (samples + self.others_rate * busy) / self.unit
+        self._steps.append((now, samples, busy))
+        while len(self._steps) > 1 and now - self._steps[0][0] > self.window:
             self._steps.popleft()
+        self._remember(now)
         a = 0.3
-        self.step_seconds = compute_seconds if self.step_seconds == 0 else (1 - a) * self.step_seconds + a * compute_seconds
+        self.step_seconds = busy if self.step_seconds == 0 else (1 - a) * self.step_seconds + a * busy
 
-    def align(self, others: Iterable[Tuple[float, float]], now: float) -> None:
-        """Move to the median of our position and the others' (``(pos, at_time)`` pairs, extrapolated to
-        ``now`` at the clock's speed; a record from the future counts as now)."""
-        speed = self.speed()
-        points = [p + speed * max(0.0, now - t) for p, t in others]
-        if points:
-            self.pos = statistics.median([self.pos, *points])
+    def _remember(self, now: float) -> None:
+        self._history.append((now, self.pos))
+        while len(self._history) > 2 and now - self._history[1][0] > 3 * self.window:
+            self._history.popleft()
+
+    def _pos_at(self, t: float) -> Optional[float]:
+        """Our position at time ``t`` (linear between our step ends), None outside what we remember."""
+        h = self._history
+        if not h or t < h[0][0]:
+            return None
+        for (t0, p0), (t1, p1) in zip(h, list(h)[1:]):
+            if t0 <= t <= t1:
+                return p0 if t1 == t0 else p0 + (p1 - p0) * (t - t0) / (t1 - t0)
+        return h[-1][1]
+
+    def align(self, others: Iterable[Tuple[str, float, float]], now: float) -> float:
+        """Agree with the others: each ``(peer, pos, at_time)`` record not used before is compared with
+        *our* position at that same time (so a record's age, or a sync everyone waited in, is no
+        difference), and we move by the median of those offsets and 0 (our own). A record counts once:
+        read again before its peer publishes anew it would pull us twice. Returns the move."""
+        offsets = []
+        for peer, p, t in others:
+            if self._seen.get(peer) == t:
+                continue
+            self._seen[peer] = t
+            if (mine := self._pos_at(min(t, now))) is not None:
+                offsets.append(p - mine)
+        if not offsets:
+            return 0.0
+        move = statistics.median([0.0, *offsets])
+        if move:
+            self.pos += move
+            self._history = deque((t, p + move) for t, p in self._history)
+        return move
 
     def lookahead(self) -> float:
         """Positions the swarm moves during one of our steps, capped below H (see the module docstring)."""
@@ -117,7 +144,10 @@ class SwarmClock:
 
     def jump_to(self, position: float) -> None:
         """A downloaded state put us at ``position``: never behind it."""
-        self.pos = max(self.pos, float(position))
+        move = float(position) - self.pos
+        if move > 0:
+            self.pos += move
+            self._history = deque((t, p + move) for t, p in self._history)
 
     def state_dict(self) -> dict:
         return {"pos": self.pos, "step_seconds": self.step_seconds}

@@ -223,10 +223,12 @@ class DiLoCo:
         compute = now - self._resumed_at if not math.isnan(self._resumed_at) else 0.0
         view = self.swarm.peers_view() if self.swarm is not None else None
         others = {pid: v for pid, v in (view or {}).items() if pid != self.swarm.peer_id and not v.get("gone")}
-        clock.others_rate = sum(float(v["rate"]) for v in others.values()
-                                if isinstance(v.get("rate"), (int, float)) and 0 <= v["rate"] < 1e9)
+        rates = [float(v["rate"]) if isinstance(v.get("rate"), (int, float)) and 0 < v["rate"] < 1e9 else None
+                 for v in others.values()]
+        # a peer whose rate we do not know yet (its first records) counts as fast as we are
+        clock.others_rate = sum(r if r is not None else clock.rate() for r in rates)
         clock.observe(samples, now, compute)
-        clock.align([(float(v["pos"]), float(v["pt"])) for v in others.values()
+        clock.align([(pid, float(v["pos"]), float(v["pt"])) for pid, v in others.items()
                      if isinstance(v.get("pos"), (int, float)) and isinstance(v.get("pt"), (int, float))
                      and math.isfinite(v["pos"]) and math.isfinite(v["pt"])], now)
         return clock.target(self.inner_step, self.schedule.next_send)
@@ -570,6 +572,7 @@ class DiLoCo:
             self.inner_step = self.synced_step = int(meta["step"])
             if self.clock is not None:
                 self.clock.jump_to(self.inner_step)
+                self._resumed_at = time.time()  # the download's time was no computing
             self.samples_since = [0] * self.num_fragments
             if self._inflight:
                 logger.info(f"dropped {len(self._inflight)} sync(s) in flight for the downloaded state")

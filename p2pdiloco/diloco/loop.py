@@ -116,6 +116,7 @@ class _Peer:
 
             self.dashboard = serve_for_node(node, cfg.swarm.run_id, host=cfg.train.dashboard_host,
                                             port=cfg.train.dashboard_port, period=cfg.swarm.progress_period)
+        swarm.allreducer.round_samples = cfg.inner.round_samples  # weights differ as speeds do (robust.screen)
         swarm.check_fingerprint(cfg.fingerprint(), cfg.fingerprint_fields())
         swarm.timeouts.configure(min_link_mbit=cfg.swarm.min_link_mbit, adaptive=cfg.swarm.adaptive_timeouts)
         swarm.matchmaker.adaptive = cfg.swarm.adaptive_timeouts

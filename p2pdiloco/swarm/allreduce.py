@@ -225,6 +225,8 @@ class AllReducer:
         self.run_id = run_id
         self.timeout = timeout
         self.robust = robust or RobustConfig()
+        #: inner.round_samples of the run (rounds by the swarm's samples): the weight screen's budget
+        self.round_samples = 0
         self.handler_name = f"p2pdiloco.{run_id}.part"
         self._rounds: Dict[Tuple[str, str], _Round] = {}
         self.stats: Counter = Counter()
@@ -380,7 +382,7 @@ class AllReducer:
         weights = [rnd.parts[i][0] for i in order]
         norms = [float(rnd.parts[i][1].norm()) for i in order]
         own = order.index(me) if me in rnd.parts else -1
-        for k, reason in screen(weights, norms, own, self.robust, rnd.numel).items():
+        for k, reason in screen(weights, norms, own, self.robust, rnd.numel, self.round_samples).items():
             self._drop(rnd, order[k], reason.split(" ", 1)[0], reason, reduce=False)
         order = sorted(rnd.parts)
         result = aggregate([rnd.parts[i][1] for i in order], [rnd.parts[i][0] for i in order], self.robust)
