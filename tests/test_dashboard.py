@@ -240,6 +240,13 @@ def _rows(dom: str) -> List[str]:
     return re.findall(r'<tr data-peer="([1-9A-HJ-NP-Za-km-z]+)"', body)
 
 
+def _cells(dom: str, pid: str) -> List[str]:
+    """The texts of the cells of ``pid``'s row in the live-peers table."""
+    body = dom.split('id="peers"', 1)[1].split("</table>", 1)[0]
+    row = body.split(f'<tr data-peer="{pid}"', 1)[1].split("</tr>", 1)[0]
+    return [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+
+
 def _loss_points(dom: str) -> int:
     chart = dom.split('id="loss-chart"', 1)[1].split('id="tokens-chart"', 1)[0]
     return len(re.findall(r'<circle[^>]*class="pt"', chart))
@@ -314,12 +321,16 @@ def test_dashboard_in_a_browser(procs, tmp_path, chromium):
     while True:
         dom = browser.dom(url)
         rows = _rows(dom)
-        if set(ids) <= set(rows) and _loss_points(dom) >= 2 and liar in rows and "&lt;script&gt;" in dom:
+        if set(ids) <= set(rows) and _loss_points(dom) >= 2 and liar in rows and "&lt;script&gt;" in dom \
+                and all(_cells(dom, pid)[5].endswith("%") for pid in ids):
             break
         assert time.time() < deadline, (
             f"the page never showed both volunteers {ids}, the stranger {liar}, >= 2 loss points and the "
             f"stranger's markup as text: rows {rows}, {_loss_points(dom)} points, escaped markup "
             f"{'&lt;script&gt;' in dom}, a stranger's element {'<img' in dom}; {procs.err('dash')[-1500:]}")
+    for pid in ids:  # issue 23: each peer's samples/s and its share of the last round (two equal peers: ~half)
+        cells = _cells(dom, pid)
+        assert float(cells[4]) > 0 and 20 <= int(cells[5].rstrip("%")) <= 80, cells
     browser.screenshot(url, str(tmp_path / "dashboard.png"))
     with open(tmp_path / "dashboard.png", "rb") as f:
         png = f.read()

@@ -122,3 +122,46 @@ def test_a_member_the_others_cannot_reach_is_left_out_before_the_round(tmp_path,
     assert len(outs) == 2 and all(o["ok"] and o["members"] == 2 for o in outs) and outs[0]["sum"] == outs[1]["sum"]
     assert all(s.get("dial_retries", 0) == 0 for s in r["stats"]), r["stats"]
     assert r["formed"] < 20, r["formed"]  # the link check is bounded (warm_timeout 3 s here)
+
+
+def _simultaneous_dials(tmp_path, reuseport: str, trials: int = 3) -> dict:
+    """Two SwarmNodes on an emulated WAN link (50 ms each way) dial each other at the same instant,
+    ``trials`` times (tests/simdial_support.py); LIBP2P_TCP_REUSEPORT as given ("" = our default)."""
+    from p2pdiloco.bench.wan import EmulatedWAN, LinkSpec
+
+    env = dict(os.environ)
+    env.pop("LIBP2P_TCP_REUSEPORT", None)
+    if reuseport:
+        env["LIBP2P_TCP_REUSEPORT"] = reuseport
+    folder = tmp_path / f"sim-{reuseport or 'default'}"
+    folder.mkdir()
+    script = os.path.join(HERE, "simdial_support.py")
+    with EmulatedWAN(2, LinkSpec(10, 50, 0, 0)) as wan:
+        a, b = wan.hosts
+        procs = [h.popen([sys.executable, script, me, other, h.address, str(folder), str(trials)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+                 for h, me, other in ((a, "A", "B"), (b, "B", "A"))]
+        outs = [p.communicate(timeout=150) for p in procs]
+    results = []
+    for (out, err), p in zip(outs, procs):
+        lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, f"simultaneous-dial peer failed (rc {p.returncode}):\n{err[-3000:]}"
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return {"ok": sum(r["ok"] for r in results), "failed": [f for r in results for f in r["failed"]]}
+
+
+@pytest.mark.timeout(400, func_only=True)
+@needs_netns
+def test_two_peers_dialing_each_other_at_once_both_connect(tmp_path):
+    """The first-dial failure of the emulated WAN benchmark: both ends of a pair dial each other at the
+    same moment (keeping links open, warming a group), and with libp2p's TCP reuseport the two SYNs
+    join into one TCP connection in which both daemons start the handshake as initiator: both dials
+    fail ("failed to negotiate security protocol") and leave both addresses in dial backoff. Shown
+    with reuseport forced on (the fault: it must fire), then with our default (node.no_tcp_reuseport)."""
+    forced = _simultaneous_dials(tmp_path, "true")
+    assert forced["failed"], f"with reuseport every simultaneous dial connected: the fault did not fire {forced}"
+    assert any("security protocol" in f or "backoff" in f for f in forced["failed"]), forced["failed"]
+    ours = _simultaneous_dials(tmp_path, "")
+    print(f"\nsimultaneous dials: with reuseport {len(forced['failed'])} of "
+          f"{forced['ok'] + len(forced['failed'])} failed; ours {len(ours['failed'])} of {ours['ok'] + len(ours['failed'])}")
+    assert not ours["failed"] and ours["ok"] == 6, ours

@@ -7,7 +7,10 @@ is refused the same way, and the daemon offers no call to clear it). A round tha
 only when it started, and retried at 0.3 and 0.6 s, therefore failed on every member whenever one
 first dial failed: the retries were refused by the backoff, not by the network.
 
-So:
+The first failure itself was mostly TCP simultaneous open (both ends of a pair dialing each other at
+once from their listening ports, joined into one TCP connection whose handshake fails both ways):
+our daemons run without TCP reuseport (``node.no_tcp_reuseport``). What remains (a link really down
+for a while, a DHT dial that failed) is handled here. So:
 
 * :func:`ensure_connected` opens a connection to a peer (a no-op when one is open, in either
   direction: a libp2p connection carries streams both ways) and keeps trying until a deadline:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from typing import Any, Awaitable, Callable, Dict, List, Optional
@@ -71,6 +72,28 @@ async def _serve_dht(initial_peers: List[str], _dht: Any, node: Any) -> int:
     return sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
 
 
+#: go-libp2p's switch for binding outgoing TCP connections to the listening port (default on)
+REUSEPORT_ENV = "LIBP2P_TCP_REUSEPORT"
+
+
+def no_tcp_reuseport() -> None:
+    """Outgoing TCP connections of our p2p daemon from ephemeral ports, not the listening port
+    (issue 22), unless ``LIBP2P_TCP_REUSEPORT`` is set already.
+
+    With go-libp2p's default (reuseport on) a connection from A to B runs from A's listening port to
+    B's. When A and B dial each other at the same moment, both SYNs carry the same two address:port
+    pairs, cross in flight, and the kernels join them into ONE TCP connection (TCP simultaneous open).
+    Both daemons then act as the initiator of the security handshake and both dials fail ("failed to
+    negotiate security protocol"); libp2p then refuses new dials to those addresses for 5 s and more
+    ("dial backoff"), both ways. Peers dial each other at the same moment all the time (both ends of a
+    pair keeping links open, warming a group's links, the DHT), and a delay of 50 ms makes the window
+    wide: measured on the emulated WAN, 12 of 12 simultaneous dials failed with reuseport and 0 of 12
+    without (``tests/test_dial.py``). The daemon reads the variable when it starts (it inherits our
+    environment). Nothing of ours needs reuseport: private peers connect outbound and never rely on
+    hole punching or on the port others observe (swarm/reachability.py)."""
+    os.environ.setdefault(REUSEPORT_ENV, "false")
+
+
 class SwarmNode:
     """Start (or join) the DHT and keep a P2P client with its own event loop thread.
 
@@ -121,6 +144,7 @@ class SwarmNode:
             kwargs["check_if_identity_free"] = False  # a fresh random key cannot be taken
         if announce_maddrs:
             kwargs["announce_maddrs"] = list(announce_maddrs)
+        no_tcp_reuseport()
         deadline = time.monotonic() + bootstrap_timeout
         attempt = 0
         while True:
