@@ -58,9 +58,8 @@ def test_fast_peers_do_not_wait_for_a_slow_one(procs, tmp_path, run):
     summaries = [[r for r in rs if r["event"] == "summary"][-1] for rs in recs]
     fired = [r for r in recs[SLOW] if r["event"] == "fault" and r["action"] == "slow"]
     assert fired, "the slowdown never fired"
-    steps = [s["inner_steps"] for s in summaries]
-    local = [sum(r["samples"] for r in rs if r["event"] == "sync" and r["ok"]) // BATCH for rs in recs]
-    assert local[SLOW] < 0.5 * min(local[i] for i in range(3) if i != SLOW), (local, steps)
+    steps = [s["inner_steps"] for s in summaries]  # each peer's own inner steps
+    assert steps[SLOW] < 0.5 * min(steps[i] for i in range(3) if i != SLOW), steps
 
     # every round: all three, weights = reported samples, one total, one digest
     rounds: Dict[tuple, Dict[int, dict]] = {}
@@ -71,7 +70,7 @@ def test_fast_peers_do_not_wait_for_a_slow_one(procs, tmp_path, run):
             if r["event"] == "sync":
                 assert r["ok"], (i, r.get("error"))
                 rounds.setdefault((r["fragment"], r["outer_step"]), {})[i] = r
-    assert len(rounds) >= ROUNDS * P
+    assert len(rounds) == ROUNDS + (ROUNDS - 1) * (P - 1)  # the loop stops after fragment 0's last round
     for key, by_peer in sorted(rounds.items()):
         assert sorted(by_peer) == [0, 1, 2], (key, sorted(by_peer))
         assert all(r["group_size"] == 3 for r in by_peer.values())
@@ -83,7 +82,7 @@ def test_fast_peers_do_not_wait_for_a_slow_one(procs, tmp_path, run):
     waits = [s["network_wait_seconds"] / s["seconds"] for s in summaries]
     print(f"\nshare of wall time waiting in syncs: " + ", ".join(
         f"peer {i}{' (slow)' if i == SLOW else ''} {w:.1%} ({s['network_wait_seconds']:.1f} of {s['seconds']:.1f} s, "
-        f"{local[i]} inner steps)" for i, (w, s) in enumerate(zip(waits, summaries))))
+        f"{steps[i]} inner steps)" for i, (w, s) in enumerate(zip(waits, summaries))))
     for i in range(3):
         if i != SLOW:
             assert waits[i] <= 0.10, f"fast peer {i} waited {waits[i]:.1%} of its wall time"
