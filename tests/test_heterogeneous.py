@@ -13,7 +13,7 @@ order has the swarm's digest after every round and its final parameters bitwise 
 from __future__ import annotations
 
 import json
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 import torch
@@ -80,7 +80,7 @@ def test_fast_peers_do_not_wait_for_a_slow_one(procs, tmp_path, run):
         assert len({r["digest"] for r in by_peer.values()}) == 1, key
 
     waits = [s["network_wait_seconds"] / s["seconds"] for s in summaries]
-    print(f"\nshare of wall time waiting in syncs: " + ", ".join(
+    print("\nshare of wall time waiting in syncs: " + ", ".join(
         f"peer {i}{' (slow)' if i == SLOW else ''} {w:.1%} ({s['network_wait_seconds']:.1f} of {s['seconds']:.1f} s, "
         f"{steps[i]} inner steps)" for i, (w, s) in enumerate(zip(waits, summaries))))
     for i in range(3):
