@@ -130,6 +130,41 @@ class _Proposal:
     left: Dict[str, str] = field(default_factory=dict)  # members left out -> why
 
 
+@dataclass
+class _Attempt:
+    """One peer's formation of one (fragment, round)'s group, carried through the steps of
+    :meth:`Matchmaker.form_group`."""
+
+    me: str
+    frag: int
+    round: int
+    sync_step: Optional[int]
+    expected: int                          # ready peers to wait for, us included
+    slot: _Slot
+    key: str                               # the round's ready-record key
+    t_enter: float
+    start: float
+    hard_deadline: float
+    deadline: float = 0.0
+    first_seen: Dict[Tuple[str, Any], float] = field(default_factory=dict)
+    ready: Set[str] = field(default_factory=set)
+    waiting_for: Set[str] = field(default_factory=set)
+    peers: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    absent: Set[str] = field(default_factory=set)
+    last_eval: float = -1e9
+    presumed: str = ""
+    early: Optional[asyncio.Future] = None  # our request to the presumable leader, while it is open
+
+    def __post_init__(self) -> None:
+        self.ready.add(self.me)
+
+    def hang_up(self) -> None:
+        """Withdraw the early request (the presumable leader must not admit us any more)."""
+        if self.early is not None:
+            self.early.cancel()
+            self.early = None
+
+
 class _LeftOut(str):
     """A joiner's answer: it was left out of the group (the reason)."""
 
@@ -297,15 +332,59 @@ class Matchmaker:
         return self._slots.setdefault((frag, round_), _Slot())
 
     async def form_group(self, frag: int, round_: int, expected: int, sync_step: Optional[int] = None) -> Group:
-        """Return the final group for (frag, round_), or raise MatchmakingFailed.
+        """Return the final group for (frag, round_), or raise MatchmakingFailed (RoundMissed: the round
+        is over without us; catch up).
 
         ``expected``: how many ready peers (this one included) to wait for. With ``sync_step`` (the
-        inner step this sync belongs to) the wait is elastic and derived (module docstring, item 5).
+        schedule position this sync belongs to) the wait is elastic and derived (module docstring,
+        item 5). Four named steps, each one method: :meth:`_enter` (read, check, announce, ask the
+        presumable leader), :meth:`_poll` (until enough peers are ready or the wait ends),
+        :meth:`_last_look` (before syncing alone) and :meth:`_settle` (ask candidates in rank order,
+        or lead). The rules, as ``tests/test_matchmaking_rules.py`` checks them row by row:
+
+        ========================================================  ===========================================
+        situation                                                 rule
+        ========================================================  ===========================================
+        a verified sync of the swarm at or past our sync step     behind: RoundMissed, nothing announced
+        the round's group closed without us, based on our         RoundMissed (the round went on without us)
+        history (or, without a history, holding a partner of
+        our last group / half the live peers)
+        the round's group closed without us, another history      not ours: form our own group
+        as many ready peers as expected (records or requests)     stop polling
+        a live peer due now is not ready yet                      wait for it until its derived ETA, never
+                                                                  past ``matchmaking_timeout``
+        the presumable leader (best rank of us and the peers      ask it to admit us at once, while polling;
+        due now) is another peer                                  its group, when it answers, is ours
+        alone while others are live, or partners of our last      look once more (after <= 1 s): behind?
+        group cannot be seen at all                               missed? more ready records?
+        candidates                                                ready peers, plus unseen due peers and
+                                                                  absent partners of better rank, in rank
+                                                                  order: public before private, then id
+        we are private and so is every other ready peer           MatchmakingFailed: nobody can lead us
+        the best candidate is us                                  lead: admit joiners, waiting the join
+                                                                  grace for the unseen ones
+        a candidate answers "not leader" with a hint              ask the hinted peer first (re-read the
+                                                                  ready records when we have not seen it);
+                                                                  a candidate bounces at most 3 times
+        a candidate refuses without a hint, or is unreachable     the next candidate
+        ========================================================  ===========================================
         """
+        a = await self._enter(frag, round_, expected, sync_step)
+        try:
+            group = await self._poll(a)
+        except BaseException:
+            a.hang_up()
+            raise
+        if group is not None:
+            return group
+        await self._last_look(a)
+        return await self._settle(a)
+
+    async def _enter(self, frag: int, round_: int, expected: int, sync_step: Optional[int]) -> "_Attempt":
+        """Read the live peers and the round's group record; refuse a round we are behind on or that is
+        over without us; store our ready record (in the background: a store can wait seconds on an
+        unresponsive node); ask the presumable leader to admit us (item 9)."""
         me = self.node.peer_id_str
-        slot = self._slot(frag, round_)
-        key = self._key(frag, round_)
-        ttl = self.matchmaking_timeout * 3
         t_enter = time.monotonic()
         live, groups = await asyncio.gather(self._live_peers(check=True) if sync_step is not None else _nothing(),
                                             self.node.aget_subkeys(self._group_key(frag, round_)))
@@ -313,166 +392,178 @@ class Matchmaker:
             self._check_not_behind(live, frag, round_, sync_step)
         self._raise_if_missed(groups, frag, round_, expected)
         start = time.monotonic()
-        hard_deadline = start + self.matchmaking_timeout
-        deadline = hard_deadline
-        first_seen: Dict[Tuple[str, Any], float] = {}
-        # the ready record is stored while we poll: a store can wait seconds on an unresponsive node
-        self._background(self.node.astore(key, {"t": time.time(), "reach": self._my_reach()}, ttl=ttl, subkey=me),
-                         "ready record")
-        ready: Set[str] = {me}
-        waiting_for: Set[str] = set()
-        peers: Dict[str, Dict[str, Any]] = {}
-        last_eval = -1e9
-
-        def evaluate(read: Dict[str, Dict[str, Any]]) -> None:
-            nonlocal peers, waiting_for, expected, deadline, last_eval
-            last_eval = time.monotonic()
-            peers = read
-            waiting_for = expected_peers(peers, me, sync_step)
-            expected = 1 + len(waiting_for | (ready - {me}))
-            deadline = self._derived_deadline(peers, waiting_for - ready, sync_step, first_seen, start, hard_deadline)
-
+        a = _Attempt(me=me, frag=frag, round=round_, sync_step=sync_step, expected=expected,
+                     slot=self._slot(frag, round_), key=self._key(frag, round_), t_enter=t_enter, start=start,
+                     hard_deadline=start + self.matchmaking_timeout)
+        a.deadline = a.hard_deadline
+        self._background(self.node.astore(a.key, {"t": time.time(), "reach": self._my_reach()},
+                                          ttl=self.matchmaking_timeout * 3, subkey=me), "ready record")
         if sync_step is not None:
-            evaluate(live)  # read just now
-        # Ask the presumable leader (the smallest id among us and the live peers due at this sync) to
-        # admit us at once, while we poll: a join needs no DHT, and the leader counts it as our ready
-        # record (item 8 of the module docstring). Nothing is decided by it: when the poll picks another
-        # leader, we hang up and the presumable one does not admit us.
-        early: Optional[asyncio.Future] = None
-        presumed = (min(self._unbanned(expected_peers(live, me, sync_step)) | {me}, key=self._rank)
-                    if sync_step is not None else me)
-        if self._private(presumed):
-            presumed = me  # no public peer due: nobody to ask (a private peer cannot be dialed)
-        if presumed != me:
-            early = asyncio.ensure_future(self._join(presumed, frag, round_, expected))
-        try:
-            while True:
-                # the three reads of one poll run side by side: each waits a round trip or more on a WAN
-                reeval = sync_step is not None and time.monotonic() - last_eval >= self.reevaluate_period
-                reads = asyncio.ensure_future(asyncio.gather(
-                    self._ready_read(key), self._live_peers(check=True) if reeval else _nothing(),
-                    self.node.aget_subkeys(self._group_key(frag, round_))))
-                while not reads.done() and not (early is not None and early.done()):
-                    ready |= self._unbanned(slot.arrivals)
-                    if len(ready) >= expected:
-                        break  # the peers we wait for asked us to lead: no need for the DHT to say so
-                    await self._nap(None, slot, reads, early)
-                if not reads.done():
-                    reads.cancel()
-                    reads.add_done_callback(_consume)
-                if early is not None and early.done():
-                    group, _ = early.result()  # a RoundMissed (closed without us) ends matchmaking here
-                    early = None
-                    if group is not None:
-                        slot.leader, slot.final = presumed, group
-                        slot.decided.set()
-                        return self._remember(group, t_enter)
-                    continue  # refused (it follows another peer, or is not the leader): poll on
-                if not reads.done():
-                    break  # enough peers asked us to lead
-                got_ready, got_live, got_groups = reads.result()
-                ready |= got_ready | self._unbanned(slot.arrivals)
-                if reeval:
-                    evaluate(got_live)
-                self._raise_if_missed(got_groups, frag, round_, expected)
-                if len(ready) >= expected or time.monotonic() >= deadline:
-                    break
-                await self._nap(0.1, slot, early)
-        except BaseException:
-            if early is not None:
-                early.cancel()
-            raise
-        # The partners of our last group whose record we cannot see at all: crashed, or hidden by the DHT
-        # (a frozen node can hold every read and store for longer than a record lives; both peers of a
-        # pair then saw an empty swarm and each closed a group of one: straggler test in CI). We cannot
-        # tell which, so they count as unseen: asked first when their id is smaller, given the join
-        # grace when we lead. A crashed partner costs one grace period: the next group is without it.
-        absent = (self._unbanned(self._companions) - set(peers) - ready - {me}
-                  if sync_step is not None else set())
-        if sync_step is not None and ready == {me} and (len(peers) > 1 or absent):
-            # About to sync alone while others are live: give the DHT a moment, then make sure they are
-            # not past this round already (their group record or progress may not have reached us yet).
+            self._evaluate(a, live)  # read just now
+        # Nothing is decided by the early request: when the poll picks another leader, we hang up and the
+        # presumable one does not admit us.
+        a.presumed = (min(self._unbanned(expected_peers(live, me, sync_step)) | {me}, key=self._rank)
+                      if sync_step is not None else me)
+        if self._private(a.presumed):
+            a.presumed = me  # no public peer due: nobody to ask (a private peer cannot be dialed)
+        if a.presumed != me:
+            a.early = asyncio.ensure_future(self._join(a.presumed, frag, round_, expected))
+        return a
+
+    def _evaluate(self, a: "_Attempt", read: Dict[str, Dict[str, Any]]) -> None:
+        """A fresh read of the live peers: whom we wait for, how many, and until when (item 5)."""
+        a.last_eval = time.monotonic()
+        a.peers = read
+        a.waiting_for = expected_peers(read, a.me, a.sync_step)
+        a.expected = 1 + len(a.waiting_for | (a.ready - {a.me}))
+        a.deadline = self._derived_deadline(read, a.waiting_for - a.ready, a.sync_step, a.first_seen, a.start,
+                                            a.hard_deadline)
+
+    async def _poll(self, a: "_Attempt") -> Optional[Group]:
+        """Poll the ready records (and, every reevaluate_period, the live peers and the group record)
+        until as many peers are ready as expected or the deadline; join requests count as ready records.
+        Returns the group when the presumable leader answered with one, else None."""
+        slot = a.slot
+        while True:
+            # the three reads of one poll run side by side: each waits a round trip or more on a WAN
+            reeval = a.sync_step is not None and time.monotonic() - a.last_eval >= self.reevaluate_period
+            reads = asyncio.ensure_future(asyncio.gather(
+                self._ready_read(a.key), self._live_peers(check=True) if reeval else _nothing(),
+                self.node.aget_subkeys(self._group_key(a.frag, a.round))))
+            while not reads.done() and not (a.early is not None and a.early.done()):
+                a.ready |= self._unbanned(slot.arrivals)
+                if len(a.ready) >= a.expected:
+                    break  # the peers we wait for asked us to lead: no need for the DHT to say so
+                await self._nap(None, slot, reads, a.early)
+            if not reads.done():
+                reads.cancel()
+                reads.add_done_callback(_consume)
+            if a.early is not None and a.early.done():
+                group, _ = a.early.result()  # a RoundMissed (closed without us) ends matchmaking here
+                a.early = None
+                if group is not None:
+                    slot.leader, slot.final = a.presumed, group
+                    slot.decided.set()
+                    return self._remember(group, a.t_enter)
+                continue  # refused (it follows another peer, or is not the leader): poll on
+            if not reads.done():
+                return None  # enough peers asked us to lead
+            got_ready, got_live, got_groups = reads.result()
+            a.ready |= got_ready | self._unbanned(slot.arrivals)
+            if reeval:
+                self._evaluate(a, got_live)
+            self._raise_if_missed(got_groups, a.frag, a.round, a.expected)
+            if len(a.ready) >= a.expected or time.monotonic() >= a.deadline:
+                return None
+            await self._nap(0.1, slot, a.early)
+
+    async def _last_look(self, a: "_Attempt") -> None:
+        """The partners of our last group whose record we cannot see at all count as unseen: crashed, or
+        hidden by the DHT (a frozen node can hold every read and store for longer than a record lives;
+        both peers of a pair then saw an empty swarm and each closed a group of one: straggler test in
+        CI). About to sync alone while others are live: give the DHT a moment, then make sure they are
+        not past this round already (their group record or progress may not have reached us yet)."""
+        if a.sync_step is None:
+            return
+        a.absent = self._unbanned(self._companions) - set(a.peers) - a.ready - {a.me}
+        if a.ready == {a.me} and (len(a.peers) > 1 or a.absent):
             await asyncio.sleep(min(1.0, self.join_grace))
-            ready |= await self._ready_read(key)
-            self._check_not_behind(await self._live_peers(), frag, round_, sync_step)
-            await self._check_not_missed(frag, round_, expected)
+            a.ready |= await self._ready_read(a.key)
+            self._check_not_behind(await self._live_peers(), a.frag, a.round, a.sync_step)
+            await self._check_not_missed(a.frag, a.round, a.expected)
+
+    async def _settle(self, a: "_Attempt") -> Group:
+        """Ask the candidates in rank order (live peers due now that we did not see ready and whose rank
+        is better than ours may be leading already: DHT views differ), or lead when our turn comes."""
+        me, slot, frag, round_ = a.me, a.slot, a.frag, a.round
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(f"[{self.node.short_id}] frag {frag} round {round_}: poll done after "
-                         f"{time.monotonic() - start:.2f}s (first reads {start - t_enter:.2f}s); ready {_short_ids(ready)}, waiting for "
-                         f"{_short_ids(waiting_for)}, live {_short_ids(peers)}, absent partners {_short_ids(absent)}, "
-                         f"expected {expected}")
-        # Live peers due now whose ready record we did not see and whose id is smaller than ours may be
-        # leading already (DHT views differ): ask them first, briefly, rather than lead a split group.
-        unseen = (waiting_for | absent) - ready
-        candidates = sorted(ready | {u for u in unseen if self._rank(u) < self._rank(me)}, key=self._rank)
+                         f"{time.monotonic() - a.start:.2f}s (first reads {a.start - a.t_enter:.2f}s); ready "
+                         f"{_short_ids(a.ready)}, waiting for {_short_ids(a.waiting_for)}, live {_short_ids(a.peers)}, "
+                         f"absent partners {_short_ids(a.absent)}, expected {a.expected}")
+        unseen = (a.waiting_for | a.absent) - a.ready
+        candidates = sorted(a.ready | {u for u in unseen if self._rank(u) < self._rank(me)}, key=self._rank)
         if self._private(me):  # another private peer cannot lead us: we could not even dial it
             candidates = [c for c in candidates if c == me or not self._private(c)]
         tried: Set[str] = set()
         bounced: Dict[str, int] = {}  # candidate -> how often it answered "not leader" (with a hint)
-        while candidates:
-            leader = candidates[0]
-            if leader == me and early is not None:
-                early.cancel()  # hang up: the presumable leader must not admit us while we lead
-                early = None
-            if leader == me and self._private(me) and len(ready | set(candidates)) > 1:
-                others = sorted(p[-6:] for p in (ready | set(candidates)) - {me})
-                slot.closed = True
-                raise MatchmakingFailed(
-                    f"no public peer is ready for fragment {frag} round {round_}: this peer is private (behind NAT, "
-                    f"nobody can dial it) and so are the other ready peers ({', '.join(others)}); private peers "
-                    "cannot reach each other, and a group needs a public peer to lead it and reduce its shards. "
-                    "Run at least one peer with an open port (see bootstrap/README.md)")
-            if leader == me:
-                led = await self._lead(slot, frag, round_, (set(candidates) & ready) - {me},
-                                       set() if self._private(me) else unseen, expected, skip=tried)
-                if isinstance(led, Group):
-                    return self._remember(led, t_enter)
-                ready.add(led)  # stepped down for a smaller ready peer: join it
-                candidates = sorted(set(candidates) | {led}, key=self._rank)
-                tried.discard(led)
-                continue
-            tried.add(leader)
-            slot.leader = leader
-            slot.decided.set()
-            bound = None if leader in ready else 2 * self.join_grace
-            try:
-                if early is not None and leader == presumed:  # we asked it already: wait for that answer
-                    group, hint = await self._answer(early, bound)
-                else:
-                    if early is not None:
-                        early.cancel()  # hang up: it must not admit us while we join another leader
-                    group, hint = await self._join(leader, frag, round_, expected, timeout=bound)
-                early = None
-            except MatchmakingFailed:
-                slot.closed = True
-                raise
-            if logger.isEnabledFor(logging.DEBUG):
-                logger.debug(f"[{self.node.short_id}] frag {frag} round {round_}: asked {leader[-6:]}: "
-                             f"{'group ' + _short_ids(group.members) if group is not None else 'hint ' + str(hint)[-6:]}")
-            if group is not None:
-                slot.final = group
-                return self._remember(group, t_enter)
-            slot.leader = None
-            slot.decided.clear()
-            if not hint or bounced.get(leader, 0) >= 3:
-                candidates.remove(leader)
-                continue
-            # It follows another peer for now. It stays a candidate: when that peer does not answer
-            # (crashed), it leads itself, and we must be there, not leading a split group of our own.
-            bounced[leader] = bounced.get(leader, 0) + 1
-            if hint not in tried and hint not in ready and hint not in unseen and hint != me:
-                # A peer we have not seen ready yet (a joiner that arrived after our poll ended, its
-                # record not in our read): the DHT decides, not our older view. Asking the bouncer
-                # again instead cost the round: the hinted leader closed without us.
-                ready |= await self._ready_read(key)
-            if hint not in tried and (hint in ready or hint in unseen) and len(tried) < 8:
-                candidates.remove(hint) if hint in candidates else None
-                candidates.insert(0, hint)  # ask its leader first
-            else:  # it still follows a peer we could not reach: it will find out too; ask again shortly
-                await asyncio.sleep(0.5 * bounced[leader])
-        if early is not None:
-            early.cancel()
+        try:
+            while candidates:
+                leader = candidates[0]
+                if leader == me:
+                    a.hang_up()  # the presumable leader must not admit us while we lead
+                    led = await self._lead_turn(a, candidates, unseen, tried)
+                    if isinstance(led, Group):
+                        return led
+                    a.ready.add(led)  # stepped down for a better-ranked ready peer: join it
+                    candidates = sorted(set(candidates) | {led}, key=self._rank)
+                    tried.discard(led)
+                    continue
+                tried.add(leader)
+                group, hint = await self._ask(a, leader)
+                if group is not None:
+                    slot.final = group
+                    return self._remember(group, a.t_enter)
+                slot.leader = None
+                slot.decided.clear()
+                if not hint or bounced.get(leader, 0) >= 3:
+                    candidates.remove(leader)
+                    continue
+                # It follows another peer for now. It stays a candidate: when that peer does not answer
+                # (crashed), it leads itself, and we must be there, not leading a split group of our own.
+                bounced[leader] = bounced.get(leader, 0) + 1
+                if hint not in tried and hint not in a.ready and hint not in unseen and hint != me:
+                    # A peer we have not seen ready yet (a joiner that arrived after our poll ended, its
+                    # record not in our read): the DHT decides, not our older view. Asking the bouncer
+                    # again instead cost the round: the hinted leader closed without us.
+                    a.ready |= await self._ready_read(a.key)
+                if hint not in tried and (hint in a.ready or hint in unseen) and len(tried) < 8:
+                    candidates.remove(hint) if hint in candidates else None
+                    candidates.insert(0, hint)  # ask its leader first
+                else:  # it still follows a peer we could not reach: it will find out too; ask again shortly
+                    await asyncio.sleep(0.5 * bounced[leader])
+        finally:
+            a.hang_up()
         raise MatchmakingFailed(f"no group could be formed for fragment {frag}, round {round_}")  # pragma: no cover
+
+    async def _lead_turn(self, a: "_Attempt", candidates: Sequence[str], unseen: Set[str],
+                         tried: Set[str]) -> Union[Group, str]:
+        """Our turn to lead: refused when we are private and the others are too; else lead (the group,
+        or the better-ranked ready peer we stepped down for)."""
+        me, frag, round_ = a.me, a.frag, a.round
+        if self._private(me) and len(a.ready | set(candidates)) > 1:
+            others = sorted(p[-6:] for p in (a.ready | set(candidates)) - {me})
+            a.slot.closed = True
+            raise MatchmakingFailed(
+                f"no public peer is ready for fragment {frag} round {round_}: this peer is private (behind NAT, "
+                f"nobody can dial it) and so are the other ready peers ({', '.join(others)}); private peers "
+                "cannot reach each other, and a group needs a public peer to lead it and reduce its shards. "
+                "Run at least one peer with an open port (see bootstrap/README.md)")
+        led = await self._lead(a.slot, frag, round_, (set(candidates) & a.ready) - {me},
+                               set() if self._private(me) else unseen, a.expected, skip=tried)
+        return self._remember(led, a.t_enter) if isinstance(led, Group) else led
+
+    async def _ask(self, a: "_Attempt", leader: str) -> Tuple[Optional[Group], Optional[str]]:
+        """Ask ``leader`` to admit us: (its group, None) or (None, its hint). An unseen candidate gets a
+        bounded wait (twice the join grace); the presumable leader's early answer is used when pending."""
+        slot = a.slot
+        slot.leader = leader
+        slot.decided.set()
+        bound = None if leader in a.ready else 2 * self.join_grace
+        try:
+            if a.early is not None and leader == a.presumed:  # we asked it already: wait for that answer
+                group, hint = await self._answer(a.early, bound)
+            else:
+                a.hang_up()  # it must not admit us while we join another leader
+                group, hint = await self._join(leader, a.frag, a.round, a.expected, timeout=bound)
+            a.early = None
+        except MatchmakingFailed:
+            slot.closed = True
+            raise
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(f"[{self.node.short_id}] frag {a.frag} round {a.round}: asked {leader[-6:]}: "
+                         f"{'group ' + _short_ids(group.members) if group is not None else 'hint ' + str(hint)[-6:]}")
+        return group, hint
 
     @staticmethod
     async def _nap(timeout: Optional[float], slot: _Slot, *futures: Optional[asyncio.Future]) -> None:

@@ -20,13 +20,13 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 
 from ..compression import Codec
 from ..compression.robust import RobustConfig
-from ..errors import FingerprintMismatch, SyncFailed
+from ..errors import FingerprintMismatch
 from .allreduce import AllReducer, Coverage, Group
 from .matchmaking import Matchmaker
 from .node import SwarmNode

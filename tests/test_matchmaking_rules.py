@@ -1,0 +1,108 @@
+"""Matchmaking's rules, row by row: the table in ``Matchmaker.form_group``'s docstring.
+
+Each row is one situation of peer "me" forming the group of fragment 0, round 5 at schedule position
+100, on a DHT held in a dict (the records below), with the network calls replaced: ``_join(leader)``
+answers what the row says that leader answers, ``_lead`` returns the group it would close. The row
+names the outcome: the leaders asked, in order, and the group we end in, or the error raised.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+from p2pdiloco.errors import MatchmakingFailed, RoundMissed
+from p2pdiloco.swarm.allreduce import Group
+from test_elastic_state import _fake_matchmaker
+
+DIGEST = "1" * 16
+
+
+def _due(*peers: str, step: int = 99, next_sync: int = 100, private: str = "") -> Dict[str, Dict[str, Any]]:
+    """Progress records of live peers due at position ``next_sync`` (``private``: those that are)."""
+    return {p: {"step": step, "sps": 1.0, "next_sync": next_sync, "t": 1.0,
+                "reach": "private" if p in private else "public"} for p in peers}
+
+
+def _group(members, gid: str = "") -> Group:
+    members = tuple(sorted(members))
+    return Group(gid=gid or "g-" + "".join(members), members=members, my_index=members.index("me"), frag=0, round=5)
+
+
+#: situation, DHT records, answers of the leaders we may ask (a tuple: their group's members, us
+#: included; "hint:X": they follow X; "refuse": no hint), settings, and the outcome: the leaders asked
+#: in order and the members of our group, or "lead: unseen [...]" (we lead, waiting the join grace for
+#: those), or the exception raised
+ROWS: List[Dict[str, Any]] = [
+    dict(case="a verified sync of the swarm at or past our step: behind, nothing announced",
+         records={"t:progress": {p: {"synced_step": 120, "digest": DIGEST, "next_sync": 140, "t": 1.0}
+                                 for p in ("a", "b")}},
+         announce=False, raises=RoundMissed),
+    dict(case="the round's group closed without us, based on our history: missed",
+         records={"t:group:0:5": {"a": {"members": ["a", "b"], "base": "g-ours"}}},
+         lineage=["g-ours"], raises=RoundMissed),
+    dict(case="the round's group closed without us, another history: not ours, we form our own",
+         records={"t:group:0:5": {"a": {"members": ["a"], "base": "g-theirs"}}},
+         lineage=["g-ours"], expected=1, asked=[], result="lead: unseen []"),
+    dict(case="the presumable leader (best rank among us and the peers due) is asked at once",
+         records={"t:progress": _due("a", "me")}, answers={"a": ("a", "me")}, asked=["a"], result=("a", "me")),
+    dict(case="we have the best rank: we lead, waiting for the due peer we did not see ready",
+         records={"t:progress": _due("me", "z")}, asked=[], result="lead: unseen ['z']"),
+    dict(case="a public peer leads before a private one with a smaller id",
+         records={"t:progress": _due("a", "b", private="a"), "t:mm:0:5": {"a": {"t": 1.0, "reach": "private"},
+                                                          "b": {"t": 1.0, "reach": "public"}}},
+         answers={"b": ("a", "b", "me"), "a": ("a", "me")}, expected=3, asked=["b"], result=("a", "b", "me")),
+    dict(case="we are private and so is every other ready peer: nobody can lead us",
+         records={"t:progress": _due("a", private="a"), "t:mm:0:5": {"a": {"t": 1.0, "reach": "private"}}},
+         me_private=True,
+         raises=MatchmakingFailed),
+    # (a, the best-ranked peer due, is asked at once while we poll, and again as the first candidate)
+    dict(case="a candidate says it follows a peer we see ready: that peer is asked next",
+         records={"t:progress": _due("a", "b"), "t:mm:0:5": {"b": {"t": 1.0}, "a": {"t": 1.0}}},
+         answers={"a": "hint:b", "b": ("b", "me")}, asked=["a", "a", "b"], result=("b", "me")),
+    dict(case="a candidate refuses without a hint: the next candidate (here, we lead)",
+         records={"t:progress": _due("a"), "t:mm:0:5": {"a": {"t": 1.0}}}, answers={"a": "refuse"},
+         asked=["a", "a"], result="lead: unseen []"),
+    dict(case="alone while a partner of our last group cannot be seen at all: asked before we lead",
+         records={}, companions=["a"], answers={"a": ("a", "me")}, expected=2, asked=["a"], result=("a", "me")),
+]
+
+
+def _run(row: Dict[str, Any]):
+    records = {k: {s: dict(v) for s, v in sub.items()} for k, sub in row.get("records", {}).items()}
+    mm = _fake_matchmaker(records, announce=row.get("announce", True), join_grace=0.1,
+                          matchmaking_timeout=1.0)
+    mm.node.reachability = "private" if row.get("me_private") else "public"
+    for gid in row.get("lineage", []):
+        mm.add_lineage(gid)
+    if row.get("companions"):
+        mm.set_companions(row["companions"] + ["me"])
+    asked: List[str] = []
+    answers = row.get("answers", {})
+
+    async def join(leader, frag, round_, due=None, timeout=None):
+        asked.append(leader)
+        what = answers.get(leader, "refuse")
+        if isinstance(what, tuple):
+            return _group(what), None
+        if what.startswith("hint:"):
+            return None, what[5:]
+        return None, None
+
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset()):
+        return _group(["me"], gid=f"lead: unseen {sorted(unseen)}")
+
+    mm._join, mm._lead = join, lead
+    group: Optional[Group] = asyncio.run(mm.form_group(0, 5, row.get("expected", 2), sync_step=100))
+    return asked, (group.gid if group.gid.startswith("lead:") else group.members)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r["case"] for r in ROWS])
+def test_matchmaking_rule(row):
+    if "raises" in row:
+        with pytest.raises(row["raises"]):
+            _run(row)
+        return
+    asked, outcome = _run(row)
+    assert (asked, outcome) == (row["asked"], row["result"])
