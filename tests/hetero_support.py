@@ -6,10 +6,9 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from p2pdiloco.compression.robust import weighted_mean
-from p2pdiloco.data import BatchStream, load_corpus
-from p2pdiloco.diloco.loop import inner_step
+from p2pdiloco.data import load_corpus
+from p2pdiloco.diloco.loop import inner_setup, inner_step
 from p2pdiloco.diloco.outer import OuterState
-from p2pdiloco.model import build_model
 
 
 def replay_rounds(cfg, plan: Sequence[Sequence[Tuple[int, int]]],
@@ -28,12 +27,7 @@ def replay_rounds(cfg, plan: Sequence[Sequence[Tuple[int, int]]],
     corpus = load_corpus(cfg.data)
     peers = {}
     for i, shard in shards.items():
-        torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
-                                betas=(cfg.inner.beta1, cfg.inner.beta2))
-        stream = BatchStream(corpus.train, shard=shard, num_shards=cfg.data.num_shards,
-                             batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
+        model, opt, stream = inner_setup(cfg, corpus, shard)
         peers[i] = {"model": model, "opt": opt, "stream": stream, "steps": 0}
     first = next(iter(peers.values()))["model"]
     outer = OuterState(list(first.parameters()), lr=cfg.outer.lr, momentum=cfg.outer.momentum,

@@ -9,7 +9,6 @@ multi-process swarm is compared with the same reference in test_streaming_swarm.
 """
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from types import SimpleNamespace
@@ -24,7 +23,7 @@ from p2pdiloco.config import load_config
 from p2pdiloco.data import BatchStream, load_corpus
 from p2pdiloco.diloco.core import DiLoCo
 from p2pdiloco.diloco.fragments import Schedule
-from p2pdiloco.diloco.loop import inner_step
+from p2pdiloco.diloco.loop import inner_setup, inner_step
 from p2pdiloco.diloco.outer import OuterState
 from p2pdiloco.diloco.overlap import BandwidthMeter, lookahead
 from p2pdiloco.errors import ConfigError, SyncFailed
@@ -117,13 +116,7 @@ _RNG = threading.Lock()  # the init draws from torch's global RNG, which the pee
 
 def _inner_setup(cfg, shard: int):
     with _RNG:
-        torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
-                            betas=(cfg.inner.beta1, cfg.inner.beta2))
-    stream = BatchStream(load_corpus(cfg.data).train, shard=shard, num_shards=cfg.data.num_shards,
-                         batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
-    return model, opt, stream
+        return inner_setup(cfg, load_corpus(cfg.data), shard)
 
 
 def _inner_step(cfg, model, opt, stream, step: int) -> int:

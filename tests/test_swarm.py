@@ -15,7 +15,8 @@ import torch
 
 from conftest import TINY
 from p2pdiloco.config import load_config
-from p2pdiloco.data import BatchStream, load_corpus
+from p2pdiloco.data import load_corpus
+from p2pdiloco.diloco.loop import inner_setup
 from p2pdiloco.metrics import read_metrics
 from p2pdiloco.model import build_model
 
@@ -37,13 +38,7 @@ def reference_diloco(cfg, shards_in_member_order, outer_steps):
     corpus = load_corpus(cfg.data)
     peers = []
     for shard in shards_in_member_order:
-        torch.manual_seed(cfg.train.seed)
-        m = build_model(cfg.model)
-        opt = torch.optim.AdamW(m.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
-                                betas=(cfg.inner.beta1, cfg.inner.beta2))
-        stream = BatchStream(corpus.train, shard=shard, num_shards=cfg.data.num_shards,
-                             batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
-        peers.append((m, opt, stream))
+        peers.append(inner_setup(cfg, corpus, shard))
     step = 0
     for _ in range(outer_steps):
         for m, opt, stream in peers:

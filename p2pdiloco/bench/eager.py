@@ -100,10 +100,9 @@ def run_variant(config: Optional[str], sets: Sequence[str], spec: str, peers: in
     the final validation loss of the global copy (every peer holds the same one) and the per-peer
     validation losses after each outer step of fragment 0."""
     from ..config import load_config
-    from ..data import BatchStream, evaluate, load_corpus
+    from ..data import evaluate, load_corpus
     from ..diloco.core import DiLoCo
-    from ..diloco.loop import inner_step
-    from ..model import build_model
+    from ..diloco.loop import inner_setup, inner_step
 
     name, lr = _parse(spec)
     cfg = load_config(config, [*sets, *VARIANTS[name], *([f"outer.lr={lr}"] if lr is not None else [])])
@@ -117,12 +116,7 @@ def run_variant(config: Optional[str], sets: Sequence[str], spec: str, peers: in
     def peer(i: int) -> None:
         try:
             with init_lock:  # the init draws from torch's global RNG, shared by the threads
-                torch.manual_seed(cfg.train.seed)
-                model = build_model(cfg.model)
-            opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
-                                    betas=(cfg.inner.beta1, cfg.inner.beta2))
-            stream = BatchStream(corpus.train, shard=i, num_shards=cfg.data.num_shards,
-                                 batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
+                model, opt, stream = inner_setup(cfg, corpus, i)
             d = DiLoCo(model, cfg, _HubSwarm(hub, i))
             if i == 0:
                 def on_sync(rep) -> None:  # the model just restarted from this round's result

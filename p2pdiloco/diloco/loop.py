@@ -26,7 +26,7 @@ from ..errors import JoinFailed, SyncFailed
 from ..swarm.state_sync import StateServer, download_state, in_minority, pick_target, rival_lineage
 from .core import DiLoCo, SyncReport
 
-__all__ = ["run_peer", "inner_step"]
+__all__ = ["run_peer", "inner_step", "inner_setup"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,20 @@ def inner_step(cfg: RunConfig, model, opt, stream: BatchStream, step: int, devic
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
     opt.step()
     return loss.item(), x.shape[0]
+
+
+def inner_setup(cfg: RunConfig, corpus, shard: int, device="cpu"):
+    """(model, AdamW, batch stream) of one peer as it starts: the model from the run's seed (the same θ
+    on every peer), the inner optimiser, the stream of data shard ``shard``. The benchmarks' and the
+    tests' in-process references build their peers here. (The model's init draws from torch's global
+    RNG: callers that build peers in threads hold a lock around this.)"""
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
+                            betas=(cfg.inner.beta1, cfg.inner.beta2))
+    stream = BatchStream(corpus.train, shard=shard, num_shards=cfg.data.num_shards, batch_size=cfg.inner.batch_size,
+                         seq_len=cfg.model.seq_len, seed=cfg.data.seed)
+    return model, opt, stream
 
 
 def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, Any]:
