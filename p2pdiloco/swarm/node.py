@@ -86,7 +86,7 @@ def no_tcp_reuseport() -> None:
     Both daemons then act as the initiator of the security handshake and both dials fail ("failed to
     negotiate security protocol"); libp2p then refuses new dials to those addresses for 5 s and more
     ("dial backoff"), both ways. Peers dial each other at the same moment all the time (both ends of a
-    pair keeping links open, warming a group's links, the DHT), and a delay of 50 ms makes the window
+    pair warming a group's links, the DHT), and a delay of 50 ms makes the window
     wide: measured on the emulated WAN, 12 of 12 simultaneous dials failed with reuseport and 0 of 12
     without (``tests/test_dial.py``). The daemon reads the variable when it starts (it inherits our
     environment). Nothing of ours needs reuseport: private peers connect outbound and never rely on

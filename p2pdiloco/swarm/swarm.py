@@ -15,12 +15,11 @@ Records in the DHT (values are msgpack maps, keys prefixed with the run id):
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set
 
 import torch
 
@@ -41,10 +40,6 @@ logger = logging.getLogger(__name__)
 FINGERPRINT_TTL = 3600.0
 #: progress-record stores allowed in flight at once (each can take seconds: see Swarm.publish_progress)
 MAX_STORES_IN_FLIGHT = 4
-#: links kept open to this many live peers at most (issue 22: see Swarm.keep_links), and how often each
-#: is checked (seconds; a check of an open link is one local call to the p2p daemon)
-KEEP_LINKS_MAX = 32
-KEEP_LINKS_PERIOD = 5.0
 
 
 class Swarm:
@@ -75,7 +70,6 @@ class Swarm:
         self._stop = threading.Event()
         self._publisher: Optional[threading.Thread] = None
         self._reader: Optional[threading.Thread] = None
-        self._links: Dict[str, Tuple[float, concurrent.futures.Future]] = {}  # peer -> (checked at, its dial)
 
     @property
     def peer_id(self) -> str:
@@ -187,7 +181,6 @@ class Swarm:
                     view = self.live_peers()
                     with self._progress_lock:
                         self._view = view
-                    self.keep_links(view)
                 except Exception as e:
                     logger.debug(f"progress read failed: {e}")
 
@@ -195,33 +188,6 @@ class Swarm:
         self._publisher.start()
         self._reader = threading.Thread(target=read, name="p2pdiloco-peers", daemon=True)
         self._reader.start()
-
-    def keep_links(self, view: Dict[str, Dict[str, Any]]) -> None:
-        """Keep a connection open to the live peers we can dial (not private ones), checked every
-        KEEP_LINKS_PERIOD in the background (issue 22). A first dial can fail on a fresh WAN link (and
-        libp2p then refuses new dials to that address for 5 s or more, growing with each failure:
-        swarm/dialing.py), and the DHT's own dials leave such backoffs too. Dialed when a peer first
-        appears, a pair's link is open or its backoff is over long before their first round, instead of
-        the round's warm step meeting it (seen: a member left out of round 0 in 1 of 4 benchmark modes)."""
-        from .dialing import ensure_connected
-        from .reachability import is_private
-
-        now = time.monotonic()
-        targets = [pid for pid, rec in view.items() if pid != self.peer_id and not rec.get("gone")
-                   and not is_private(rec.get("reach"))][:KEEP_LINKS_MAX]
-        for pid in list(self._links):
-            if pid not in view:
-                del self._links[pid]
-        for pid in targets:
-            checked, fut = self._links.get(pid, (-KEEP_LINKS_PERIOD, None))
-            if (fut is not None and not fut.done()) or now - checked < KEEP_LINKS_PERIOD:
-                continue
-
-            async def dial(peer: str = pid) -> None:
-                loop = asyncio.get_running_loop()
-                await ensure_connected(self.node, peer, loop.time() + KEEP_LINKS_PERIOD,
-                                       why=" (keeping links to the swarm open)")
-            self._links[pid] = (now, self.node.submit(dial()))
 
     def peers_view(self) -> Optional[Dict[str, Dict[str, Any]]]:
         """The live peers as of the background reader's last read (None before its first), without waiting."""
