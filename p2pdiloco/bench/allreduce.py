@@ -36,9 +36,9 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["run_ours", "run_hivemind", "main"]
+__all__ = ["run_ours", "run_hivemind", "collect", "PeerPlace", "PlainJob", "PlainWork", "main"]
 
 _LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -57,53 +57,112 @@ def _expected(numel: int, peers: int):
     return base.add_(sum(range(1, peers + 1)) / peers)
 
 
+def _digest(out) -> str:
+    """Short hash of a result's bytes: equal digests on every peer = bitwise identical results."""
+    return hashlib.sha256(out.numpy().tobytes()).hexdigest()[:16]
+
+
 def _check(out, numel: int, peers: int) -> Dict[str, Any]:
     exp = _expected(numel, peers)
     err = float((out - exp).abs().max() / exp.abs().max())
-    return {"rel_err": err, "digest": hashlib.sha256(out.numpy().tobytes()).hexdigest()[:16]}
+    return {"rel_err": err, "digest": _digest(out)}
+
+
+# ---- where a peer runs, what it averages (bench.syncwan puts peers in namespaces, adds low-rank) ----
+class PeerPlace:
+    """Where a bench peer runs: the multiaddrs its libp2p daemon listens on (loopback here).
+
+    ``enter()`` is called first thing in the peer's process, before any socket, thread or child
+    process exists; a subclass (bench.syncwan) moves the process into a network namespace there."""
+
+    host_maddrs: Tuple[str, ...] = tuple(_LOOPBACK)
+
+    def enter(self) -> None:
+        pass
+
+
+class PlainJob:
+    """One peer's input for one codec: ``base + (rank + 1)``, averaged by one all-reduce with the codec
+    and checked against the exact mean (relative max error, digest of the result's bytes)."""
+
+    def __init__(self, name: str, numel: int, rank: int, peers: int):
+        from p2pdiloco.compression import get_codec
+
+        self.codec = get_codec(name)
+        self.numel, self.peers = numel, peers
+        self.vec = _vector(numel, rank)
+
+    def sync(self, allreduce):
+        """The averaged vector; ``allreduce(vec, phase, codec)`` is one all-reduce of the group."""
+        return allreduce(self.vec, "bench", self.codec)
+
+    def check(self, out) -> Dict[str, Any]:
+        return _check(out, self.numel, self.peers)
+
+    def info(self) -> Dict[str, Any]:
+        """Extra fields for the peer's raw result (none here)."""
+        return {}
+
+
+class PlainWork:
+    """Makes each peer's job per codec name (picklable: it travels to the spawned peers)."""
+
+    def job(self, name: str, numel: int, rank: int, peers: int) -> PlainJob:
+        return PlainJob(name, numel, rank, peers)
+
+
+def _join_node(rank: int, peers: int, place: PeerPlace, addr_q):
+    """Our SwarmNode; rank 0 starts the DHT and hands its address to the others."""
+    from p2pdiloco.swarm.node import SwarmNode
+
+    if rank == 0:
+        node = SwarmNode([], host_maddrs=list(place.host_maddrs))
+        for _ in range(peers - 1):
+            addr_q.put(node.visible_maddrs())
+        return node
+    return SwarmNode(addr_q.get(timeout=120), host_maddrs=list(place.host_maddrs))
 
 
 # ---- ours --------------------------------------------------------------------------------------
 def _ours_peer(rank: int, peers: int, numel: int, codecs: Sequence[str], repeat: int, timeout: float,
-               addr_q, id_q, members_q, barrier, result_q) -> None:
+               addr_q, id_q, members_q, barrier, result_q, place: Optional[PeerPlace] = None,
+               work: Optional[PlainWork] = None) -> None:
     os.setpgrp()  # our DHT process and libp2p daemon join this group; the parent kills it at the end
     try:
-        import torch
-
-        from p2pdiloco.compression import get_codec
+        place = place or PeerPlace()
+        place.enter()
+        work = work or PlainWork()
         from p2pdiloco.swarm.allreduce import AllReducer, Group, make_group_id
-        from p2pdiloco.swarm.node import SwarmNode
 
-        if rank == 0:
-            node = SwarmNode([], host_maddrs=_LOOPBACK)
-            for _ in range(peers - 1):
-                addr_q.put(node.visible_maddrs())
-        else:
-            node = SwarmNode(addr_q.get(timeout=120), host_maddrs=_LOOPBACK)
+        node = _join_node(rank, peers, place, addr_q)
         ar = AllReducer(node, "bench", timeout=timeout)
         id_q.put((rank, node.peer_id_str))
         members = tuple(members_q[rank].get(timeout=120))
-        vec = _vector(numel, rank)
         me = members.index(node.peer_id_str)
         counter = 0
         for name in codecs:
-            codec = get_codec(name)
-            times, sent = [], []
+            job = work.job(name, numel, rank, peers)
+            times, sent, windows = [], [], []
             out = None
             for rep in range(repeat + 1):
                 counter += 1
                 group = Group(gid=make_group_id("bench", 0, counter, members), members=members, my_index=me,
                               frag=0, round=counter)
+
+                def allreduce(vec, phase, codec, group=group):
+                    return node.call(ar.allreduce(group, phase, vec, 1.0, codec), timeout=timeout * 2)
+
                 barrier.wait(timeout=600)
                 s0 = node.traffic.snapshot()[0]
-                t0 = time.perf_counter()
-                out = node.call(ar.allreduce(group, "bench", vec, 1.0, codec), timeout=timeout * 2)
+                w0, t0 = time.time(), time.perf_counter()
+                out = job.sync(allreduce)
                 dt = time.perf_counter() - t0
                 if rep:  # the first run warms up (allocations, connections)
                     times.append(dt)
                     sent.append(node.traffic.snapshot()[0] - s0)
-            result_q.put({"impl": "p2pdiloco", "codec": name, "rank": rank, "times": times,
-                          "bytes_sent": statistics.median(sent), **_check(out, numel, peers)})
+                    windows.append((w0, w0 + dt))
+            result_q.put({"impl": "p2pdiloco", "codec": name, "rank": rank, "times": times, "windows": windows,
+                          "bytes_sent": statistics.median(sent), **job.info(), **job.check(out)})
         barrier.wait(timeout=600)
         node.shutdown()
     except Exception:  # noqa: BLE001 - reported to the parent
@@ -112,20 +171,24 @@ def _ours_peer(rank: int, peers: int, numel: int, codecs: Sequence[str], repeat:
 
 # ---- hivemind ----------------------------------------------------------------------------------
 def _hm_peer(rank: int, peers: int, numel: int, codecs: Sequence[str], repeat: int, timeout: float,
-             addr_q, id_q, members_q, barrier, result_q) -> None:
+             addr_q, id_q, members_q, barrier, result_q, place: Optional[PeerPlace] = None,
+             work: Optional[PlainWork] = None) -> None:
     os.setpgrp()
     try:
+        place = place or PeerPlace()
+        place.enter()
         mp.set_start_method("fork", force=True)  # hivemind's averager and DHT processes expect fork
         import hivemind
         from hivemind.averaging.control import AveragingStage
         from hivemind.compression import Float16Compression, NoCompression
 
         if rank == 0:
-            dht = hivemind.DHT(start=True, host_maddrs=_LOOPBACK)
+            dht = hivemind.DHT(start=True, host_maddrs=list(place.host_maddrs))
             for _ in range(peers - 1):
                 addr_q.put([str(m) for m in dht.get_visible_maddrs()])
         else:
-            dht = hivemind.DHT(initial_peers=addr_q.get(timeout=120), start=True, host_maddrs=_LOOPBACK)
+            dht = hivemind.DHT(initial_peers=addr_q.get(timeout=120), start=True,
+                               host_maddrs=list(place.host_maddrs))
         vec = _vector(numel, rank)
         compressions = {"fp32": NoCompression(), "fp16": Float16Compression()}
         for name in codecs:
@@ -134,7 +197,7 @@ def _hm_peer(rank: int, peers: int, numel: int, codecs: Sequence[str], repeat: i
                 [tensor], dht, prefix=f"bench_{name}_{peers}_{numel}", start=True, target_group_size=peers,
                 min_group_size=peers, min_matchmaking_time=5.0, request_timeout=3.0,
                 compression=compressions[name], allreduce_timeout=timeout)
-            times = []
+            times, windows = [], []
             for rep in range(repeat + 1):
                 with averager.get_tensors() as ts:
                     ts[0].copy_(vec)
@@ -146,16 +209,17 @@ def _hm_peer(rank: int, peers: int, numel: int, codecs: Sequence[str], repeat: i
                         raise TimeoutError("hivemind matchmaking did not finish")
                     time.sleep(0.002)
                 barrier.wait(timeout=600)
-                t0 = time.perf_counter()
+                w0, t0 = time.time(), time.perf_counter()
                 control.allow_allreduce()
                 control.result(timeout=timeout * 2)
                 dt = time.perf_counter() - t0
                 if rep:
                     times.append(dt)
+                    windows.append((w0, w0 + dt))
             with averager.get_tensors() as ts:
                 out = ts[0].clone()
-            result_q.put({"impl": "hivemind", "codec": name, "rank": rank, "times": times, "bytes_sent": None,
-                          **_check(out, numel, peers)})
+            result_q.put({"impl": "hivemind", "codec": name, "rank": rank, "times": times, "windows": windows,
+                          "bytes_sent": None, **_check(out, numel, peers)})
             barrier.wait(timeout=600)
             averager.shutdown()
         barrier.wait(timeout=600)
@@ -165,12 +229,21 @@ def _hm_peer(rank: int, peers: int, numel: int, codecs: Sequence[str], repeat: i
 
 
 def _run(target, peers: int, numel: int, codecs: Sequence[str], repeat: int, timeout: float) -> List[Dict[str, Any]]:
+    return _summarize(collect(target, peers, numel, codecs, repeat, timeout), peers, numel)
+
+
+def collect(target, peers: int, numel: int, codecs: Sequence[str], repeat: int, timeout: float,
+            places: Optional[Sequence[PeerPlace]] = None, work: Optional[PlainWork] = None) -> List[Dict[str, Any]]:
+    """Run ``target`` (``_ours_peer`` or ``_hm_peer``) in one spawned process per peer; return each
+    peer's raw result per codec (its times, sync windows in wall-clock seconds, check). ``places[r]``:
+    where peer r runs (default loopback); ``work``: what our peers average (default ``PlainWork``)."""
     ctx = mp.get_context("spawn")
     addr_q, id_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     members_q = [ctx.Queue() for _ in range(peers)]
     barrier = ctx.Barrier(peers)
     procs = [ctx.Process(target=target, args=(r, peers, numel, list(codecs), repeat, timeout, addr_q, id_q,
-                                              members_q, barrier, result_q), daemon=False)
+                                              members_q, barrier, result_q, places[r] if places else None, work),
+                         daemon=False)
              for r in range(peers)]
     for p in procs:
         p.start()
@@ -204,7 +277,7 @@ def _run(target, peers: int, numel: int, codecs: Sequence[str], repeat: int, tim
             p.join(10)
     if len(rows) < peers * len(codecs):
         raise RuntimeError(f"only {len(rows)} of {peers * len(codecs)} results arrived")
-    return _summarize(rows, peers, numel)
+    return rows
 
 
 def _summarize(rows: List[Dict[str, Any]], peers: int, numel: int) -> List[Dict[str, Any]]:
