@@ -61,6 +61,7 @@ ENV_VAR = "P2PDILOCO_FAULTS"
 PHASES = {
     "step": "right after an inner step (the training loop)",
     "allreduce.send": "the sync's group is final and this peer is about to send its parts",
+    "allreduce.half_sent": "half the chunks (rounded up) of one of this peer's parts are sent: mid-part",
     "allreduce.part_sent": "one of this peer's parts reached its owner: the middle of an all-reduce",
     "checkpoint.write": "the checkpoint's temp file is written but not yet renamed into place",
     "state.serve": "a donor is about to send its state to a joining peer",

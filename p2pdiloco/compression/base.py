@@ -55,6 +55,22 @@ class Codec(abc.ABC):
             raise WireError(f"{self.name} part decodes to non-finite values", sender)
         return out
 
+    def decode_into(self, data: bytes, out: torch.Tensor, sender: str | None = None) -> None:
+        """Decode ``data`` into ``out`` (a contiguous 1-D fp32 CPU tensor of the chunk's values),
+        raising :class:`WireError` naming ``sender`` when the length is not exact. Finiteness is the
+        caller's to check (the all-reduce does it in the same pass as the part's norm)."""
+        numel = out.numel()
+        if len(data) != self.encoded_size(numel):
+            raise WireError(f"{self.name} part has {len(data)} bytes, expected {self.encoded_size(numel)} for "
+                            f"{numel} values", sender)
+        if numel:
+            out.copy_(self._decode(data, numel))
+
+    def encode_view(self, x: torch.Tensor):
+        """``encode(x)`` as any bytes-like object, valid until ``x`` changes: what the all-reduce writes
+        to a stream (the lossless codec hands out the tensor's own memory instead of a copy)."""
+        return self.encode(x)
+
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """What a peer sees after ``x`` crossed the wire (used to treat one's own part like others')."""
         return self._decode(self.encode(x), x.numel())

@@ -1,8 +1,10 @@
 """Lossless fp32 and half-precision fp16 codecs (the uncompressed baselines)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from ..errors import WireError
 from .base import Codec, register_codec
 
 __all__ = ["Float32Codec", "Float16Codec"]
@@ -24,6 +26,17 @@ class Float32Codec(Codec):
         if numel == 0:
             return torch.empty(0, dtype=torch.float32)
         return torch.frombuffer(bytearray(data), dtype=torch.float32, count=numel)
+
+    def decode_into(self, data: bytes, out: torch.Tensor, sender: str | None = None) -> None:
+        if len(data) != 4 * out.numel():
+            raise WireError(f"fp32 part has {len(data)} bytes, expected {4 * out.numel()} for {out.numel()} values",
+                            sender)
+        if out.numel():  # one copy, straight from the received bytes into the destination
+            out.numpy().view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+
+    def encode_view(self, x: torch.Tensor):
+        x = x.detach().to("cpu", torch.float32).contiguous()
+        return memoryview(x.numpy()).cast("B") if x.numel() else b""
 
 
 @register_codec

@@ -13,13 +13,31 @@ and 5 in hivemind-notes.md). Here:
   its part carries its sample weight like everyone's.
 * Every member sends its part of shard ``k`` to its owner (one stream per pair, all concurrently),
   encoded with the group's codec. The owner decodes each part (its own part goes through the same
-  encode/decode round trip), aggregates them once every part is in or dropped (sample-weighted mean
-  summed **in fp32 in member order**, or CenteredClip: :mod:`p2pdiloco.compression.robust`),
-  encodes the result *once* and replies with the same bytes to everyone. Every peer therefore
-  decodes identical bytes: results are bitwise identical.
-* If a part is missing when the timeout expires (a peer died or stalls), the owner replies ``abort``
-  to everyone and every member raises :class:`SyncFailed` for the whole vector: a partial average
-  is never returned.
+  encode/decode round trip), aggregates them (sample-weighted mean summed **in fp32 in member
+  order**, or CenteredClip: :mod:`p2pdiloco.compression.robust`), encodes the result *once* and
+  replies with the same bytes to everyone. Every peer therefore decodes identical bytes: results
+  are bitwise identical.
+* **Pipelined.** Parts and results travel in chunks of :data:`CHUNK_VALUES` values (whole codec
+  blocks; each chunk encoded on its own, which for blockwise codecs is the same bytes as encoding
+  the part at once). Once every member's weight is in (headers) the weight screen runs; then the
+  owner reduces chunk ``j`` as soon as every member's chunk ``j`` is in and streams its encoded mean
+  to every member at once, while chunk ``j+1`` is still arriving; a member sends its chunks and reads
+  the result chunks on the same stream concurrently, decoding each into place. The mean is
+  element-wise, so a chunk's result is bitwise the whole shard's. The norm screen and CenteredClip
+  need whole parts: CenteredClip sends nothing before every part is in, and if the norm screen (or a
+  chunk that fails its checks after results went out) drops a part whose chunks were already
+  averaged, the owner recomputes the shard without it and sends it again, preceded by ``again``
+  (members discard what they had; only a bad part costs this). A reply ends with a trailer (``avg``)
+  naming the members the mean covers: nothing counts before it.
+* If a part is missing when the timeout expires (a peer died or stalls) or a member's stream breaks
+  mid-part (killed after half its chunks), the owner replies ``abort`` to everyone and every member
+  raises :class:`SyncFailed` for the whole vector: a partial average is never returned.
+* **Memory** (besides the input): a member holds the result (one vector) and, as an owner, the
+  other members' parts of its shard ((M-1)/M of a vector; its own part is read in place, or its
+  codec round trip for lossy codecs), the shard's encoded result, and a few chunks in flight: about
+  two vectors of fp32 for the lossless codec, less for 4-bit ones (tests/test_allreduce_chunks.py
+  measures it at 100M values). The owner keeps the parts until the round ends because a late drop
+  recomputes the shard from them.
 
 Hostile parts (reliability.md rows 6–7). The owner checks every part before using it, in this
 order, each before anything is allocated from the sender's numbers: header types; the sender is the
@@ -73,13 +91,14 @@ import torch
 
 from .. import faults
 from ..compression import Codec, codec_by_id
-from ..compression.robust import NORM_SCREEN_MIN_NUMEL, RobustConfig, aggregate, screen
+from ..compression.robust import NORM_SCREEN_MIN_NUMEL, RobustConfig, aggregate, screen, weighted_mean
 from ..errors import SyncFailed, WireError
 from .dialing import open_stream
 from .protocol import (PROTOCOL_VERSION, Traffic, check_version, close_after_reply, note_offence, read_frame,
                        read_header, read_payload, write_frame)
 
-__all__ = ["Group", "Coverage", "AllReducer", "make_group_id", "restricted_group", "shard_bounds"]
+__all__ = ["Group", "Coverage", "AllReducer", "make_group_id", "restricted_group", "shard_bounds", "chunk_values",
+           "chunk_bounds", "CHUNK_VALUES"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +106,10 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_ROUNDS = 256
 #: ... and at most this many opened by one sender
 MAX_PENDING_PER_PEER = 16
+#: values per chunk of a part or result on the wire (before rounding to whole codec blocks): 4 MB of
+#: fp32, 0.56 MB of a 4-bit codec. Small enough that an owner reduces and returns chunk k while
+#: chunk k+1 is still arriving, large enough that per-chunk Python work is negligible.
+CHUNK_VALUES = 1 << 20
 
 
 def make_group_id(run_id: str, frag: int, round_: int, members: Sequence[str], base: str = "",
@@ -179,9 +202,34 @@ def shard_bounds(numel: int, parts: int, align: int = 1) -> List[Tuple[int, int]
     return bounds
 
 
+def chunk_values(codec: Codec) -> int:
+    """Values per chunk of a part or result on the wire for ``codec``: ``CHUNK_VALUES`` rounded down to
+    whole codec blocks (a blockwise codec encodes every chunk on its own, so chunks must not split a
+    block). Every member and owner derives it from the codec alone; a part header states it."""
+    block = max(1, codec.block_size)
+    return max(block, CHUNK_VALUES // block * block)
+
+
+def chunk_bounds(numel: int, chunk: int) -> List[Tuple[int, int]]:
+    """The chunks of a shard of ``numel`` values: at least one (an empty shard is one empty chunk)."""
+    return [(s, min(numel, s + chunk)) for s in range(0, numel, chunk)] or [(0, 0)]
+
+
+def _squared_norm(x: torch.Tensor) -> float:
+    """‖x‖², or NaN when ``x`` holds a non-finite value: one pass for the finiteness check and the
+    norm screen (the fp32 dot overflows only for values near 1e19; those are rescanned exactly)."""
+    sq = float(torch.dot(x, x)) if x.numel() else 0.0
+    if math.isfinite(sq):
+        return sq
+    if not bool(torch.isfinite(x).all()):
+        return math.nan
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+
+
 @dataclass
 class _Round:
-    """The owner's side of one (gid, phase): parts received so far, parts dropped, the result."""
+    """The owner's side of one (gid, phase): the members' parts as they arrive chunk by chunk, parts
+    dropped, and the encoded result chunks that every member's reply streams out."""
 
     created: float = field(default_factory=time.monotonic)
     configured: asyncio.Event = field(default_factory=asyncio.Event)
@@ -189,15 +237,39 @@ class _Round:
     group: Optional[Group] = None
     codec: Optional[Codec] = None
     numel: int = 0
-    parts: Dict[int, Tuple[float, torch.Tensor]] = field(default_factory=dict)
+    chunks: List[Tuple[int, int]] = field(default_factory=list)
+    parts: Dict[int, torch.Tensor] = field(default_factory=dict)   # member index -> its part, filled chunk by chunk
+    weights: Dict[int, float] = field(default_factory=dict)
+    got: Dict[int, int] = field(default_factory=dict)              # member index -> chunks received
+    sq: Dict[int, float] = field(default_factory=dict)             # member index -> ‖part‖² so far
     dropped: Dict[int, str] = field(default_factory=dict)   # member index -> why its part was dropped
+    streaming: Optional[Tuple[int, ...]] = None  # members the result chunks sent so far average (None: not yet)
+    out: List[bytes] = field(default_factory=list)                 # encoded result chunks of this epoch
+    epoch: int = 0                         # bumped when results already sent are replaced (see _finish)
     covered: Tuple[int, ...] = ()          # member indexes whose parts the result averages
     covered_weight: float = 0.0            # their total weight
     phase: str = ""
-    done: asyncio.Future = None  # bytes of the encoded result, or exception
+    done: asyncio.Future = None  # None once the result is final, or the round's exception
+    changed: asyncio.Event = None
 
     def __post_init__(self) -> None:
         self.done = asyncio.get_running_loop().create_future()
+        self.changed = asyncio.Event()
+
+    def tick(self) -> None:
+        """Wake every reply waiting for a new result chunk, a drop or the end of the round."""
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
+
+    def live(self) -> List[int]:
+        return [i for i in range(self.group.size) if i not in self.dropped]
+
+    def missing(self) -> str:
+        """Who the round still waits for, for a timeout's message."""
+        n = len(self.chunks)
+        late = [f"{self.group.members[i][-6:]} ({self.got.get(i, 0)} of {n} chunks)" for i in self.live()
+                if self.got.get(i, 0) < n]
+        return ", ".join(late) or "nobody"
 
 
 class _Excluded(SyncFailed):
@@ -216,8 +288,9 @@ class AllReducer:
     """Serves the ``part`` handler and runs all-reduce rounds. Lives on the node's event loop.
 
     Counters for tests and operators: ``stats`` (``parts_dropped``, ``dropped:<check>``,
-    ``replies_rejected``, ``rounds``, ``dial_retries``: streams to an owner whose dial failed
-    first and was waited out, see :mod:`.dialing`) and ``dropped_log`` (the last 256 ``(peer, gid, phase, reason)``).
+    ``replies_rejected``, ``rounds``, ``rounds_resent`` (results sent again after a late drop),
+    ``dial_retries``: streams to an owner whose dial failed first and was waited out, see
+    :mod:`.dialing`) and ``dropped_log`` (the last 256 ``(peer, gid, phase, reason)``).
     """
 
     def __init__(self, node, run_id: str, timeout: float, robust: Optional[RobustConfig] = None):
@@ -256,10 +329,13 @@ class AllReducer:
             del self._rounds[key]
 
     async def _handle_part(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A member's part of our shard: read it chunk by chunk while its reply streams the result
+        chunks out as they are reduced (:meth:`_reply` is the only writer of the stream)."""
         sender = info.peer_id.to_base58()
         traffic = self.node.traffic
         rnd: Optional[_Round] = None
         idx: Optional[int] = None
+        reply: Optional[asyncio.Future] = None
         try:
             header = await read_header(reader, traffic, sender)
             refusal = check_version(header)
@@ -284,42 +360,98 @@ class AllReducer:
             idx = group.members.index(sender)
             self._check_open(rnd, idx, sender)
             weight, codec = self._check_header(header, rnd, idx, sender)
+            # our own numbers (the shard's size), never the sender's, size the buffer
+            rnd.parts[idx], rnd.weights[idx], rnd.got[idx], rnd.sq[idx] = torch.empty(rnd.numel), weight, 0, 0.0
+            self._advance(rnd)
+            reply = asyncio.ensure_future(self._reply(rnd, idx, writer, traffic))
             try:
-                payload = await asyncio.wait_for(
-                    read_payload(reader, header, codec.encoded_size(rnd.numel), traffic, sender), self.timeout)
-            except WireError as e:
-                raise _Rejected("length", str(e)) from None
-            try:
-                part = codec.decode(payload, rnd.numel, sender)
-            except WireError as e:
-                raise _Rejected("finite", str(e)) from None
-            del payload
-            self._check_open(rnd, idx, sender)  # the round may have moved on while we read
-            rnd.parts[idx] = (weight, part)
-            self._maybe_reduce(rnd)
-            try:
-                result = await asyncio.wait_for(asyncio.shield(rnd.done), timeout=self.timeout)
-            except asyncio.TimeoutError:
-                self._fail(rnd, SyncFailed(f"shard of group {gid} incomplete after {self.timeout:.0f} s"))
-                raise rnd.done.exception()
-            if idx in rnd.dropped:  # the screen at reduce time dropped this part
-                raise _Rejected("screen", rnd.dropped[idx])
-            await write_frame(writer, {"t": "avg", "codec": codec.codec_id, "numel": rnd.numel,
-                                       "cov": list(rnd.covered), "w": rnd.covered_weight}, result, traffic=traffic)
-        except _Rejected as e:
-            reason = str(e)
-            if rnd is not None and idx is not None and idx not in rnd.dropped:
-                self._drop(rnd, idx, e.check, reason)
-            await self._reply_abort(writer, f"your part was dropped from this round: {reason}")
+                await self._receive(rnd, idx, reader, codec, sender)
+            except _Rejected as e:
+                if idx not in rnd.dropped and not rnd.done.done():
+                    self._drop(rnd, idx, e.check, str(e))
+            except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, OSError) as e:
+                # a member that vanished mid-part (crashed, killed, link cut): never a partial average
+                self._fail(rnd, SyncFailed(f"member {sender} vanished after {rnd.got.get(idx, 0)} of "
+                                           f"{len(rnd.chunks)} chunks of its part ({type(e).__name__})"))
+                logger.warning(f"[{self.node.short_id}] connection from {sender} dropped during a part; "
+                               f"round of group {gid} aborted")
+                return
+            await reply
+        except _Rejected as e:  # its header failed a check (before any reply started)
+            if rnd is not None and idx is not None and idx not in rnd.dropped and not rnd.done.done():
+                self._drop(rnd, idx, e.check, str(e))
+            await self._reply_abort(writer, f"your part was dropped from this round: {e}")
         except (WireError, SyncFailed) as e:
             if isinstance(e, WireError):
                 note_offence(self.node, sender, e)
             logger.warning(f"[{self.node.short_id}] refused part: {e}")
-            await self._reply_abort(writer, str(e))
+            if reply is None:
+                await self._reply_abort(writer, str(e))
+            elif rnd is not None:
+                self._fail(rnd, e if isinstance(e, SyncFailed) else SyncFailed(str(e)))
+                await asyncio.wait([reply], timeout=5.0)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
             logger.warning(f"[{self.node.short_id}] connection from {sender} dropped during a part")
         finally:
+            if reply is not None and not reply.done():
+                reply.cancel()
             await close_after_reply(reader, writer)
+
+    async def _receive(self, rnd: _Round, idx: int, reader: asyncio.StreamReader, codec: Codec, sender: str) -> None:
+        """Read member ``idx``'s chunks into its part, checking each (exact length, finite values)
+        before it counts; stops early when the part was dropped or the round ended."""
+        traffic = self.node.traffic
+        part = rnd.parts.get(idx)
+        for a, b in rnd.chunks if part is not None else ():  # None: dropped already (the weight screen)
+            frame = await asyncio.wait_for(read_header(reader, traffic, sender, timeout=None), self.timeout)
+            if frame.get("t") != "c":
+                raise _Rejected("length", f"expected chunk {rnd.got[idx] + 1} of {len(rnd.chunks)}, got a "
+                                          f"{str(frame.get('t'))[:20]!r} message")
+            try:
+                data = await asyncio.wait_for(
+                    read_payload(reader, frame, codec.encoded_size(b - a), traffic, sender), self.timeout)
+            except WireError as e:
+                raise _Rejected("length", str(e)) from None
+            try:  # the length is exact by now: what a codec still refuses is its content (a NaN scale)
+                codec.decode_into(data, part[a:b], sender)
+            except WireError as e:
+                raise _Rejected("finite", str(e)) from None
+            del data
+            sq = _squared_norm(part[a:b])
+            if not math.isfinite(sq):
+                raise _Rejected("finite", f"{codec.name} part decodes to non-finite values")
+            if idx in rnd.dropped or rnd.done.done():
+                return
+            rnd.sq[idx] += sq
+            rnd.got[idx] += 1
+            self._advance(rnd)
+
+    async def _reply(self, rnd: _Round, idx: int, writer: asyncio.StreamWriter, traffic: Traffic) -> None:
+        """Stream the shard's result chunks to member ``idx`` as they are reduced, then the trailer
+        naming whose parts they average (``avg``); ``again`` first when the results sent so far were
+        replaced (a part dropped after they went out); ``abort`` if its part was dropped or the round
+        failed. Every member reads the same chunks and trailer: the same bytes everywhere."""
+        sent, epoch = 0, rnd.epoch
+        while True:
+            changed = rnd.changed
+            if idx in rnd.dropped:
+                await self._reply_abort(writer, f"your part was dropped from this round: {rnd.dropped[idx]}")
+                return
+            if rnd.done.done() and rnd.done.exception() is not None:
+                await self._reply_abort(writer, str(rnd.done.exception()))
+                return
+            if rnd.epoch != epoch:
+                await write_frame(writer, {"t": "again"}, traffic=traffic)
+                sent, epoch = 0, rnd.epoch
+            elif sent < len(rnd.out):
+                await write_frame(writer, {"t": "c"}, rnd.out[sent], traffic=traffic)
+                sent += 1
+            elif rnd.done.done():
+                await write_frame(writer, {"t": "avg", "codec": rnd.codec.codec_id, "numel": rnd.numel,
+                                           "cov": list(rnd.covered), "w": rnd.covered_weight}, traffic=traffic)
+                return
+            else:
+                await changed.wait()
 
     @staticmethod
     def _check_open(rnd: _Round, idx: int, sender: str) -> None:
@@ -341,10 +473,12 @@ class AllReducer:
             raise _Rejected("index", f"claims member index {str(claimed)[:20]}, the sender is member {idx}")
         codec_id = header.get("codec")
         codec = codec_by_id(codec_id, sender) if type(codec_id) is int and 0 <= codec_id < 256 else None
-        numel = header.get("numel")
+        numel, chunk = header.get("numel"), header.get("chunk")
         if codec is not rnd.codec or type(numel) is not int or numel != rnd.numel:
             raise _Rejected("codec", f"codec {str(codec_id)[:20]} with {str(numel)[:20]} values, expected "
                                      f"{rnd.codec.codec_id} ({rnd.codec.name}) with {rnd.numel}")
+        if type(chunk) is not int or chunk != chunk_values(codec):
+            raise _Rejected("codec", f"chunks of {str(chunk)[:20]} values, expected {chunk_values(codec)}")
         if type(weight) not in (int, float) or not (0 < weight < 1e12):
             raise _Rejected("weight", f"weight {str(weight)[:30]} out of range (0, 1e12)")
         return float(weight), codec
@@ -361,8 +495,9 @@ class AllReducer:
                        f"(fragment {rnd.group.frag}, round {rnd.group.round}, {rnd.phase}): {reason}")
         if getattr(self.node, "gate", None) is not None:
             self.node.gate.offence(peer, f"invalid part: {reason}")
+        rnd.tick()
         if reduce:
-            self._maybe_reduce(rnd)
+            self._advance(rnd)
 
     @staticmethod
     async def _reply_abort(writer: asyncio.StreamWriter, reason: str) -> None:
@@ -371,32 +506,78 @@ class AllReducer:
         except Exception:
             pass
 
-    def _maybe_reduce(self, rnd: _Round) -> None:
-        if rnd.done.done() or rnd.group is None or len(rnd.parts) + len(rnd.dropped) < rnd.group.size:
+    def _advance(self, rnd: _Round) -> None:
+        """Reduce what can be reduced. Once every live member's weight is in, the weight screen runs
+        and fixes the members the results average (``streaming``); from then on chunk ``j`` is reduced
+        (in member order) as soon as every such member's chunk ``j`` is in, and its encoded result
+        goes out at once (pipelined: the all-gather of chunk j overlaps the reduce-scatter of j+1).
+        When every part is complete the norm screen runs (it needs whole parts): :meth:`_finish`."""
+        if rnd.done.done() or rnd.group is None:
             return
-        me = rnd.group.my_index
-        order = sorted(rnd.parts)                       # member order: bitwise-reproducible result
-        if not order:
+        live = rnd.live()
+        if rnd.streaming is None:
+            if any(i not in rnd.weights for i in live):
+                return
+            self._screen(rnd, live, weights=True)
+            live = rnd.live()
+            # CenteredClip needs whole parts: no result leaves before every part is in
+            rnd.streaming = () if self._clipping(live) else tuple(live)
+        n = len(rnd.chunks)
+        if tuple(live) == rnd.streaming:
+            while len(rnd.out) < n and all(rnd.got[i] > len(rnd.out) for i in live):
+                a, b = rnd.chunks[len(rnd.out)]
+                rnd.out.append(rnd.codec.encode(weighted_mean([rnd.parts[i][a:b] for i in live],
+                                                              [rnd.weights[i] for i in live])))
+                rnd.tick()
+        if all(rnd.got.get(i, 0) == n for i in live):
+            self._finish(rnd)
+
+    def _finish(self, rnd: _Round) -> None:
+        """Every live part is complete: screen norms, then make the result final. When the chunks sent
+        so far average a member that is now dropped (the norm screen, or a bad chunk after results had
+        gone out), the whole result is recomputed and sent again (``epoch``; rare: only a bad part)."""
+        live = rnd.live()
+        if not live:
             self._fail(rnd, SyncFailed(f"no valid part left in group {rnd.group.gid}"))
             return
-        weights = [rnd.parts[i][0] for i in order]
-        norms = [float(rnd.parts[i][1].norm()) for i in order]
-        own = order.index(me) if me in rnd.parts else -1
-        for k, reason in screen(weights, norms, own, self.robust, rnd.numel, self.round_samples).items():
-            self._drop(rnd, order[k], reason.split(" ", 1)[0], reason, reduce=False)
-        order = sorted(rnd.parts)
-        result = aggregate([rnd.parts[i][1] for i in order], [rnd.parts[i][0] for i in order], self.robust)
-        rnd.covered = tuple(order)
-        rnd.covered_weight = float(sum(rnd.parts[i][0] for i in order))  # member order: the same float everywhere
-        rnd.done.set_result(rnd.codec.encode(result))
+        self._screen(rnd, live, weights=False)
+        live = rnd.live()
+        if tuple(live) != rnd.streaming or len(rnd.out) < len(rnd.chunks):
+            if rnd.out:
+                rnd.epoch += 1
+                self.stats["rounds_resent"] += 1
+            parts, weights = [rnd.parts[i] for i in live], [rnd.weights[i] for i in live]
+            result = aggregate(parts, weights, self.robust)
+            rnd.out = [rnd.codec.encode(result[a:b]) for a, b in rnd.chunks]
+        rnd.covered = tuple(live)
+        rnd.covered_weight = float(sum(rnd.weights[i] for i in live))  # member order: the same float everywhere
+        rnd.done.set_result(None)
         rnd.parts.clear()
+        rnd.tick()
         self.stats["rounds"] += 1
+
+    def _clipping(self, live: Sequence[int]) -> bool:
+        return self.robust.aggregator == "centered_clip" and len(live) > 2
+
+    def _screen(self, rnd: _Round, live: List[int], weights: bool) -> None:
+        """The robust screen over the live parts (member order): weights (known from the headers) or
+        norms (known once the parts are complete). The owner's own part is never dropped."""
+        me = rnd.group.my_index
+        own = live.index(me) if me in live else -1
+        if weights:
+            found = screen([rnd.weights[i] for i in live], [], own, self.robust, rnd.numel, self.round_samples)
+        else:
+            found = screen([], [math.sqrt(rnd.sq[i]) for i in live], own, self.robust, rnd.numel)
+        for k, reason in found.items():
+            self._drop(rnd, live[k], reason.split(" ", 1)[0], reason, reduce=False)
 
     @staticmethod
     def _fail(rnd: _Round, exc: Exception) -> None:
         if not rnd.done.done():
             rnd.done.set_exception(exc)
             rnd.done.exception()  # mark retrieved
+            rnd.parts.clear()
+            rnd.tick()
 
     # ---- member side ----------------------------------------------------------------------------
     async def allreduce(self, group: Group, phase: str, vec: torch.Tensor, weight: float, codec: Codec) -> torch.Tensor:
@@ -443,36 +624,45 @@ class AllReducer:
         me = group.my_index
         mine = owner_idx.index(me) if me in owner_idx else None  # our shard, None: we own none (private)
         finite = bool(torch.isfinite(vec).all())
+        out = torch.empty(vec.numel(), dtype=torch.float32)      # every shard's mean lands here
         rnd: Optional[_Round] = None
         if mine is not None:
             lo, hi = bounds[mine]
             rnd = self._round(group.gid, phase)
             rnd.group, rnd.codec, rnd.numel = group, codec, hi - lo
+            rnd.chunks = chunk_bounds(hi - lo, chunk_values(codec))
             gate = getattr(self.node, "gate", None)
             for i, peer in enumerate(group.members):  # banned members' parts are dropped up front
                 if i != me and gate is not None and gate.banned(peer) and i not in rnd.dropped:
                     rnd.dropped[i] = f"peer {peer} is banned here"
-                    rnd.parts.pop(i, None)
                     self.stats["dropped:banned"] += 1
             rnd.configured.set()
             # our own part takes the same lossy round trip as everybody else's
             if finite:
-                rnd.parts[me] = (float(weight), codec.roundtrip(vec[lo:hi]) if codec.relative_error_bound
-                                 else vec[lo:hi].clone())
+                own = codec.roundtrip(vec[lo:hi]) if codec.relative_error_bound else vec[lo:hi]  # read only
+                rnd.parts[me], rnd.weights[me], rnd.got[me] = own, float(weight), len(rnd.chunks)
+                rnd.sq[me] = _squared_norm(own)
             else:  # our own training diverged: serve the others without our part, then apply nothing
                 rnd.dropped[me] = "the owner's own pseudo-gradient is not finite"
                 logger.error(f"[{self.node.short_id}] our pseudo-gradient is not finite; leaving it out of "
                              f"group {group.gid} and applying nothing this round")
-            self._maybe_reduce(rnd)
+            self._advance(rnd)
         if self.before_send is not None:
             self.before_send(group, phase)
 
-        async def exchange(k: int) -> Tuple[torch.Tensor, Tuple[int, ...], float]:
+        async def exchange(k: int) -> Tuple[Tuple[int, ...], float]:
             a, b = bounds[k]
             if k == mine:
-                mean_bytes = await asyncio.wait_for(asyncio.shield(rnd.done), timeout=self.timeout)
-                return codec.decode(mean_bytes, b - a), rnd.covered, rnd.covered_weight
-            return await self._send_part(group, phase, owner_idx[k], vec[a:b], weight, codec)
+                try:
+                    await asyncio.wait_for(asyncio.shield(rnd.done), timeout=self.timeout)
+                except asyncio.TimeoutError:
+                    self._fail(rnd, SyncFailed(f"the shard of group {group.gid} owned by this peer was incomplete "
+                                               f"after {self.timeout:.0f} s; waiting for {rnd.missing()}"))
+                    raise rnd.done.exception() from None
+                for (s, e), data in zip(rnd.chunks, rnd.out):  # the same bytes every member decodes
+                    codec.decode_into(data, out[a + s:a + e])
+                return rnd.covered, rnd.covered_weight
+            return await self._send_part(group, phase, owner_idx[k], vec[a:b], weight, codec, out[a:b])
 
         tasks = [asyncio.ensure_future(exchange(k)) for k in range(len(owners))]
         deadline = asyncio.get_running_loop().time() + self.timeout * 1.5
@@ -502,11 +692,12 @@ class AllReducer:
                 except BaseException:
                     pass
             if rnd is not None:
-                self._fail(rnd, SyncFailed("round finished"))
+                self._fail(rnd, SyncFailed(f"this peer left the round of group {group.gid} before its shard "
+                                           "was complete"))
                 self._rounds.pop((group.gid, phase), None)
         if not finite:
             raise SyncFailed("our own pseudo-gradient is not finite; this round is not applied here")
-        return torch.cat([r[0] for r in results]), [(r[1], r[2]) for r in results]
+        return out, list(results)
 
     def _outgoing(self, group: Group, phase: str, j: int, part: torch.Tensor,
                   weight: float) -> Tuple[torch.Tensor, float]:
@@ -523,35 +714,71 @@ class AllReducer:
         return await open_stream(self.node, peer, self.handler_name, deadline, stats=self.stats)
 
     async def _send_part(self, group: Group, phase: str, j: int, part: torch.Tensor, weight: float,
-                         codec: Codec) -> Tuple[torch.Tensor, Tuple[int, ...], float]:
+                         codec: Codec, out: torch.Tensor) -> Tuple[Tuple[int, ...], float]:
+        """Our part of owner ``j``'s shard, chunk by chunk, while its result chunks come back on the
+        same stream into ``out``; returns (covered member indexes, their weight) from the trailer."""
         owner = group.members[j]
         traffic: Traffic = self.node.traffic
         sent_part, sent_weight = self._outgoing(group, phase, j, part, weight)
+        chunk = chunk_values(codec)
         _, reader, writer = await self._connect(owner)
+        tasks: List[asyncio.Future] = []
         try:
             header = {"t": "part", "v": PROTOCOL_VERSION, "gid": group.gid, "phase": phase, "idx": group.my_index,
-                      "w": float(sent_weight), "codec": codec.codec_id, "numel": sent_part.numel()}
-            await write_frame(writer, header, codec.encode(sent_part), traffic=traffic)
-            faults.fire("allreduce.part_sent", frag=group.frag, round=group.round)  # fault-injection hook
-            reply, payload = await read_frame(reader, codec.encoded_size(part.numel()), traffic, owner)
-            if reply.get("t") in ("abort", "refuse"):
-                reason = str(reply.get("reason"))[:500]
-                excluded = reason.startswith("your part was dropped") or "is banned here" in reason
-                raise (_Excluded if excluded else SyncFailed)(f"owner {owner[-6:]} aborted the round: {reason}")
-            if reply.get("t") != "avg" or reply.get("codec") != codec.codec_id or reply.get("numel") != part.numel():
-                raise WireError(f"unexpected reply {str(reply.get('t'))[:20]!r}", owner)
-            if len(payload) != codec.encoded_size(part.numel()):
-                raise WireError("averaged shard has the wrong size", owner)
+                      "w": float(sent_weight), "codec": codec.codec_id, "numel": sent_part.numel(), "chunk": chunk}
+            await write_frame(writer, header, traffic=traffic)
+            tasks = [asyncio.ensure_future(self._send_chunks(group, writer, sent_part, codec, chunk)),
+                     asyncio.ensure_future(self._read_result(reader, owner, codec, chunk, out))]
+            reply = (await asyncio.gather(*tasks))[1]
             covered = self._check_coverage(group, reply, j, owner)
-            result = codec.decode(payload, part.numel(), owner)
-            self._check_result(group, owner, part, result)
-            return result, covered, float(reply["w"])
+            self._check_result(group, owner, part, out)
+            return covered, float(reply["w"])
         except WireError as e:
             self.stats["replies_rejected"] += 1
             note_offence(self.node, owner, e)
             raise
         finally:
+            for t in tasks:
+                t.cancel()
             writer.close()
+
+    async def _send_chunks(self, group: Group, writer: asyncio.StreamWriter, part: torch.Tensor, codec: Codec,
+                           chunk: int) -> None:
+        chunks = chunk_bounds(part.numel(), chunk)
+        for n, (a, b) in enumerate(chunks, 1):
+            await write_frame(writer, {"t": "c"}, codec.encode_view(part[a:b]), traffic=self.node.traffic)
+            if 2 * n >= len(chunks) > 2 * (n - 1):  # fault-injection hook: half of this part is out
+                faults.fire("allreduce.half_sent", frag=group.frag, round=group.round)
+        faults.fire("allreduce.part_sent", frag=group.frag, round=group.round)  # fault-injection hook
+
+    async def _read_result(self, reader: asyncio.StreamReader, owner: str, codec: Codec, chunk: int,
+                           out: torch.Tensor) -> dict:
+        """The owner's reply: result chunks into ``out`` (exact sizes), ``again`` restarting them, then
+        the ``avg`` trailer (returned) once every chunk is in; ``abort``/``refuse`` raise."""
+        chunks = chunk_bounds(out.numel(), chunk)
+        got = 0
+        while True:
+            reply, payload = await read_frame(reader, codec.encoded_size(chunk), self.node.traffic, owner)
+            kind = reply.get("t")
+            if kind in ("abort", "refuse"):
+                reason = str(reply.get("reason"))[:500]
+                excluded = reason.startswith("your part was dropped") or "is banned here" in reason
+                raise (_Excluded if excluded else SyncFailed)(f"owner {owner[-6:]} aborted the round: {reason}")
+            if kind == "c" and got < len(chunks):
+                a, b = chunks[got]
+                codec.decode_into(payload, out[a:b], owner)
+                got += 1
+            elif kind == "again":
+                got = 0
+            elif kind == "avg" and got == len(chunks):
+                if reply.get("codec") != codec.codec_id or reply.get("numel") != out.numel():
+                    raise WireError(f"reply for codec {str(reply.get('codec'))[:20]} with "
+                                    f"{str(reply.get('numel'))[:20]} values", owner)
+                if not math.isfinite(_squared_norm(out)):
+                    raise WireError("averaged shard decodes to non-finite values", owner)
+                return reply
+            else:
+                raise WireError(f"unexpected reply {str(kind)[:20]!r} after {got} of {len(chunks)} chunks", owner)
 
     @staticmethod
     def _check_coverage(group: Group, reply: dict, j: int, owner: str) -> Tuple[int, ...]:
