@@ -1,4 +1,4 @@
-"""The ``p2pdiloco`` command: bootstrap, join, status, dashboard, demo.
+"""The ``p2pdiloco`` command: bootstrap, join, status, dashboard, demo, tokenizer, export, sample.
 
 Every user error (bad address, unreachable bootstrap peer, missing config file, unknown key,
 impossible value, mismatched run configuration, corrupt checkpoint) is printed as one line
@@ -80,6 +80,27 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--outer-steps", type=int, default=8)
     d.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     d.add_argument("--out", default="runs/demo", help="directory for run dirs, logs and the plot")
+
+    t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer locally (tokenizers library)")
+    tsub = t.add_subparsers(dest="tokenizer_command", required=True)
+    tt = tsub.add_parser("train", help="train a BPE tokenizer on a data source and save it as JSON")
+    tt.add_argument("--data", default="stdlib",
+                    help='"stdlib" (the embedded corpus), a text file or directory, or .jsonl/.parquet files or a glob')
+    tt.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary (e.g. 4096)")
+    tt.add_argument("--out", required=True, help="where to write the tokenizer (tokenizers JSON), e.g. tok.json")
+    tt.add_argument("--text-field", default="text", help="the text field of JSONL/Parquet records")
+    tt.add_argument("--max-bytes", type=int, default=8_000_000, help="train on at most this many bytes of text")
+
+    e = sub.add_parser("export", help="write a run's global model as a Hugging Face model directory")
+    e.add_argument("--run-dir", required=True, help="a peer's train.run_dir (holds checkpoint.pt, run_config.json)")
+    e.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, tokenizer)")
+
+    m = sub.add_parser("sample", help="print a short generation of a run's global model")
+    m.add_argument("--run-dir", required=True, help="a peer's train.run_dir")
+    m.add_argument("--prompt", default="def ", help="text to continue")
+    m.add_argument("--max-new-tokens", type=int, default=80)
+    m.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    m.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -101,6 +122,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .demo import run_demo
 
             return run_demo(args)
+        if args.command == "tokenizer":
+            return _cmd_tokenizer_train(args)
+        if args.command == "export":
+            from .hf import export_run
+
+            print(export_run(args.run_dir, args.out), flush=True)
+            return 0
+        if args.command == "sample":
+            from .hf import sample_run
+
+            prompt, text = sample_run(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.seed)
+            print(prompt + text, flush=True)
+            return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -148,6 +182,18 @@ def _cmd_join(args: argparse.Namespace) -> int:
     if args.summary_json:
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=1)
+    return 0
+
+
+def _cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from .data import DataConfig
+    from .tokenized import iter_training_text
+    from .tokenizer import train_bpe
+
+    data = DataConfig(source=args.data, text_field=args.text_field, max_bytes=args.max_bytes).validate()
+    n = train_bpe(iter_training_text(data), args.vocab_size, args.out)
+    print(f"wrote {args.out}: byte-level BPE, {n} ids (set model.vocab_size = {n} and data.tokenizer = "
+          f"\"{args.out}\")", flush=True)
     return 0
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "CompressionConfig",
     "RobustConfig",
     "load_config",
+    "config_from_dict",
 ]
 
 
@@ -359,8 +360,24 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         for name in _SECTIONS:
             getattr(self, name).validate()
-        self.streaming.check_schedule(self.inner.sync_every, self.model.n_layers)
+        self.streaming.check_schedule(self.inner.sync_every, self.model.num_blocks())
+        self._check_vocab()
         return self
+
+    def _check_vocab(self) -> None:
+        """The tokenizer's vocabulary must be the model's: a token id past the embedding would crash
+        training, a smaller one wastes rows (both refused with the value to set)."""
+        if self.data.tokenizer:
+            from .tokenizer import tokenizer_vocab_size
+
+            n = tokenizer_vocab_size(self.data.tokenizer)
+            if n != self.model.vocab_size:
+                raise ConfigError(f"data.tokenizer {self.data.tokenizer} has {n} ids but model.vocab_size is "
+                                  f"{self.model.vocab_size}; set model.vocab_size={n} (or train a tokenizer of "
+                                  f"{self.model.vocab_size} ids)")
+        elif self.model.vocab_size != 256:
+            raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) must be 256 for byte-level data; set "
+                              "model.vocab_size=256 or data.tokenizer to a BPE tokenizer of that size")
 
     def advice(self) -> List[str]:
         """Valid settings that measured badly: one line each, printed at start (nothing is refused)."""
@@ -384,9 +401,22 @@ class RunConfig:
         """Everything that must be equal on every peer of a run, flattened to ``section.key``."""
         d = self.to_dict()
         out: Dict[str, Any] = {}
+        hf_only = ("kind", "hf_config", "hf_kv_heads", "hf_intermediate_size")
         for k, v in d["model"].items():
+            if self.model.kind == "gpt" and k in hf_only:
+                continue  # a GPT run's fingerprint is the one it had before HF models existed
             out[f"model.{k}"] = v
-        out["data.vocab"] = "bytes-256"
+        if self.model.kind == "hf":  # the resolved transformers config, field by field (a refusal names it)
+            from .hf import hf_fingerprint
+
+            out.pop("model.hf_config")  # a path differs between machines; its content is what counts
+            out.update(hf_fingerprint(self.model))
+        if self.data.tokenizer:
+            from .tokenizer import tokenizer_identity
+
+            out["data.vocab"] = tokenizer_identity(self.data.tokenizer)
+        else:
+            out["data.vocab"] = "bytes-256"
         out["train.seed"] = self.train.seed
         out["inner.sync_every"] = self.inner.sync_every
         out["inner.round_samples"] = self.inner.round_samples  # the budget; each peer's steps per round are its own
@@ -510,6 +540,17 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), valid
             _apply_model_preset(cfg, value)
             continue
         _apply(cfg, section, key.strip(), value.strip(), from_string=True)
+    return cfg.validate() if validate else cfg
+
+
+def config_from_dict(d: Dict[str, Dict[str, Any]], validate: bool = False) -> RunConfig:
+    """A RunConfig from :meth:`RunConfig.to_dict` output (``run_config.json``); unknown keys refused."""
+    cfg = RunConfig()
+    for section, table in d.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"run config: section {section!r} must be a table")
+        for key, value in table.items():
+            _apply(cfg, section, key, value, from_string=False)
     return cfg.validate() if validate else cfg
 
 

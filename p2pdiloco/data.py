@@ -83,6 +83,9 @@ class DataConfig:
     ``num_shards``: number of contiguous training regions peers are spread over.
     ``shard``: this peer's region, or -1 to derive it from the peer id (:func:`shard_for_peer`).
     ``seed``: seed of the batch sampling (combined with the shard index).
+    ``tokenizer``: "" (bytes, 256 ids) or a path to a BPE tokenizer JSON (:mod:`p2pdiloco.tokenizer`).
+    ``text_field``: the field holding the text in JSONL/Parquet records (:mod:`p2pdiloco.tokenized`).
+    ``cache_dir``: where tokenized corpora are cached ("" = ``~/.cache/p2pdiloco/tokens``).
     """
 
     source: str = STDLIB_SOURCE
@@ -91,6 +94,9 @@ class DataConfig:
     num_shards: int = 16
     shard: int = -1
     seed: int = 0
+    tokenizer: str = ""
+    text_field: str = "text"
+    cache_dir: str = ""
 
     def validate(self) -> "DataConfig":
         """Check every invariant; raise :class:`ConfigError` naming the key and the fix. Returns self.
@@ -117,7 +123,16 @@ class DataConfig:
             )
         if self.seed < 0:
             raise ConfigError(f"data.seed ({self.seed}) must be a non-negative integer")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ConfigError("data.text_field must name the records' text field, e.g. text")
         return self
+
+    @property
+    def needs_tokenized(self) -> bool:
+        """True when the corpus goes through :mod:`p2pdiloco.tokenized` (records or a BPE tokenizer)."""
+        from .tokenized import is_records_source
+
+        return bool(self.tokenizer) or is_records_source(self.source)
 
     def shard_for(self, peer_id: str) -> int:
         """This peer's shard: ``shard`` when set, else :func:`shard_for_peer` of ``peer_id``."""
@@ -270,10 +285,17 @@ def _load_cached(source: str, max_bytes: int, val_fraction: float) -> Corpus:
 def load_corpus(cfg: DataConfig) -> Corpus:
     """Load (or return the cached) corpus of ``cfg.source``, ``cfg.max_bytes``, ``cfg.val_fraction``.
 
+    Records sources and BPE runs are delegated to :func:`p2pdiloco.tokenized.load_tokenized` (token ids,
+    cached on disk); everything else below is the byte-level path.
+
     Raises :class:`ConfigError` for an invalid config, a missing path or a source without usable
     text. Cached per process (relative paths are resolved first); see :func:`clear_corpus_cache`.
     """
     cfg.validate()
+    if cfg.needs_tokenized:  # JSONL/Parquet records or a BPE tokenizer: tokenized once, cached on disk
+        from .tokenized import load_tokenized
+
+        return load_tokenized(cfg)
     source = cfg.source if cfg.source == STDLIB_SOURCE else os.path.abspath(cfg.source)
     return _load_cached(source, int(cfg.max_bytes), float(cfg.val_fraction))
 

@@ -65,8 +65,14 @@ def _is_int(value: object) -> bool:
 class ModelConfig:
     """Shape of the model. Field names are the user-visible keys of the ``[model]`` TOML table.
 
-    ``vocab_size`` is 256 for the byte-level corpora of :mod:`p2pdiloco.data`. ``seq_len`` is the
-    longest context (tokens) the model accepts; it sizes the positional embedding.
+    ``vocab_size`` is 256 for the byte-level corpora of :mod:`p2pdiloco.data` (a BPE tokenizer's size
+    otherwise). ``seq_len`` is the longest context (tokens) the model accepts; it sizes the positional
+    embedding.
+
+    ``kind``: ``"gpt"`` (this module's model) or ``"hf"``: a ``transformers`` causal LM
+    (:mod:`p2pdiloco.hf`) of architecture ``hf_config`` (a model type such as ``llama``, sized by the
+    fields above plus ``hf_kv_heads`` and ``hf_intermediate_size``, 0 = derived) or a config.json path.
+    The ``hf_*`` fields are ignored for ``kind = "gpt"``.
     """
 
     vocab_size: int = 256
@@ -77,6 +83,10 @@ class ModelConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     tie_embeddings: bool = True
+    kind: str = "gpt"
+    hf_config: str = "llama"
+    hf_kv_heads: int = 0
+    hf_intermediate_size: int = 0
 
     def validate(self) -> "ModelConfig":
         """Check every invariant; raise :class:`ConfigError` naming the key and the fix. Returns self."""
@@ -97,7 +107,23 @@ class ModelConfig:
             raise ConfigError(f"model.dropout ({self.dropout}) must be in [0, 1); 0 disables dropout")
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+        if self.kind not in ("gpt", "hf"):
+            raise ConfigError(f'model.kind ({self.kind!r}) must be "gpt" (the built-in model) or "hf" (a transformers '
+                              "causal LM, see model.hf_config)")
+        for key in ("hf_kv_heads", "hf_intermediate_size"):
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
+                raise ConfigError(f"model.{key} ({getattr(self, key)!r}) must be an integer >= 0 (0: derived)")
+        if self.kind == "hf" and not self.hf_config:
+            raise ConfigError("model.hf_config must name an architecture (e.g. llama) or a config.json path")
         return self
+
+    def num_blocks(self) -> int:
+        """Transformer blocks (decoder layers) of the model this config builds."""
+        if self.kind == "hf":
+            from .hf import resolve_hf_config
+
+            return int(resolve_hf_config(self).num_hidden_layers)
+        return self.n_layers
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -220,13 +246,18 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def build_model(cfg: ModelConfig) -> GPT:
-    """Validate ``cfg`` and build a freshly initialised :class:`GPT` on the CPU.
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Validate ``cfg`` and build a freshly initialised :class:`GPT` on the CPU (``kind = "hf"``: a
+    :class:`p2pdiloco.hf.HFCausalLM`, initialised the same exact way).
 
     Initialisation draws from the global torch CPU RNG, so call ``torch.manual_seed`` first for a
     reproducible model; move it with ``.to(device)`` afterwards. Raises :class:`ConfigError` on an
     invalid config.
     """
+    if cfg.validate().kind == "hf":
+        from .hf import build_hf_model
+
+        return build_hf_model(cfg)
     return GPT(cfg)
 
 

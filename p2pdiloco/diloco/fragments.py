@@ -9,7 +9,15 @@ parameter names follow that pattern):
   the first block) joins fragment 0, the output side (final norm, LM head, anything after the
   blocks) joins fragment P-1. A tied head is one parameter and is counted once, in fragment 0.
 
-A module without ``blocks.<i>`` parameters can only be trained with ``P = 1`` (one fragment holding
+A Hugging Face model (:class:`p2pdiloco.hf.HFCausalLM`) names its own decoder-layer prefix in
+``fragment_block_pattern`` (``lm.model.layers.<i>.`` for Llama): its decoder layers are the blocks.
+The same rule places the rest: ``embed_tokens`` (before the first layer) joins fragment 0, the final
+norm and an untied ``lm_head`` (after the last layer) join fragment P-1; a tied head is the embedding
+itself, in fragment 0. Fragments are thus balanced in decoder layers, with the embeddings at the
+two ends (the paper's layout; the embedding of a large-vocabulary model makes its end fragments the
+heaviest: ``describe()`` prints the sizes at start).
+
+A module without ``blocks.<i>`` parameters (nor a ``fragment_block_pattern``) can only be trained with ``P = 1`` (one fragment holding
 everything), which is plain DiLoCo.
 
 The schedule (:class:`Schedule`): fragment ``p`` syncs after inner steps ``t = p·H/P + k·H``, ``k >= 1``,
@@ -42,6 +50,7 @@ class FragmentLayout:
 
     names: Tuple[Tuple[str, ...], ...]
     numels: Tuple[int, ...]
+    block_pattern: str = _BLOCK.pattern
 
     @property
     def num_fragments(self) -> int:
@@ -50,8 +59,9 @@ class FragmentLayout:
     def describe(self) -> str:
         lines = []
         for p, (names, n) in enumerate(zip(self.names, self.numels)):
-            blocks = sorted({int(m.group(1)) for m in map(_BLOCK.match, names) if m})
-            other = [x for x in names if not _BLOCK.match(x)]
+            block = re.compile(self.block_pattern)
+            blocks = sorted({int(m.group(1)) for m in map(block.match, names) if m})
+            other = [x for x in names if not block.match(x)]
             lines.append(f"fragment {p}: {n:,} params; blocks {blocks or '-'}; other {other or '-'}")
         return "\n".join(lines)
 
@@ -95,14 +105,17 @@ class Schedule:
 
 
 def split_fragments(model: nn.Module, fragments: int, pattern: str = "strided") -> FragmentLayout:
+    """The layout of ``model`` in ``fragments`` fragments (module docstring); :class:`ConfigError` when
+    the model cannot be split so."""
+    block_re = getattr(model, "fragment_block_pattern", None) or _BLOCK
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     block_of: Dict[str, int] = {}
     for name, _ in named:
-        m = _BLOCK.match(name)
+        m = block_re.match(name)
         if m:
             block_of[name] = int(m.group(1))
     if fragments == 1:
-        return FragmentLayout((tuple(n for n, _ in named),), (sum(p.numel() for _, p in named),))
+        return FragmentLayout((tuple(n for n, _ in named),), (sum(p.numel() for _, p in named),), block_re.pattern)
     n_blocks = len(set(block_of.values()))
     if n_blocks == 0:
         raise ConfigError("streaming.fragments > 1 needs a model with parameters under blocks.<i>.; "
@@ -125,7 +138,7 @@ def split_fragments(model: nn.Module, fragments: int, pattern: str = "strided") 
             frag = 0 if pos < first_block_pos else fragments - 1
         groups[frag].append(name)
         numels[frag] += p.numel()
-    return FragmentLayout(tuple(tuple(g) for g in groups), tuple(numels))
+    return FragmentLayout(tuple(tuple(g) for g in groups), tuple(numels), block_re.pattern)
 
 
 @functools.lru_cache(maxsize=16)
@@ -141,7 +154,7 @@ def _layout_summary(model_fields: Tuple, fragments: int, pattern: str) -> str:
 
 
 def layout_fingerprint(model_cfg, fragments: int, pattern: str) -> str:
-    """The fragment layout of our GPT under ``model_cfg`` as one line (see :meth:`FragmentLayout.summary`)."""
+    """The fragment layout of the model of ``model_cfg`` (GPT or HF) as one line (see :meth:`FragmentLayout.summary`)."""
     import dataclasses
 
     return _layout_summary(tuple(sorted(dataclasses.asdict(model_cfg).items())), fragments, pattern)

@@ -136,6 +136,7 @@ class _Peer:
         swarm.matchmaker.adaptive = cfg.swarm.adaptive_timeouts
         self.run_dir = cfg.train.run_dir or os.path.join("runs", cfg.swarm.run_id, self.me)
         os.makedirs(self.run_dir, exist_ok=True)
+        _save_run_config(cfg, self.run_dir)
         self.metrics = metrics = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"))
         faults.set_sink(lambda **event: metrics.write("fault", **event))  # tests assert faults fired
 
@@ -480,6 +481,24 @@ class _Peer:
         if self.swarm is not None:
             self.swarm.shutdown()
         self.node.shutdown()
+
+
+def _save_run_config(cfg: RunConfig, run_dir: str) -> None:
+    """run_config.json (plus copies of the tokenizer and an HF config.json) in the run folder, so
+    ``p2pdiloco export`` and ``sample`` rebuild the model and its tokenizer from the folder alone."""
+    import json
+    import shutil
+
+    d = cfg.to_dict()
+    if cfg.data.tokenizer:
+        shutil.copyfile(cfg.data.tokenizer, os.path.join(run_dir, "tokenizer.json"))
+    if cfg.model.kind == "hf" and cfg.model.hf_config.endswith(".json"):
+        shutil.copyfile(cfg.model.hf_config, os.path.join(run_dir, "hf_config.json"))
+        d["model"]["hf_config"] = os.path.abspath(os.path.join(run_dir, "hf_config.json"))
+    tmp = os.path.join(run_dir, ".run_config.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(d, f, indent=1)
+    os.replace(tmp, os.path.join(run_dir, "run_config.json"))
 
 
 def _data_shard(cfg: RunConfig, peer_id: str, ckpt: Optional[Dict[str, Any]]) -> int:

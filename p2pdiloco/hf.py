@@ -1,0 +1,327 @@
+"""Hugging Face causal LMs as swarm models (``[model] kind = "hf"``), and export of either kind.
+
+Imported only when a run uses ``kind = "hf"``, a BPE tokenizer, ``export`` or ``sample``: the
+byte-level GPT path never loads ``transformers`` (its import costs ~1.6 s).
+
+**Which model.** ``model.hf_config`` is an architecture name (a ``transformers`` model type such as
+``llama``, ``mistral``, ``qwen2``) sized by the ``[model]`` keys (``d_model`` → ``hidden_size``,
+``n_layers`` → ``num_hidden_layers``, ``n_heads`` → ``num_attention_heads``, ``hf_kv_heads`` (0:
+``n_heads``) → ``num_key_value_heads``, ``hf_intermediate_size`` (0: ``mlp_ratio · d_model``) →
+``intermediate_size``, ``seq_len`` → ``max_position_embeddings``, ``vocab_size``,
+``tie_embeddings`` → ``tie_word_embeddings``), or a path to a ``config.json`` taken as it is (its
+``vocab_size`` must equal ``model.vocab_size`` and ``model.seq_len`` must fit its positions). Every
+field of the resolved config is in the run fingerprint as ``model.hf.<key>`` (:func:`hf_fingerprint`),
+so a peer with another config is refused naming the field. The hub is never contacted
+(``HF_HUB_OFFLINE``; nothing is loaded by name).
+
+**Initialisation.** The model is built without ``transformers``' own init (its ``normal_`` draws other
+numbers under other CPU kernels) and then initialised from the global torch RNG (seeded with
+``train.seed`` by the caller) with :func:`p2pdiloco.exact.exact_normal_`, parameter by parameter in
+``named_parameters`` order: matrices and embeddings ~ N(0, ``initializer_range``) (drawn in chunks of
+2²² elements so a 1B model does not need gigabytes of fp64 temporaries), the weights of norm layers
+1, every other vector 0 (Llama's own scheme, with exact draws). Every peer therefore starts bitwise
+identical, on any machine, with no download.
+
+**Fragments.** :class:`HFCausalLM` names its decoder layers' prefix (``fragment_block_pattern``), so
+streaming fragments (:mod:`p2pdiloco.diloco.fragments`) split it by decoder layer exactly as the GPT is
+split by block.
+
+**Export** (:func:`export_run`): the swarm's global parameters (the outer copy of every fragment in
+the checkpoint, not the peer's local inner model) as a ``save_pretrained`` directory (config.json,
+model.safetensors, tokenizer files). An HF run exports its own architecture; the built-in GPT exports
+as the standard ``GPT2LMHeadModel`` (the same computation: learned positions, pre-LayerNorm blocks,
+exact-erf GELU (``activation_function = "gelu"``), eps 1e-5, ``n_inner = mlp_ratio · d_model``;
+our ``nn.Linear`` weights transposed into GPT-2's ``Conv1D``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact the hub: nothing here is loaded by name
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import ConfigError, UserError
+from .exact import exact_normal_
+
+__all__ = ["HFCausalLM", "build_hf_model", "resolve_hf_config", "hf_fingerprint", "global_state_dict",
+           "export_run", "load_run"]
+
+#: elements per exact_normal_ draw for HF parameters (a new path: the GPT's draws are untouched)
+_CHUNK = 1 << 22
+#: config keys that say nothing about the computation (left out of the fingerprint)
+_NOT_FINGERPRINTED = {"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype",
+                      "use_cache", "return_dict", "output_hidden_states", "output_attentions",
+                      "id2label", "label2id", "problem_type", "chunk_size_feed_forward"}
+
+
+def _is_path(spec: str) -> bool:
+    return spec.endswith(".json") or os.sep in spec or spec.startswith(".")
+
+
+def resolve_hf_config(cfg) -> Any:
+    """The ``transformers`` config of ``cfg`` (a :class:`p2pdiloco.model.ModelConfig` with kind "hf").
+
+    Raises :class:`ConfigError` for an unknown architecture, an unreadable config.json, or sizes
+    that disagree with ``model.vocab_size`` / ``model.seq_len``."""
+    from transformers import AutoConfig
+
+    spec = cfg.hf_config
+    if _is_path(spec):
+        if not os.path.isfile(spec):
+            raise ConfigError(f"model.hf_config {spec!r} does not exist; give a config.json path or an architecture "
+                              "name such as llama")
+        try:
+            with open(spec) as f:
+                d = json.load(f)
+            model_type = d.pop("model_type")
+            hf = AutoConfig.for_model(model_type, **d)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"model.hf_config {spec!r} is not a usable transformers config.json ({e})") from None
+        if getattr(hf, "vocab_size", None) != cfg.vocab_size:
+            raise ConfigError(f"model.hf_config {spec} has vocab_size {getattr(hf, 'vocab_size', None)} but "
+                              f"model.vocab_size is {cfg.vocab_size}; set model.vocab_size to the tokenizer's size "
+                              "and the same in config.json")
+        max_pos = getattr(hf, "max_position_embeddings", None)
+        if isinstance(max_pos, int) and cfg.seq_len > max_pos:
+            raise ConfigError(f"model.seq_len ({cfg.seq_len}) exceeds max_position_embeddings ({max_pos}) of "
+                              f"{spec}; lower model.seq_len")
+        return hf
+    kv = cfg.hf_kv_heads or cfg.n_heads
+    if cfg.n_heads % kv:
+        raise ConfigError(f"model.n_heads ({cfg.n_heads}) must be a multiple of model.hf_kv_heads ({kv})")
+    sizes = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+                 num_attention_heads=cfg.n_heads, num_key_value_heads=kv,
+                 intermediate_size=cfg.hf_intermediate_size or cfg.mlp_ratio * cfg.d_model,
+                 max_position_embeddings=cfg.seq_len, tie_word_embeddings=cfg.tie_embeddings,
+                 attention_dropout=float(cfg.dropout))
+    try:
+        return AutoConfig.for_model(spec, **sizes)
+    except ValueError:
+        raise ConfigError(f"model.hf_config {spec!r} is not a transformers architecture name (e.g. llama, mistral, "
+                          "qwen2) nor a path to a config.json") from None
+
+
+def hf_fingerprint(cfg) -> Dict[str, Any]:
+    """``model.hf.<key>`` → value of every field of the resolved config (nested values as JSON)."""
+    d = resolve_hf_config(cfg).to_dict()
+    out: Dict[str, Any] = {}
+    for k in sorted(d):
+        if k in _NOT_FINGERPRINTED or k.startswith("_"):
+            continue
+        v = d[k]
+        if not (v is None or isinstance(v, (bool, int, float, str))):
+            v = json.dumps(v, sort_keys=True, default=str)
+        out[f"model.hf.{k}"] = v
+    return out
+
+
+def _layers_prefix(lm: nn.Module, n_layers: int) -> str:
+    """Name of the ModuleList of decoder layers (``model.layers`` for Llama, ``transformer.h`` for GPT-2)."""
+    for name, module in lm.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n_layers and n_layers > 0:
+            return name
+    raise ConfigError("cannot find this model's decoder layers (no ModuleList of num_hidden_layers modules); "
+                      "use streaming.fragments=1")
+
+
+class HFCausalLM(nn.Module):
+    """A ``transformers`` causal LM behind the GPT's interface: ``forward(idx, targets=None)`` →
+    ``(logits [B, T, V], mean cross-entropy or None)``. The LM is ``self.lm``; its parameter names are
+    ``lm.<transformers name>``.
+
+    ``fragment_block_pattern`` matches the decoder layers' parameters (group 1: the layer index):
+    streaming fragments cut the model by decoder layer."""
+
+    def __init__(self, lm: nn.Module, n_layers: int):
+        super().__init__()
+        self.lm = lm
+        self.fragment_block_pattern = re.compile("^" + re.escape("lm." + _layers_prefix(lm, n_layers)) + r"\.(\d+)\.")
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        logits = self.lm(input_ids=idx, use_cache=False).logits
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        return logits, loss
+
+
+@torch.no_grad()
+def _exact_init_(model: nn.Module, std: float) -> None:
+    """The module docstring's scheme, in named_parameters order, with exact draws."""
+    modules = dict(model.named_modules())
+    for name, p in model.named_parameters():
+        owner = modules.get(name.rsplit(".", 1)[0]) if "." in name else model
+        if p.dim() >= 2:
+            flat = p.data.view(-1)
+            for i in range(0, flat.numel(), _CHUNK):
+                exact_normal_(flat[i:i + _CHUNK], std=std)
+        elif name.endswith("weight") and "norm" in type(owner).__name__.lower():
+            p.fill_(1.0)
+        else:
+            p.zero_()
+
+
+def build_hf_model(cfg) -> HFCausalLM:
+    """A freshly initialised :class:`HFCausalLM` on the current default device (CPU unless a
+    ``torch.device`` context says otherwise), from the global torch RNG (seed it first)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    hf = resolve_hf_config(cfg)
+    with torch.random.fork_rng(devices=[]), no_init_weights():  # transformers' own init: skipped, RNG untouched
+        lm = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+    lm.tie_weights()  # tie_word_embeddings: one parameter (skipped with the init above)
+    model = HFCausalLM(lm, hf.num_hidden_layers)
+    _exact_init_(model, float(getattr(hf, "initializer_range", 0.02)))
+    return model
+
+
+# ---- export ------------------------------------------------------------------------------------------
+
+def load_run(run_dir: str):
+    """(RunConfig, model holding the swarm's global parameters, tokenizer path or None) of a run folder.
+
+    Reads ``run_config.json`` (written by ``join``) and ``checkpoint.pt``; the parameters are the outer
+    (global) copy of every fragment, not the peer's inner model. Raises :class:`UserError` with what
+    to do when a file is missing or does not match."""
+    from .checkpoint import find_checkpoint, load_checkpoint
+    from .config import config_from_dict
+    from .errors import CheckpointError
+    from .model import build_model
+
+    cfg_path = os.path.join(run_dir, "run_config.json")
+    if not os.path.isfile(cfg_path):
+        raise UserError(f"{run_dir} has no run_config.json; give the train.run_dir of a peer that ran "
+                        "`p2pdiloco join`")
+    with open(cfg_path) as f:
+        cfg = config_from_dict(json.load(f))
+    ckpt_path = find_checkpoint(run_dir)
+    if ckpt_path is None:
+        raise UserError(f"{run_dir} has no checkpoint.pt yet; a peer writes one after its first full sync")
+    ckpt = load_checkpoint(ckpt_path)
+    tok = os.path.join(run_dir, "tokenizer.json")
+    if cfg.model.kind == "hf" and _is_path(cfg.model.hf_config) and not os.path.isfile(cfg.model.hf_config):
+        cfg.model.hf_config = os.path.join(run_dir, "hf_config.json")
+    if not isinstance(ckpt.get("outer"), list):
+        raise CheckpointError(f"checkpoint {ckpt_path} holds no global parameters")
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model)
+    model.load_state_dict(global_state_dict(model, ckpt, cfg))
+    model.eval()
+    return cfg, model, (tok if os.path.isfile(tok) else None)
+
+
+def global_state_dict(model: nn.Module, ckpt: Dict[str, Any], cfg) -> Dict[str, torch.Tensor]:
+    """The model's state dict with every trained parameter replaced by the checkpoint's global copy."""
+    from .diloco.fragments import split_fragments
+    from .errors import CheckpointError
+
+    layout = split_fragments(model, cfg.streaming.fragments, cfg.streaming.pattern)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    outer = ckpt.get("outer")
+    if not isinstance(outer, list) or len(outer) != layout.num_fragments:
+        raise CheckpointError("the checkpoint's global state does not match the run configuration's fragments")
+    for names, o in zip(layout.names, outer):
+        params = o["params"]
+        if len(params) != len(names):
+            raise CheckpointError("the checkpoint's global state does not match the run configuration's model")
+        for n, t in zip(names, params):
+            if state[n].shape != t.shape:
+                raise CheckpointError(f"checkpoint parameter {n} has shape {tuple(t.shape)}, the model "
+                                      f"{tuple(state[n].shape)}")
+            state[n] = t.to(state[n].dtype)
+    return state
+
+
+def _gpt2_from_gpt(model) -> nn.Module:
+    """The built-in GPT as a ``GPT2LMHeadModel`` computing the same logits (see the module docstring)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.initialization import no_init_weights
+
+    c = model.cfg
+    hf = GPT2Config(vocab_size=c.vocab_size, n_positions=c.seq_len, n_embd=c.d_model, n_layer=c.n_layers,
+                    n_head=c.n_heads, n_inner=c.mlp_ratio * c.d_model, activation_function="gelu",
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
+                    tie_word_embeddings=c.tie_embeddings, bos_token_id=None, eos_token_id=None)
+    with torch.random.fork_rng(devices=[]), no_init_weights():
+        out = GPT2LMHeadModel(hf)
+    out.tie_weights()
+    src = model.state_dict()
+    dst: Dict[str, torch.Tensor] = {"transformer.wte.weight": src["tok_emb.weight"],
+                                    "transformer.wpe.weight": src["pos_emb.weight"],
+                                    "transformer.ln_f.weight": src["ln_f.weight"],
+                                    "transformer.ln_f.bias": src["ln_f.bias"]}
+    for i in range(c.n_layers):
+        a, b = f"blocks.{i}.", f"transformer.h.{i}."
+        for ours, theirs in (("ln_1", "ln_1"), ("ln_2", "ln_2")):
+            dst[f"{b}{theirs}.weight"] = src[f"{a}{ours}.weight"]
+            dst[f"{b}{theirs}.bias"] = src[f"{a}{ours}.bias"]
+        for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
+                             ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+            dst[f"{b}{theirs}.weight"] = src[f"{a}{ours}.weight"].t().contiguous()  # Conv1D: [in, out]
+            dst[f"{b}{theirs}.bias"] = src[f"{a}{ours}.bias"]
+    dst["lm_head.weight"] = src["tok_emb.weight"] if c.tie_embeddings else src["head.weight"]
+    missing, unexpected = out.load_state_dict(dst, strict=False)
+    missing = [m for m in missing if not m.endswith(".attn.bias") and not m.endswith("masked_bias")]
+    if missing or unexpected:  # pragma: no cover - a transformers version with another GPT-2 layout
+        raise UserError(f"cannot map the GPT onto GPT2LMHeadModel (missing {missing}, unexpected {unexpected})")
+    return out
+
+
+def export_run(run_dir: str, out_dir: str) -> str:
+    """Write the run's global model to ``out_dir`` as a Hugging Face model directory; returns a summary."""
+    from .tokenizer import hf_tokenizer
+
+    cfg, model, tok_path = load_run(run_dir)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    lm = model.lm if cfg.model.kind == "hf" else _gpt2_from_gpt(model)
+    os.makedirs(out_dir, exist_ok=True)
+    lm.save_pretrained(out_dir)
+    hf_tokenizer(tok_path, cfg.model.seq_len).save_pretrained(out_dir)
+    n = sum(p.numel() for p in model.parameters())
+    arch = type(lm).__name__
+    return f"wrote {out_dir}: {arch}, {n:,} parameters (the swarm's global copy), tokenizer " + (
+        "BPE" if tok_path else "byte-level (256)")
+
+
+def generate(model: nn.Module, ids: List[int], max_new_tokens: int, seq_len: int, temperature: float = 0.8,
+             seed: int = 0) -> List[int]:
+    """Sample ``max_new_tokens`` continuation ids from ``model`` (greedy when temperature is 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            x = torch.tensor([out[-seq_len:]], dtype=torch.long)
+            logits, _ = model(x)
+            last = logits[0, -1].float()
+            if temperature <= 0:
+                nxt = int(last.argmax())
+            else:
+                nxt = int(torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=gen))
+            out.append(nxt)
+    return out[len(ids):]
+
+
+def sample_run(run_dir: str, prompt: str, max_new_tokens: int = 80, temperature: float = 0.8,
+               seed: int = 0) -> Tuple[str, str]:
+    """(prompt, continuation) from the run's global model."""
+    from .tokenizer import TextCodec
+
+    cfg, model, tok_path = load_run(run_dir)
+    codec = TextCodec(tok_path)
+    ids = codec.encode(prompt)
+    if not ids:
+        raise UserError("--prompt is empty; give some text to continue")
+    return prompt, codec.decode(generate(model, ids, max_new_tokens, cfg.model.seq_len, temperature, seed))
