@@ -588,7 +588,9 @@ class AllReducer:
                                 redo: bool = True) -> Tuple[torch.Tensor, Coverage]:
         """(weighted mean, whose parts it covers): the same member set on every shard (see module
         docstring: a round whose shards differ is re-done over the common members once, when ``redo``)."""
-        vec = vec.detach().to("cpu", torch.float32).contiguous().view(-1)
+        # stays on its device: a GPU encodes its parts there (the codecs are torch ops); what comes
+        # off the wire is decoded and reduced on CPU, and the mean is returned on CPU
+        vec = vec.detach().to(dtype=torch.float32).contiguous().view(-1)
         out, covers = await self._exchange(group, phase, vec, weight, codec)
         sets = {cov for cov, _ in covers}
         common = sorted(set.intersection(*(set(c) for c in sets)))
@@ -623,7 +625,7 @@ class AllReducer:
         bounds = shard_bounds(vec.numel(), len(owners), codec.block_size)
         me = group.my_index
         mine = owner_idx.index(me) if me in owner_idx else None  # our shard, None: we own none (private)
-        finite = bool(torch.isfinite(vec).all())
+        finite = math.isfinite(_squared_norm(vec))  # a dot product: ~10x faster than isfinite().all()
         out = torch.empty(vec.numel(), dtype=torch.float32)      # every shard's mean lands here
         rnd: Optional[_Round] = None
         if mine is not None:
@@ -639,7 +641,7 @@ class AllReducer:
             rnd.configured.set()
             # our own part takes the same lossy round trip as everybody else's
             if finite:
-                own = codec.roundtrip(vec[lo:hi]) if codec.relative_error_bound else vec[lo:hi]  # read only
+                own = codec.roundtrip(vec[lo:hi]) if codec.relative_error_bound else vec[lo:hi].to("cpu")  # read only
                 rnd.parts[me], rnd.weights[me], rnd.got[me] = own, float(weight), len(rnd.chunks)
                 rnd.sq[me] = _squared_norm(own)
             else:  # our own training diverged: serve the others without our part, then apply nothing
