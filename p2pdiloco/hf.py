@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from .errors import ConfigError, UserError
 from .exact import exact_normal_
 
-__all__ = ["HFCausalLM", "build_hf_model", "resolve_hf_config", "hf_fingerprint", "global_state_dict",
+__all__ = ["HFCausalLM", "build_hf_model", "resolve_hf_config", "hf_fingerprint", "load_global_",
            "export_run", "load_run"]
 
 #: elements per exact_normal_ draw for HF parameters (a new path: the GPT's draws are untouched)
@@ -216,18 +216,20 @@ def load_run(run_dir: str):
         raise CheckpointError(f"checkpoint {ckpt_path} holds no global parameters")
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
-    model.load_state_dict(global_state_dict(model, ckpt, cfg))
+    load_global_(model, ckpt, cfg)
     model.eval()
     return cfg, model, (tok if os.path.isfile(tok) else None)
 
 
-def global_state_dict(model: nn.Module, ckpt: Dict[str, Any], cfg) -> Dict[str, torch.Tensor]:
-    """The model's state dict with every trained parameter replaced by the checkpoint's global copy."""
+@torch.no_grad()
+def load_global_(model: nn.Module, ckpt: Dict[str, Any], cfg) -> nn.Module:
+    """Copy the checkpoint's global parameters (every fragment's outer copy) into ``model`` in place
+    (a tied weight is one parameter: copied once, through the fragment that holds it). Returns it."""
     from .diloco.fragments import split_fragments
     from .errors import CheckpointError
 
     layout = split_fragments(model, cfg.streaming.fragments, cfg.streaming.pattern)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    named = dict(model.named_parameters())
     outer = ckpt.get("outer")
     if not isinstance(outer, list) or len(outer) != layout.num_fragments:
         raise CheckpointError("the checkpoint's global state does not match the run configuration's fragments")
@@ -236,11 +238,11 @@ def global_state_dict(model: nn.Module, ckpt: Dict[str, Any], cfg) -> Dict[str, 
         if len(params) != len(names):
             raise CheckpointError("the checkpoint's global state does not match the run configuration's model")
         for n, t in zip(names, params):
-            if state[n].shape != t.shape:
+            if named[n].shape != t.shape:
                 raise CheckpointError(f"checkpoint parameter {n} has shape {tuple(t.shape)}, the model "
-                                      f"{tuple(state[n].shape)}")
-            state[n] = t.to(state[n].dtype)
-    return state
+                                      f"{tuple(named[n].shape)}")
+            named[n].copy_(t)
+    return model
 
 
 def _gpt2_from_gpt(model) -> nn.Module:
