@@ -38,13 +38,19 @@ __all__ = ["Swarm"]
 logger = logging.getLogger(__name__)
 
 FINGERPRINT_TTL = 3600.0
+#: seconds between two node lookups next to the progress key (node.lookup_near): keeps the routing table's
+#: view of the key's nearest nodes current, where our direct stores and local reads go
+LOOKUP_PERIOD = 120.0
+#: seconds between two reads of the progress records from our own DHT storage (no network: see
+#: SwarmNode.read_near), so records published at a sync show within this, whatever the progress period
+LOCAL_READ_PERIOD = 2.0
 #: progress-record stores allowed in flight at once (each can take seconds: see Swarm.publish_progress)
 MAX_STORES_IN_FLIGHT = 4
 
 
 class Swarm:
     def __init__(self, node: SwarmNode, run_id: str, *, matchmaking_timeout: float, allreduce_timeout: float,
-                 min_group_size: int = 1, progress_period: float = 2.0, robust: Optional[RobustConfig] = None):
+                 min_group_size: int = 1, progress_period: float = 10.0, robust: Optional[RobustConfig] = None):
         self.node = node
         robust = robust or RobustConfig()
         node.gate.configure(ban_after=robust.ban_after, ban_seconds=robust.ban_seconds)
@@ -82,6 +88,10 @@ class Swarm:
         peer publishing a bogus fingerprint cannot lock anyone out (records.run_fingerprint)."""
         key = f"{self.run_id}:fingerprint"
         mine = {"fp": fp, "fields": fields}
+        try:  # before our first direct store (SwarmNode.store_near): meet the progress key's nearest nodes
+            self.node.lookup_near(f"{self.run_id}:progress").result(timeout=10)
+        except Exception as e:
+            logger.debug(f"lookup near the progress key failed: {e}")
         claims = self.node.get_subkeys(key)
         if not claims:
             self.node.store(key, mine, ttl=FINGERPRINT_TTL, subkey=self.peer_id)
@@ -139,8 +149,8 @@ class Swarm:
                 return
             self._dirty = False
             value = dict(self._progress, t=time.time())
-            fut = self.node.submit(self.node.astore(f"{self.run_id}:progress", value,
-                                                    ttl=self.matchmaker.record_lifetime, subkey=self.peer_id))
+            fut = self.node.submit(self.node.astore_near(f"{self.run_id}:progress", value,
+                                                         ttl=self.matchmaker.record_lifetime))
             self._in_flight.add(fut)
         fut.add_done_callback(self._store_done)
         if wait:
@@ -160,25 +170,35 @@ class Swarm:
         if self._fingerprint is None or time.monotonic() - self._fingerprint_stored < FINGERPRINT_TTL / 4:
             return
         self._fingerprint_stored = time.monotonic()
-        self.node.submit(self.node.astore(f"{self.run_id}:fingerprint", self._fingerprint, ttl=FINGERPRINT_TTL,
-                                          subkey=self.peer_id))
+        self.node.submit(self.node.astore_near(f"{self.run_id}:fingerprint", self._fingerprint, ttl=FINGERPRINT_TTL))
 
     def start_publishing(self) -> None:
         """Publish our progress record every progress_period, and read everyone's (:meth:`peers_view`),
         in a background thread: a DHT call can wait seconds on an unreachable node, and the training
         loop must not."""
         def publish() -> None:
+            next_lookup = time.monotonic() + LOOKUP_PERIOD
             while not self._stop.wait(self.progress_period):
                 try:
+                    if time.monotonic() >= next_lookup:
+                        next_lookup = time.monotonic() + LOOKUP_PERIOD
+                        self.node.lookup_near(f"{self.run_id}:progress")
                     self.publish_progress()
                     self._refresh_fingerprint()
                 except Exception as e:  # the DHT may be shutting down
                     logger.debug(f"progress publish failed: {e}")
 
         def read() -> None:  # its own thread: a slow read must not delay our record (and vice versa)
-            while not self._stop.wait(self.progress_period):
-                try:
-                    view = self.live_peers()
+            last_network = -float("inf")
+            while not self._stop.wait(min(self.progress_period, LOCAL_READ_PERIOD)):
+                try:  # from our own DHT storage when we hold the key (free), else over the network every period
+                    due = time.monotonic() - last_network >= self.progress_period
+                    records = self.node.read_near(f"{self.run_id}:progress", network=due)
+                    if records is None:
+                        continue
+                    if due:
+                        last_network = time.monotonic()
+                    view = self.matchmaker.live_of(records)
                     with self._progress_lock:
                         self._view = view
                 except Exception as e:
@@ -253,7 +273,7 @@ class Swarm:
                 thread.join(timeout=2)
         try:  # say goodbye: drop our progress record so nobody waits for us
             # a record only replaces one that expires earlier, so the goodbye gets the usual lifetime
-            self.node.store(f"{self.run_id}:progress", {"gone": True, "t": time.time()},
-                            ttl=self.matchmaker.record_lifetime + 1, subkey=self.peer_id)
+            self.node.store_near(f"{self.run_id}:progress", {"gone": True, "t": time.time()},
+                                 ttl=self.matchmaker.record_lifetime + 1)
         except Exception:
             pass
