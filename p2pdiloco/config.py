@@ -257,8 +257,11 @@ class SwarmConfig:
     min_link_mbit: float = 10.0
     #: false: use matchmaking_timeout and allreduce_timeout as fixed timeouts, nothing derived
     adaptive_timeouts: bool = True
-    #: how often progress is published to the DHT (seconds)
-    progress_period: float = 2.0
+    #: how often our progress record is refreshed in the DHT and the others' are read over the network
+    #: (seconds); a silent peer's record expires after 3x this + 5 s. Each refresh is one signed record
+    #: (~2.7 KB on the wire with its answer) to each of the key's nearest nodes: 10 s keeps a peer's
+    #: background traffic near 1 KB/s each way (docs/benchmark.md, "Background traffic")
+    progress_period: float = 10.0
     #: can other peers dial this one? "auto" (detected by a dial-back through the initial peers),
     #: "public" or "private" (behind NAT: trains as a full member, owns no all-reduce shard, never
     #: leads a group); see swarm/reachability.py. Local: not part of the fingerprint
