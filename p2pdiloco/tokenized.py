@@ -231,6 +231,7 @@ def load_tokenized(cfg):
 
     kind = f"records {cfg.source} (field {cfg.text_field!r})" if records else f"{cfg.source} text"
     tok = f"BPE {cfg.tokenizer} ({vocab} ids)" if cfg.tokenizer else "bytes"
-    description = (f"{kind}: {meta['docs']} documents, {meta['train']:,} train + {meta['val']:,} val tokens, "
+    docs = f"{meta['docs']} records, " if records else ""
+    description = (f"{kind}: {docs}{meta['train']:,} train + {meta['val']:,} val tokens, "
                    f"{tok}, cached in {root}, digest {meta['digest']}")
     return Corpus(train=mapped("train"), val=mapped("val"), digest=meta["digest"], description=description)
