@@ -125,7 +125,7 @@ def test_a_part_that_turns_bad_after_results_went_out_is_dropped_and_the_result_
             chunks = chunk_bounds(part.numel(), chunk)
             for a, b in chunks[:-1]:
                 await write_frame(writer, {"t": "c"}, codec.encode_view(part[a:b]))
-            while not all(any(len(r.out) == len(chunks) - 1 for r in list(h._rounds.values())) for h in honest):
+            while not all(any(len(r.out) >= len(chunks) - 1 for r in list(h._rounds.values())) for h in honest):
                 await asyncio.sleep(0.01)
             a, b = chunks[-1]
             await write_frame(writer, {"t": "c"}, codec.encode_view(part[a:b]))

@@ -684,6 +684,12 @@ class AllReducer:
         except Exception as e:  # P2P daemon errors (peer unreachable) and the like
             raise SyncFailed(f"all-reduce of group {group.gid} failed: {type(e).__name__}: {e}") from None
         finally:
+            if excluded:
+                # One owner dropped our part; the others may still be reading theirs. Finish sending
+                # them (a stream cut mid-part aborts that owner's round for everyone), then go.
+                pending = [t for t in tasks if not t.done()]
+                if pending:
+                    await asyncio.wait(pending, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
             for t in tasks:
                 t.cancel()
             if excluded and rnd is not None and not rnd.done.done():
