@@ -10,6 +10,7 @@ different tokenizers are refused.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from typing import Iterable, List, Optional
@@ -55,14 +56,29 @@ def load_tokenizer(path: str):
 
 
 def tokenizer_vocab_size(path: str) -> int:
-    return load_tokenizer(path).get_vocab_size()
+    return _described(path)[0]
 
 
 def tokenizer_identity(path: str) -> str:
     """``bpe-<vocab>-<sha256 prefix of the file>``: the fingerprint's ``data.vocab`` for a BPE run."""
+    vocab, digest = _described(path)
+    return f"bpe-{vocab}-{digest}"
+
+
+def _described(path: str):
+    if not os.path.isfile(path):
+        load_tokenizer(path)  # raises the clear error for a missing file
+    st = os.stat(path)
+    return _describe(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _describe(path: str, size: int, mtime_ns: int):
+    """(vocabulary size, sha256 prefix) of a tokenizer file, cached per (path, size, mtime): the
+    fingerprint is computed more than once per run."""
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    return f"bpe-{tokenizer_vocab_size(path)}-{digest}"
+    return load_tokenizer(path).get_vocab_size(), digest
 
 
 class TextCodec:

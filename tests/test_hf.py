@@ -229,6 +229,16 @@ def test_bad_inputs_one_line(assets, tmp_path):
     assert "matches no file" in err(source=str(tmp_path / "d.jsonl"))
     (tmp_path / "num.jsonl").write_text(json.dumps({"text": 3}) + "\n")
     assert "not text" in err(source=str(tmp_path / "num.jsonl"))
+    # Parquet records, another text field
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": [f"def f{i}(x):\n    return x + {i}\n" for i in range(60)]}),
+                   str(tmp_path / "d.parquet"))
+    pc = load_corpus(DataConfig(source=str(tmp_path / "d.parquet"), text_field="content", val_fraction=0.2,
+                                tokenizer=str(assets / "tok.json"), cache_dir=str(tmp_path / "cache")))
+    assert pc.train.numel() > 100 and pc.val.numel() > 0 and "60 records" in pc.description
+    assert "no field 'text'" in err(source=str(tmp_path / "d.parquet"))
     # an empty shard: too few tokens in this peer's region
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(40)))
