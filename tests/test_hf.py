@@ -239,6 +239,19 @@ def test_bad_inputs_one_line(assets, tmp_path):
                                 tokenizer=str(assets / "tok.json"), cache_dir=str(tmp_path / "cache")))
     assert pc.train.numel() > 100 and pc.val.numel() > 0 and "60 records" in pc.description
     assert "no field 'text'" in err(source=str(tmp_path / "d.parquet"))
+    # a restart does not re-tokenize: the cache answers without reading a record
+    import p2pdiloco.tokenized as tokenized
+
+    def no_reading(*a, **k):
+        raise AssertionError("re-tokenized")
+
+    real, tokenized.iter_documents = tokenized.iter_documents, no_reading
+    try:
+        again = load_corpus(DataConfig(source=str(tmp_path / "d.parquet"), text_field="content", val_fraction=0.2,
+                                       tokenizer=str(assets / "tok.json"), cache_dir=str(tmp_path / "cache")))
+    finally:
+        tokenized.iter_documents = real
+    assert again.digest == pc.digest and torch.equal(again.train, pc.train)
     # an empty shard: too few tokens in this peer's region
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(40)))
