@@ -134,9 +134,14 @@ class StreamingConfig:
     tau: int = 0
     #: mode "tau": weight of the local progress when the average is merged in (0 = take the average)
     alpha: float = 0.0
-    #: start group formation this many inner steps before a sync, in the background, so it is off the
-    #: critical path (capped at H/P - 1; 0 = form the group at the sync step). Not part of the fingerprint.
+    #: start group formation at least this many inner steps before a sync, in the background, so it is
+    #: off the critical path (capped at H/P - 1; 0 = form the group at the sync step, with
+    #: prepare_seconds = 0 too). Not part of the fingerprint.
     prepare_steps: int = 2
+    #: ... and at least this many seconds before it (converted with the measured inner-step time, the
+    #: same cap): formation takes a few DHT round trips plus the wait for the slowest member to be ready,
+    #: and peers drift apart by seconds per round. Not part of the fingerprint.
+    prepare_seconds: float = 3.0
     #: mode "eager": "paper" (Eager Updates as published) or "fresh_heuristic" (see above)
     eager_estimate: str = "paper"
     EAGER_ESTIMATES = ("paper", "fresh_heuristic")
@@ -169,6 +174,8 @@ class StreamingConfig:
                               "for the round's average)")
         if not isinstance(self.prepare_steps, int) or self.prepare_steps < 0:
             raise ConfigError(f"streaming.prepare_steps ({self.prepare_steps!r}) must be an integer >= 0")
+        if not (isinstance(self.prepare_seconds, (int, float)) and 0 <= self.prepare_seconds < 1e6):
+            raise ConfigError(f"streaming.prepare_seconds ({self.prepare_seconds!r}) must be a number of seconds >= 0")
 
     def check_schedule(self, sync_every: int, n_layers: int) -> None:
         """Invariants that involve H (``inner.sync_every``) and the model depth."""
@@ -404,7 +411,7 @@ class RunConfig:
         """Everything that must be equal on every peer of a run, flattened to ``section.key``."""
         d = self.to_dict()
         out: Dict[str, Any] = {}
-        hf_only = ("kind", "hf_config", "hf_kv_heads", "hf_intermediate_size")
+        hf_only = ("kind", "hf_config", "hf_kv_heads", "hf_intermediate_size", "init_from")
         for k, v in d["model"].items():
             if self.model.kind == "gpt" and k in hf_only:
                 continue  # a GPT run's fingerprint is the one it had before HF models existed
@@ -414,6 +421,10 @@ class RunConfig:
 
             out.pop("model.hf_config")  # a path differs between machines; its content is what counts
             out.update(hf_fingerprint(self.model))
+            if self.model.init_from:  # pretrained weights: their hash, not their path
+                from .hf import init_digest
+
+                out["model.init_from"] = init_digest(self.model.init_from)
         if self.data.tokenizer:
             from .tokenizer import tokenizer_identity
 
@@ -426,7 +437,7 @@ class RunConfig:
         for k, v in d["outer"].items():
             out[f"outer.{k}"] = v
         for k, v in d["streaming"].items():
-            if k != "prepare_steps":  # a local latency knob: peers may differ
+            if k not in ("prepare_steps", "prepare_seconds"):  # local latency knobs: peers may differ
                 out[f"streaming.{k}"] = v
         from .diloco.fragments import layout_fingerprint
 

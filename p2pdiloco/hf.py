@@ -22,6 +22,10 @@ numbers under other CPU kernels) and then initialised from the global torch RNG 
 1, every other vector 0 (Llama's own scheme, with exact draws). Every peer therefore starts bitwise
 identical, on any machine, with no download.
 
+**Pretrained start** (``model.init_from``): after the random initialisation (so the RNG is consumed
+the same way), the ``*.safetensors`` weights of a local model directory are copied in; the files'
+sha256 is the fingerprint's ``model.init_from`` (the path itself differs between machines).
+
 **Fragments.** :class:`HFCausalLM` names its decoder layers' prefix (``fragment_block_pattern``), so
 streaming fragments (:mod:`p2pdiloco.diloco.fragments`) split it by decoder layer exactly as the GPT is
 split by block.
@@ -35,6 +39,7 @@ our ``nn.Linear`` weights transposed into GPT-2's ``Conv1D``).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -53,7 +58,7 @@ import torch.nn.functional as F
 from .errors import ConfigError, UserError
 from .exact import exact_normal_
 
-__all__ = ["HFCausalLM", "build_hf_model", "resolve_hf_config", "hf_fingerprint", "load_global_",
+__all__ = ["HFCausalLM", "build_hf_model", "resolve_hf_config", "hf_fingerprint", "init_digest", "load_global_",
            "export_run", "load_run"]
 
 #: elements per exact_normal_ draw for HF parameters (a new path: the GPT's draws are untouched)
@@ -183,7 +188,49 @@ def build_hf_model(cfg) -> HFCausalLM:
     lm.tie_weights()  # tie_word_embeddings: one parameter (skipped with the init above)
     model = HFCausalLM(lm, hf.num_hidden_layers)
     _exact_init_(model, float(getattr(hf, "initializer_range", 0.02)))
+    if cfg.init_from and not any(p.is_meta for p in model.parameters()):
+        _load_pretrained_(model.lm, cfg.init_from)
     return model
+
+
+def _weight_files(path: str) -> List[str]:
+    if not os.path.isdir(path):
+        raise ConfigError(f"model.init_from {path!r} is not a directory; give a local Hugging Face model directory "
+                          "(config.json + *.safetensors, e.g. the output of p2pdiloco export)")
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ConfigError(f"model.init_from {path!r} holds no *.safetensors file")
+    return files
+
+
+def init_digest(path: str) -> str:
+    """sha256 prefix of the ``*.safetensors`` files of ``path`` (the fingerprint's ``model.init_from``)."""
+    h = hashlib.sha256()
+    for f in _weight_files(path):
+        h.update(os.path.basename(f).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return "sha256:" + h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def _load_pretrained_(lm: nn.Module, path: str) -> None:
+    """Copy the weights of a local model directory into ``lm`` (names and shapes must match)."""
+    from safetensors.torch import load_file
+
+    loaded: Dict[str, torch.Tensor] = {}
+    for f in _weight_files(path):
+        loaded.update(load_file(f))
+    for name, p in lm.named_parameters():
+        t = loaded.get(name)
+        if t is None:
+            raise ConfigError(f"model.init_from {path}: no weight {name}; the directory holds another architecture "
+                              "than model.hf_config")
+        if t.shape != p.shape:
+            raise ConfigError(f"model.init_from {path}: {name} has shape {tuple(t.shape)}, the model "
+                              f"{tuple(p.shape)}; set the [model] sizes of that model")
+        p.copy_(t.to(p.dtype))
 
 
 # ---- export ------------------------------------------------------------------------------------------
@@ -214,6 +261,7 @@ def load_run(run_dir: str):
         cfg.model.hf_config = os.path.join(run_dir, "hf_config.json")
     if not isinstance(ckpt.get("outer"), list):
         raise CheckpointError(f"checkpoint {ckpt_path} holds no global parameters")
+    cfg.model.init_from = ""  # every parameter comes from the checkpoint
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     load_global_(model, ckpt, cfg)

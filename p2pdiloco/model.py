@@ -72,7 +72,9 @@ class ModelConfig:
     ``kind``: ``"gpt"`` (this module's model) or ``"hf"``: a ``transformers`` causal LM
     (:mod:`p2pdiloco.hf`) of architecture ``hf_config`` (a model type such as ``llama``, sized by the
     fields above plus ``hf_kv_heads`` and ``hf_intermediate_size``, 0 = derived) or a config.json path.
-    The ``hf_*`` fields are ignored for ``kind = "gpt"``.
+    The ``hf_*`` fields are ignored for ``kind = "gpt"``. ``init_from`` (``kind = "hf"`` only): a local
+    Hugging Face model directory (``*.safetensors``, e.g. an earlier ``p2pdiloco export``) whose weights
+    replace the random initialisation; their hash is in the fingerprint.
     """
 
     vocab_size: int = 256
@@ -87,6 +89,7 @@ class ModelConfig:
     hf_config: str = "llama"
     hf_kv_heads: int = 0
     hf_intermediate_size: int = 0
+    init_from: str = ""
 
     def validate(self) -> "ModelConfig":
         """Check every invariant; raise :class:`ConfigError` naming the key and the fix. Returns self."""
@@ -113,6 +116,8 @@ class ModelConfig:
         for key in ("hf_kv_heads", "hf_intermediate_size"):
             if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
                 raise ConfigError(f"model.{key} ({getattr(self, key)!r}) must be an integer >= 0 (0: derived)")
+        if self.init_from and self.kind != "hf":
+            raise ConfigError('model.init_from needs model.kind = "hf" (the built-in GPT starts from the run\'s seed)')
         if self.kind == "hf" and not self.hf_config:
             raise ConfigError("model.hf_config must name an architecture (e.g. llama) or a config.json path")
         return self

@@ -184,7 +184,7 @@ def test_gpt_export_as_gpt2(procs, tmp_path):
         assert float((hf(ids).logits - model(ids)[0]).abs().max()) < 1e-5
 
 
-def test_hf_init_exact_and_layerwise_fragments(assets):
+def test_hf_init_exact_and_layerwise_fragments(assets, tmp_path):
     from p2pdiloco.diloco.fragments import split_fragments
     from p2pdiloco.model import build_model
 
@@ -209,6 +209,17 @@ def test_hf_init_exact_and_layerwise_fragments(assets):
     # the fingerprint holds the resolved transformers config, field by field
     fields = cfg.fingerprint_fields()
     assert fields["model.hf.num_key_value_heads"] == 2 and fields["data.vocab"].startswith(f"bpe-{VOCAB}-")
+
+    # model.init_from: a local model directory's weights replace the random start; their hash is fingerprinted
+    a.lm.save_pretrained(str(tmp_path / "pre"))
+    pre = load_config(TINY, _llama(assets, "model.n_layers=4", f"model.init_from={tmp_path}/pre", "train.seed=5"))
+    torch.manual_seed(5)
+    d = build_model(pre.model).state_dict()
+    assert all(torch.equal(sa[k], d[k]) for k in sa)
+    assert pre.fingerprint_fields()["model.init_from"].startswith("sha256:") and fields["model.init_from"] == ""
+    with pytest.raises(ConfigError, match=r"model.embed_tokens.weight has shape \(512, 64\), the model \(512, 32\)"):
+        build_model(load_config(TINY, _llama(assets, "model.n_layers=4", "model.d_model=32",
+                                             f"model.init_from={tmp_path}/pre")).model)
 
 
 def test_bad_inputs_one_line(assets, tmp_path):
