@@ -99,6 +99,10 @@ class DiLoCo:
         self.schedule = Schedule(self.H, P)
         #: group formation starts this many steps ahead (never before the previous fragment's send)
         self.lead = min(st.prepare_steps, self.H // P - 1)
+        #: ... or this many seconds ahead, in steps of the measured step time (same cap): see _lead_steps
+        self.lead_seconds = float(st.prepare_seconds)
+        self._step_seconds: Optional[float] = None      # moving average of the wall time of one inner step
+        self._last_step_at: Optional[float] = None
         self.layout: FragmentLayout = split_fragments(model, P, st.pattern)
         named = dict(model.named_parameters())
         self.local: List[List[torch.Tensor]] = [[named[n] for n in names] for names in self.layout.names]
@@ -187,6 +191,11 @@ class DiLoCo:
         the clock says the swarm is, sending early what our next step would carry past (:mod:`.clock`);
         every position passed runs its sends, results due and group preparation in order."""
         self.local_steps += 1
+        now = time.perf_counter()
+        if self._last_step_at is not None:
+            dt = now - self._last_step_at      # a step and whatever the loop did around it (validation too)
+            self._step_seconds = dt if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * dt
+        self._last_step_at = now
         for p in range(self.num_fragments):
             self.samples_since[p] += samples
         for job in self._inflight:
@@ -373,11 +382,22 @@ class DiLoCo:
             return fut
         return self._matchmaking.submit(self.swarm.form_group, p, round_, send_step)
 
+    def _lead_steps(self) -> int:
+        """How many steps ahead group formation starts: ``prepare_steps``, or ``prepare_seconds`` of
+        measured step time if that is more, never more than H/P - 1 (issue 17: the group is agreed
+        before the pseudo-gradient is ready, the slowest member's drift included)."""
+        cap = self.H // self.num_fragments - 1
+        lead = self.lead
+        if self.lead_seconds > 0 and self._step_seconds:
+            lead = max(lead, math.ceil(self.lead_seconds / max(self._step_seconds, 1e-3)))
+        return max(0, min(lead, cap))
+
     def _prepare(self, t: int) -> None:
-        """Queue group formation for the syncs of the next ``lead`` steps (after this step's sends)."""
-        if self.swarm is None or self.lead <= 0:
+        """Queue group formation for the syncs of the next ``_lead_steps()`` steps (after this step's sends)."""
+        lead = self._lead_steps() if self.swarm is not None else 0
+        if lead <= 0:
             return
-        for s in range(t + 1, t + self.lead + 1):
+        for s in range(t + 1, t + lead + 1):
             for p in self.schedule.due(s):
                 if self.clock is not None and self.samples_since[p] == 0:
                     continue  # nothing to send yet: no group (a member with no sample is no member)
