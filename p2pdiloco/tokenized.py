@@ -182,14 +182,23 @@ def load_tokenized(cfg):
 
             if records:
                 budget = cfg.max_bytes
+                batch: List[Tuple[str, str]] = []  # (split, text): encode_batch tokenizes in parallel
+
+                def flush() -> None:
+                    for (split, _), ids in zip(batch, codec.encode_batch([t for _, t in batch])):
+                        write(split, ids + sep)
+                    batch.clear()
+
                 for f in files:
                     for i, text in iter_documents(f, cfg.text_field):
                         if budget <= 0:
                             break
                         budget -= len(text.encode("utf-8"))
-                        write("val" if _is_val(os.path.basename(f), i, cfg.val_fraction) else "train",
-                              codec.encode(text) + sep)
+                        batch.append(("val" if _is_val(os.path.basename(f), i, cfg.val_fraction) else "train", text))
                         n_docs += 1
+                        if len(batch) >= 256:
+                            flush()
+                flush()
             else:
                 corpus = load_corpus(cfg.__class__(**{**cfg.__dict__, "tokenizer": ""}))
                 for split, tokens in (("train", corpus.train), ("val", corpus.val)):
