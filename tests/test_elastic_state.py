@@ -529,3 +529,33 @@ def test_a_join_request_counts_as_the_joiners_ready_record_and_the_leader_closes
     assert proposal == {"t": "warm", "members": ["me", "z"]}
     assert answer["t"] == "group" and answer["members"] == ["me", "z"] and answer["gid"] == group.gid
     assert reads.count("t:mm:0:5") <= 4, reads  # z's ready record was never needed
+
+
+# (case, peers as (id, gid, synced_step, digest), our gids, our (step, digest), expected rival ids or None)
+RIVAL_HISTORIES = [
+    ("three lone histories: the largest (step, digest) wins, the others give way to it alone",
+     [("b", "g-b", 50, "b" * 16), ("c", "g-c", 70, "c" * 16)], {"g-a"}, (60, "a" * 16), ["c"]),
+    ("three lone histories, seen from the strongest: nobody to give way to",
+     [("a", "g-a", 60, "a" * 16), ("b", "g-b", 50, "b" * 16)], {"g-c"}, (70, "c" * 16), None),
+    ("two rival histories never add up against ours",
+     [("b", "g-b", 50, "b" * 16), ("c", "g-c", 50, "c" * 16), ("d", "g-us", 40, "u" * 16)], {"g-us"},
+     (40, "u" * 16), None),
+    ("a rival history larger than ours",
+     [("b", "g-x", 30, "x" * 16), ("c", "g-x", 30, "x" * 16), ("d", "g-y", 90, "y" * 16)], {"g-us"},
+     (80, "u" * 16), ["b", "c"]),
+    ("equal sizes: the rival history with the larger (step, digest) wins",
+     [("b", "g-x", 30, "x" * 16), ("d", "g-x", 30, "x" * 16), ("c", "g-us", 20, "u" * 16)], {"g-us"},
+     (20, "u" * 16), ["b", "d"]),
+    ("equal sizes, seen from the stronger side: nobody to give way to",
+     [("b", "g-x", 30, "x" * 16), ("c", "g-us", 20, "u" * 16), ("d", "g-us", 20, "u" * 16)], {"g-x"},
+     (30, "x" * 16), None),
+    ("one rival ahead, alone against us alone: it wins the tie on (step, digest)",
+     [("b", "g-b", 90, "b" * 16)], {"g-a"}, (60, "a" * 16), ["b"]),
+]
+
+
+@pytest.mark.parametrize("case,peers,gids,mine,expected", RIVAL_HISTORIES, ids=[r[0] for r in RIVAL_HISTORIES])
+def test_rival_histories_are_weighed_one_by_one(case, peers, gids, mine, expected):
+    view = {pid: {"gid": gid, "synced_step": step, "digest": dg} for pid, gid, step, dg in peers}
+    got = rival_lineage(view, "me", gids, *mine)
+    assert (sorted(got) if got is not None else None) == expected

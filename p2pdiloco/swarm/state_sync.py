@@ -186,13 +186,18 @@ def rival_lineage(peers: Peers, me: str, my_gids: Set[str], step: int, digest: s
     Every peer publishes ``gid``, the id of the group of its last successful sync. Peers whose
     ``gid`` is one of our recent groups (``my_gids``) share our history, merely a round behind or
     ahead; peers with another ``gid`` trained in groups we were not part of: after a partition heals,
-    the other side. When those outnumber our side (us included) -- or tie and hold the larger
-    (step, digest) -- we are the minority history and adopt theirs, even if our step count is ahead
-    (an isolated peer trains alone faster). Peers without a gid (just joined) count for nobody; one
-    that caught up publishes its donors' gid. ``companions`` (the members of our last successful
-    group) that are missing from ``peers`` count for our side: a DHT read that misses a record must
-    not hand the majority's history to the minority. Returns the rival peers (pass them to :func:`download_state` with ``min_step=-1``)."""
-    ours, theirs = 1 + len(set(companions) - set(peers) - {me}), {}
+    the other side. Rivals are grouped by that ``gid`` (one history each): we give way to the
+    strongest rival history when it alone outnumbers our side (us included) -- or ties and holds the
+    larger (step, digest) -- even if our step count is ahead (an isolated peer trains alone faster).
+    Histories are never added up: two rival histories of one peer each do not outnumber a third, and
+    their states differ, so no download from both could be verified (three lone peers would each
+    try to adopt "the others" forever). Between rival histories the larger wins, then the larger
+    (step, digest), so every peer ranks them alike and the swarm converges on one. Peers without a
+    gid (just joined) count for nobody; one that caught up publishes its donors' gid. ``companions``
+    (the members of our last successful group) that are missing from ``peers`` count for our side: a
+    DHT read that misses a record must not hand the majority's history to the minority. Returns the
+    rival history's peers (pass them to :func:`download_state` with ``min_step=-1``)."""
+    ours, histories = 1 + len(set(companions) - set(peers) - {me}), {}
     for pid, v in peers.items():
         gid = v.get("gid")
         if pid == me or not isinstance(gid, str) or not gid:
@@ -200,14 +205,18 @@ def rival_lineage(peers: Peers, me: str, my_gids: Set[str], step: int, digest: s
         if gid in my_gids:
             ours += 1
         elif isinstance(v.get("synced_step"), int) and v.get("digest") != digest:
-            theirs[pid] = v
-    if len(theirs) < ours:
+            histories.setdefault(gid, {})[pid] = v
+
+    def strength(h: Peers) -> Tuple[int, Tuple[int, str]]:
+        return len(h), max((v["synced_step"], str(v.get("digest"))) for v in h.values())
+
+    if not histories:
         return None
-    if len(theirs) == ours:
-        best = max(((v["synced_step"], str(v.get("digest"))) for v in theirs.values()), default=None)
-        if best is None or best <= (step, digest):
-            return None
-    return theirs
+    best = max(histories.values(), key=strength)
+    size, top = strength(best)
+    if size < ours or (size == ours and top <= (step, digest)):
+        return None
+    return best
 
 
 @dataclass
