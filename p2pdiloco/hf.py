@@ -126,17 +126,19 @@ def hf_fingerprint(cfg) -> Dict[str, Any]:
         v = d[k]
         if not (v is None or isinstance(v, (bool, int, float, str))):
             v = json.dumps(v, sort_keys=True, default=str)
+        if isinstance(v, str) and len(v) > 256:  # fingerprint records take short strings: a long value by hash
+            v = "sha256:" + hashlib.sha256(v.encode()).hexdigest()[:16]
         out[f"model.hf.{k}"] = v
     return out
 
 
-def _layers_prefix(lm: nn.Module, n_layers: int) -> str:
-    """Name of the ModuleList of decoder layers (``model.layers`` for Llama, ``transformer.h`` for GPT-2)."""
+def _layers_prefix(lm: nn.Module, n_layers: int) -> Optional[str]:
+    """Name of the ModuleList of decoder layers (``model.layers`` for Llama, ``transformer.h`` for GPT-2),
+    or None (such a model trains with one fragment: split_fragments says so)."""
     for name, module in lm.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) == n_layers and n_layers > 0:
             return name
-    raise ConfigError("cannot find this model's decoder layers (no ModuleList of num_hidden_layers modules); "
-                      "use streaming.fragments=1")
+    return None
 
 
 class HFCausalLM(nn.Module):
@@ -150,7 +152,9 @@ class HFCausalLM(nn.Module):
     def __init__(self, lm: nn.Module, n_layers: int):
         super().__init__()
         self.lm = lm
-        self.fragment_block_pattern = re.compile("^" + re.escape("lm." + _layers_prefix(lm, n_layers)) + r"\.(\d+)\.")
+        prefix = _layers_prefix(lm, n_layers)
+        self.fragment_block_pattern = (
+            re.compile("^" + re.escape(f"lm.{prefix}") + r"\.(\d+)\.") if prefix is not None else None)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
         logits = self.lm(input_ids=idx, use_cache=False).logits
@@ -183,8 +187,12 @@ def build_hf_model(cfg) -> HFCausalLM:
     from transformers.initialization import no_init_weights
 
     hf = resolve_hf_config(cfg)
-    with torch.random.fork_rng(devices=[]), no_init_weights():  # transformers' own init: skipped, RNG untouched
-        lm = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+    try:
+        with torch.random.fork_rng(devices=[]), no_init_weights():  # transformers' own init: skipped, RNG untouched
+            lm = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+    except ValueError:
+        raise ConfigError(f"model.hf_config {cfg.hf_config!r} ({hf.model_type}) has no causal language model in "
+                          "transformers; choose a decoder such as llama, mistral or qwen2") from None
     lm.tie_weights()  # tie_word_embeddings: one parameter (skipped with the init above)
     model = HFCausalLM(lm, hf.num_hidden_layers)
     _exact_init_(model, float(getattr(hf, "initializer_range", 0.02)))

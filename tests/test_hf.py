@@ -291,5 +291,11 @@ def test_bad_inputs_one_line(assets, tmp_path):
                        capture_output=True, text=True, cwd=str(tmp_path), timeout=60)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: data.tokenizer"), r.stderr
     assert f"set model.vocab_size={VOCAB}" in r.stderr
+    with pytest.raises(ConfigError, match="not a transformers architecture name"):
+        load_config(TINY, _llama(assets, "model.hf_config=nosuchmodel"))
+    from p2pdiloco.model import build_model
+
+    with pytest.raises(ConfigError, match="has no causal language model"):
+        build_model(load_config(TINY, _llama(assets, "model.hf_config=vit")).model)
     with pytest.raises(ConfigError, match="must be 256 for byte-level data"):
         load_config(TINY, ["model.vocab_size=300"])
