@@ -126,7 +126,8 @@ class StreamingConfig:
     """
 
     fragments: int = 1
-    #: "strided" (block i -> fragment i mod P) or "sequential"
+    #: "strided" (block i -> fragment i mod P), "sequential" (runs of ceil(L/P) blocks) or "balanced"
+    #: (consecutive blocks, embeddings and head included, cut so the largest fragment is smallest)
     pattern: str = "strided"
     #: "tau", "delay" or "eager" (see above)
     mode: str = "tau"
@@ -150,8 +151,8 @@ class StreamingConfig:
 
     def validate(self) -> None:
         _positive(self, "streaming", "fragments")
-        if self.pattern not in ("strided", "sequential"):
-            raise ConfigError(f"streaming.pattern ({self.pattern!r}) must be 'strided' or 'sequential'")
+        if self.pattern not in ("strided", "sequential", "balanced"):
+            raise ConfigError(f"streaming.pattern ({self.pattern!r}) must be 'strided', 'sequential' or 'balanced'")
         if self.mode not in self.MODES:
             raise ConfigError(f"streaming.mode ({self.mode!r}) must be 'tau' (Streaming DiLoCo: apply the average "
                               "tau steps later, merged by alpha), 'delay' (one-step delay, DiLoCoX) or 'eager' "

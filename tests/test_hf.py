@@ -104,7 +104,8 @@ def _run_pair(procs, tmp_path, settings, run_id):
 
 @pytest.mark.timeout(200)
 def test_llama_swarm_streaming_4bit_export_sample(procs, tmp_path, assets):
-    settings = _llama(assets, f"streaming.fragments={P}", "compression.codec=e3m0", "train.max_outer_steps=3")
+    settings = _llama(assets, f"streaming.fragments={P}", "streaming.pattern=balanced", "compression.codec=e3m0",
+                      "train.max_outer_steps=3")
     addr, starts, syncs, summaries = _run_pair(procs, tmp_path, settings, "hf4")
     assert [(r["fragment"], r["step"]) for r in syncs[0]] == [(0, 8), (1, 12), (0, 16), (1, 20), (0, 24)]
     assert "blocks [0]; other ['lm.model.embed_tokens.weight']" in procs.err("p0")  # split by decoder layer
@@ -139,7 +140,7 @@ def test_llama_swarm_streaming_4bit_export_sample(procs, tmp_path, assets):
     named = dict(model.named_parameters())
     from p2pdiloco.diloco.fragments import split_fragments
 
-    for names, o in zip(split_fragments(model, P).names, ckpt["outer"]):  # global, not the inner copy
+    for names, o in zip(split_fragments(model, P, "balanced").names, ckpt["outer"]):  # global, not the inner copy
         assert all(torch.equal(named[n], t) for n, t in zip(names, o["params"]))
     hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
     tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
@@ -223,6 +224,11 @@ def test_hf_init_exact_and_layerwise_fragments(assets, tmp_path):
     assert layout.names[0][0] == "lm.model.embed_tokens.weight" and layout.names[1][-1] == "lm.model.norm.weight"
     seq = split_fragments(a, 2, "sequential")
     assert [sorted({int(n.split(".")[3]) for n in names if ".layers." in n}) for names in seq.names] == [[0, 1], [2, 3]]
+    # balanced: runs of consecutive layers, the embedding weighing on the first; the largest run is smallest
+    bal, strided3 = split_fragments(a, 3, "balanced"), split_fragments(a, 3, "strided")
+    assert [sorted({int(n.split(".")[3]) for n in names if ".layers." in n}) for names in bal.names] == [[0], [1, 2], [3]]
+    assert bal.names[0][0] == "lm.model.embed_tokens.weight" and max(bal.numels) < max(strided3.numels)
+    assert sum(bal.numels) == sum(p.numel() for p in a.parameters())
     # the fingerprint holds the resolved transformers config, field by field
     fields = cfg.fingerprint_fields()
     assert fields["model.hf.num_key_value_heads"] == 2 and fields["data.vocab"].startswith(f"bpe-{VOCAB}-")
