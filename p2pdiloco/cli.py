@@ -190,8 +190,14 @@ def _cmd_tokenizer_train(args: argparse.Namespace) -> int:
     from .tokenized import iter_training_text
     from .tokenizer import train_bpe
 
-    data = DataConfig(source=args.data, text_field=args.text_field, max_bytes=args.max_bytes).validate()
-    n = train_bpe(iter_training_text(data), args.vocab_size, args.out)
+    from .errors import ConfigError
+
+    try:
+        data = DataConfig(source=args.data, text_field=args.text_field, max_bytes=args.max_bytes).validate()
+        n = train_bpe(iter_training_text(data), args.vocab_size, args.out)
+    except ConfigError as e:  # name this command's flags, not the [data] keys they fill
+        msg = str(e).replace("data.source", "--data").replace("data.text_field", "--text-field")
+        raise ConfigError(msg.replace("data.max_bytes", "--max-bytes")) from None
     print(f"wrote {args.out}: byte-level BPE, {n} ids (set model.vocab_size = {n} and data.tokenizer = "
           f"\"{args.out}\")", flush=True)
     return 0

@@ -297,6 +297,10 @@ def test_bad_inputs_one_line(assets, tmp_path):
                        capture_output=True, text=True, cwd=str(tmp_path), timeout=60)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: data.tokenizer"), r.stderr
     assert f"set model.vocab_size={VOCAB}" in r.stderr
+    r = subprocess.run(cli_argv("tokenizer", "train", "--data", str(tmp_path / "other.jsonl"), "--vocab-size", "300",
+                                "--out", str(tmp_path / "t.json")), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: record 0 of") and "--text-field" in r.stderr, \
+        r.stderr
     with pytest.raises(ConfigError, match="not a transformers architecture name"):
         load_config(TINY, _llama(assets, "model.hf_config=nosuchmodel"))
     from p2pdiloco.model import build_model
