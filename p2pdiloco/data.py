@@ -1,6 +1,9 @@
 """Byte-level corpora, per-peer data shards, resumable batch streams and a fixed evaluation.
 
 Tokens are bytes: vocabulary 256, one token per byte, stored as ``uint8``. Nothing is downloaded.
+(JSONL/Parquet records and BPE tokenizers go through :mod:`p2pdiloco.tokenized` instead, which
+returns the same :class:`Corpus` of token ids; sharding, batch streams and evaluation below are
+shared.)
 
 Corpus sources (``DataConfig.source``):
 
