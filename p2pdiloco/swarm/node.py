@@ -164,13 +164,24 @@ async def _read_near(key: str, _dht: Any, node: Any) -> Any:
     return True, (ValueWithExpiration(out, max(e for _, e in entries.values())) if out else None)
 
 
-async def _lookup_near(key: str, _dht: Any, node: Any) -> int:
+async def _lookup_near(key: str, initial_peers: List[str], _dht: Any, node: Any) -> int:
     """Runs in the DHT process: a Kademlia node lookup next to ``key`` (its id with the lowest bit
     flipped, which nobody stores under, so no value comes back): the nodes met join our routing table
     and :func:`_store_near` / :func:`_read_near` see the key's current nearest nodes. Returns how many
-    nodes it found."""
-    from hivemind.dht.routing import DHTID
+    nodes it found.
 
+    hivemind drops a node that did not answer from the routing table, and only a lookup (or the node
+    calling us) brings it back: after a partition heals, each side meets the other through a node that
+    kept both (a bootstrap peer, which never calls out). Initial peers missing from the table are
+    pinged first (an isolated node's table can be empty: nothing to start a lookup from)."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.p2p import PeerID
+
+    proto = node.protocol
+    missing = [PeerID.from_base58(p) for p in initial_peers]
+    missing = [p for p in missing if p not in proto.routing_table.peer_id_to_uid]
+    if missing:
+        await asyncio.gather(*(proto.call_ping(p) for p in missing), return_exceptions=True)
     found = await node.find_nearest_nodes([DHTID(int(_key_id(key)) ^ 1)], k_nearest=node.num_replicas)
     return sum(len(v) for v in found.values())
 
@@ -227,6 +238,7 @@ class SwarmNode:
         dht_client = client_mode or reachability == "private" or (reachability == "auto" and bool(initial_peers))
 
         parse_maddrs(initial_peers, "initial peer", require_peer_id=True)
+        self._initial_ids = [str(m).rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in str(m)]
         parse_maddrs(host_maddrs, "--host-maddrs")
         parse_maddrs(announce_maddrs, "--announce-maddrs")
         self.identity_path = prepare_identity(identity_path) if identity_path else None
@@ -384,7 +396,7 @@ class SwarmNode:
 
     def lookup_near(self, key: str) -> concurrent.futures.Future:
         """Refresh the routing table around ``key`` in the background (:func:`_lookup_near`)."""
-        return self.dht.run_coroutine(partial(_lookup_near, key), return_future=True)
+        return self.dht.run_coroutine(partial(_lookup_near, key, self._initial_ids), return_future=True)
 
     def get_value(self, key: str) -> Optional[Dict[str, Any]]:
         """The most recently written valid record under ``key``, whoever wrote it."""

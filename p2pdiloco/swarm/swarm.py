@@ -19,7 +19,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -70,6 +70,7 @@ class Swarm:
         self._fingerprint: Optional[Dict[str, Any]] = None
         self._fingerprint_stored = 0.0  # monotonic time of our last fingerprint store
         self._in_flight: Set[concurrent.futures.Future] = set()  # progress stores not finished yet
+        self._reached: List[Tuple[float, int]] = []  # (when, how many nodes took it) of recent progress stores
         self._dirty = False  # a publish was put off because too many stores were in flight
         #: other peers' fingerprint records were found when we joined: the run exists (or did, within FINGERPRINT_TTL)
         self.run_existed = False
@@ -162,8 +163,20 @@ class Swarm:
     def _store_done(self, fut) -> None:
         if not fut.cancelled() and fut.exception() is not None:
             logger.debug(f"progress publish failed: {fut.exception()}")
+        elif not fut.cancelled():
+            now = time.monotonic()
+            with self._progress_lock:
+                self._reached = [(t, n) for t, n in self._reached if now - t < LOOKUP_PERIOD] + [(now, fut.result())]
         if self._dirty and not self._stop.is_set():
             self.publish_progress()
+
+    def _fewer_reached(self) -> bool:
+        """Our last progress store reached fewer nodes than one within the last LOOKUP_PERIOD: nodes left
+        our routing table (hivemind drops one that does not answer). Then a lookup every period finds
+        them again as soon as they can be reached (a healed partition), as hivemind's own store did with
+        the lookup it starts every store with."""
+        with self._progress_lock:
+            return bool(self._reached) and self._reached[-1][1] < max(n for _, n in self._reached)
 
     def _refresh_fingerprint(self) -> None:
         """Re-publish our fingerprint record well before it expires (in the background)."""
@@ -177,12 +190,12 @@ class Swarm:
         in a background thread: a DHT call can wait seconds on an unreachable node, and the training
         loop must not."""
         def publish() -> None:
-            next_lookup = time.monotonic() + LOOKUP_PERIOD
+            next_lookup, lookup = time.monotonic() + LOOKUP_PERIOD, None
             while not self._stop.wait(self.progress_period):
                 try:
-                    if time.monotonic() >= next_lookup:
+                    if (lookup is None or lookup.done()) and (time.monotonic() >= next_lookup or self._fewer_reached()):
                         next_lookup = time.monotonic() + LOOKUP_PERIOD
-                        self.node.lookup_near(f"{self.run_id}:progress")
+                        lookup = self.node.lookup_near(f"{self.run_id}:progress")
                     self.publish_progress()
                     self._refresh_fingerprint()
                 except Exception as e:  # the DHT may be shutting down
