@@ -207,6 +207,11 @@ class Blockwise4BitCodec(Codec):
         scales_np = scales.cpu().numpy().astype("<f4", copy=False)
         return scales_np.tobytes() + packed.cpu().numpy().tobytes()
 
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """``decode(encode(x))`` without the bytes in between (the scales are fp32 either way)."""
+        scales, packed = self.quantize(x)
+        return self.dequantize(scales, packed, x.numel()).cpu()
+
     # -- decode ------------------------------------------------------------------------------
     def dequantize(self, scales: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
         """Inverse of :meth:`quantize` (on the tensors' device); returns fp32 ``[numel]``."""
