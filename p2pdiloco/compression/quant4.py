@@ -248,6 +248,23 @@ class Blockwise4BitCodec(Codec):
             raise WireError(f"{self.name} part has {len(data)} bytes, expected {expected} for {numel} values", sender)
         return self._decode(data, numel, sender)
 
+    def decode_into(self, data: bytes, out: torch.Tensor, sender: Optional[str] = None) -> None:
+        """:meth:`decode` written straight into ``out`` (whole blocks multiply into place)."""
+        numel = out.numel()
+        if len(data) != self.encoded_size(numel):
+            raise WireError(f"{self.name} part has {len(data)} bytes, expected {self.encoded_size(numel)} for "
+                            f"{numel} values", sender)
+        nb = numel // BLOCK_SIZE
+        if numel == 0 or numel % BLOCK_SIZE or out.device.type != "cpu" or numel > _CPU_CHUNK:
+            out.copy_(self._decode(data, numel, sender))
+            return
+        scales = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32))
+        if not bool(((scales >= 0) & (scales < float("inf"))).all()):  # NaN fails this too
+            raise WireError(f"{self.name} part has a negative or non-finite block scale", sender)
+        packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=4 * nb).astype(np.int32))
+        vals = self._pair_lut.index_select(0, packed).view(nb, BLOCK_SIZE)
+        torch.mul(vals, scales.view(nb, 1), out=out.view(nb, BLOCK_SIZE))
+
     def _decode(self, data: bytes, numel: int, sender: Optional[str] = None) -> torch.Tensor:
         nb = -(-numel // BLOCK_SIZE)
         scales = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32))
