@@ -7,8 +7,8 @@ settings otherwise), each in its own namespace of an :class:`~p2pdiloco.bench.wa
 (``--rate`` Mbit/s, ``--delay`` ms one way). ``inner.sync_every`` is set far beyond the run, so no
 sync is ever due: what crosses the wire is the background (progress records, fingerprint, liveness,
 DHT and libp2p maintenance). The peers' steps are slowed down (the fault hook's ``slow``) so that four
-peers barely load two cores. After ``--warmup`` seconds (start-up, first records, first reads) it
-counts each host's ``eth0`` bytes (everything: payload, framing, TCP/IP and Ethernet headers) over
+peers barely load two cores. ``--warmup`` seconds after the last peer started training (its
+``start`` event: joined, first record published) it counts each host's ``eth0`` bytes (everything: payload, framing, TCP/IP and Ethernet headers) over
 ``--seconds`` seconds, from ``/proc/<pid>/net/dev`` of an idle process in each namespace, and prints
 bytes/s sent and received per peer, the bootstrap peer's, the quietest and busiest 10 s windows and
 the load average (others' work on the machine).
@@ -68,9 +68,27 @@ def _windows(samples: List[Tuple[float, List[Tuple[int, int]]]], peers: int) -> 
     return (min(rates), max(rates)) if rates else (float("nan"), float("nan"))
 
 
-def measure(peers: int = 4, seconds: float = 60.0, warmup: float = 45.0, rate_mbit: float = 10.0,
+def _wait_for_starts(paths: List[str], procs: List[subprocess.Popen], timeout: float) -> None:
+    """Until every peer wrote its ``start`` event (joined, data loaded, first record published)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        started = 0
+        for path in paths:
+            try:
+                with open(path) as f:
+                    started += any('"event": "start"' in line for line in f)
+            except OSError:
+                pass
+        if started == len(paths):
+            return
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            raise RuntimeError(f"only {started} of {len(paths)} peers started training (see their logs)")
+        time.sleep(0.5)
+
+
+def measure(peers: int = 4, seconds: float = 60.0, warmup: float = 20.0, rate_mbit: float = 10.0,
             delay_ms: float = 50.0, sets: Sequence[str] = (), repo: str = _REPO, config: str = _DEFAULT_CONFIG,
-            out: str = "", slow: float = 5.0) -> Dict[str, Any]:
+            out: str = "", slow: float = 5.0, start_timeout: float = 180.0) -> Dict[str, Any]:
     """Run the measurement (see the module docstring); returns the results as a dict."""
     require_root()
     out = out or tempfile.mkdtemp(prefix="p2pdiloco-idle-")
@@ -85,14 +103,15 @@ def measure(peers: int = 4, seconds: float = 60.0, warmup: float = 45.0, rate_mb
         try:
             boot, maddr = _start_bootstrap(wan.hosts[peers], out, files)
             procs.append(boot)
-            anchors = [h.popen(["sleep", str(int(warmup + seconds + 600))]) for h in wan.hosts]
+            anchors = [h.popen(["sleep", str(int(start_timeout + warmup + seconds + 600))]) for h in wan.hosts]
             procs += anchors
             for i in range(peers):
                 log = open(os.path.join(out, f"peer{i}.log"), "w")
                 files.append(log)
                 argv = _peer_argv(repo, config, maddr, i, peers, wan.hosts[i], run_id, os.path.join(out, f"peer{i}"),
-                                  warmup + seconds + 60, sets)
+                                  start_timeout + warmup + seconds + 60, sets)
                 procs.append(wan.hosts[i].popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=repo))
+            _wait_for_starts([os.path.join(out, f"peer{i}", "metrics.jsonl") for i in range(peers)], procs, start_timeout)
             time.sleep(warmup)
             samples: List[Tuple[float, List[Tuple[int, int]]]] = []
             t_end = time.time() + seconds
@@ -133,7 +152,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m p2pdiloco.bench.idle", description=__doc__.split("\n\n")[0])
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--seconds", type=float, default=60.0, help="the measured window (default 60)")
-    p.add_argument("--warmup", type=float, default=45.0, help="seconds before it (start-up; default 45)")
+    p.add_argument("--warmup", type=float, default=20.0,
+                   help="seconds between the last peer's start of training and the window (default 20)")
     p.add_argument("--rate", type=float, default=10.0, help="link rate, Mbit/s (default 10)")
     p.add_argument("--delay", type=float, default=50.0, help="one-way delay, ms (default 50)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")

@@ -194,6 +194,8 @@ class Swarm:
             while not self._stop.wait(self.progress_period):
                 try:
                     if (lookup is None or lookup.done()) and (time.monotonic() >= next_lookup or self._fewer_reached()):
+                        logger.debug(f"[{self.node.short_id}] node lookup next to the progress key (stores reached "
+                                     f"{[n for _, n in self._reached]} nodes lately)")
                         next_lookup = time.monotonic() + LOOKUP_PERIOD
                         lookup = self.node.lookup_near(f"{self.run_id}:progress")
                     self.publish_progress()
