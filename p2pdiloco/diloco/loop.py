@@ -280,7 +280,10 @@ class _Peer:
         not yet: no corroborated target) or not be visible yet to our fresh DHT node; keep looking
         for a bounded time while the run has clearly started without us."""
         swarm, diloco = self.swarm, self.diloco
-        deadline = time.time() + swarm.matchmaker.record_lifetime  # a progress record's lifetime
+        # every live peer re-publishes its record each progress_period: one period (and a margin for the
+        # store) shows them all; waiting a whole record lifetime (3 periods + 5 s) only delayed peers that
+        # start together, each seeing the others' fingerprint claim but no progress record yet
+        deadline = time.time() + min(swarm.matchmaker.record_lifetime, swarm.progress_period + 5.0)
         while not self.catch_up(wait=0, joining=True):
             peers = {pid: v for pid, v in swarm.live_peers().items() if pid != self.node.peer_id_str}
             ahead = [v for v in peers.values()
