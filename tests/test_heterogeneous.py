@@ -39,7 +39,8 @@ RUNS = {
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", [pytest.param(r, marks=[pytest.mark.slow] if r != "blocking-fp32" else [])
+                                 for r in RUNS])  # the streaming variant (~45 s): make test-slow
 def test_fast_peers_do_not_wait_for_a_slow_one(procs, tmp_path, run):
     addr = procs.bootstrap()
     settings = [*SETTINGS, *RUNS[run], f"swarm.run_id=hetero-{run}"]
