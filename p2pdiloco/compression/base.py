@@ -43,11 +43,15 @@ class Codec(abc.ABC):
     def _decode(self, data: bytes, numel: int) -> torch.Tensor:
         """Decode bytes of exactly ``encoded_size(numel)`` bytes to a 1-D fp32 CPU tensor."""
 
-    def decode(self, data: bytes, numel: int, sender: str | None = None) -> torch.Tensor:
-        """Validate then decode; raises :class:`WireError` naming ``sender`` on any mismatch."""
+    def check_length(self, data: bytes, numel: int, sender: str | None = None) -> None:
+        """Raise :class:`WireError` naming ``sender`` unless ``data`` is exactly ``encoded_size(numel)`` bytes."""
         expected = self.encoded_size(numel)
         if len(data) != expected:
             raise WireError(f"{self.name} part has {len(data)} bytes, expected {expected} for {numel} values", sender)
+
+    def decode(self, data: bytes, numel: int, sender: str | None = None) -> torch.Tensor:
+        """Validate then decode; raises :class:`WireError` naming ``sender`` on any mismatch."""
+        self.check_length(data, numel, sender)
         out = self._decode(data, numel)
         # Fast path: a finite sum implies every value is finite (NaN and inf propagate); only when the
         # sum is not finite (a bad value, or a legitimate overflow of the sum) scan element-wise.
@@ -60,9 +64,7 @@ class Codec(abc.ABC):
         raising :class:`WireError` naming ``sender`` when the length is not exact. Finiteness is the
         caller's to check (the all-reduce does it in the same pass as the part's norm)."""
         numel = out.numel()
-        if len(data) != self.encoded_size(numel):
-            raise WireError(f"{self.name} part has {len(data)} bytes, expected {self.encoded_size(numel)} for "
-                            f"{numel} values", sender)
+        self.check_length(data, numel, sender)
         if numel:
             out.copy_(self._decode(data, numel))
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import WireError
 from .base import Codec, register_codec
 
 __all__ = ["Float32Codec", "Float16Codec"]
@@ -28,9 +27,7 @@ class Float32Codec(Codec):
         return torch.frombuffer(bytearray(data), dtype=torch.float32, count=numel)
 
     def decode_into(self, data: bytes, out: torch.Tensor, sender: str | None = None) -> None:
-        if len(data) != 4 * out.numel():
-            raise WireError(f"fp32 part has {len(data)} bytes, expected {4 * out.numel()} for {out.numel()} values",
-                            sender)
+        self.check_length(data, out.numel(), sender)
         if out.numel():  # one copy, straight from the received bytes into the destination
             out.numpy().view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
 

@@ -243,17 +243,13 @@ class Blockwise4BitCodec(Codec):
         Same contract as :meth:`Codec.decode`, cheaper: the output is finite exactly when every
         block scale is finite (codebook values lie in [-1, 1]), so only the scales are checked.
         """
-        expected = self.encoded_size(numel)
-        if len(data) != expected:
-            raise WireError(f"{self.name} part has {len(data)} bytes, expected {expected} for {numel} values", sender)
+        self.check_length(data, numel, sender)
         return self._decode(data, numel, sender)
 
     def decode_into(self, data: bytes, out: torch.Tensor, sender: Optional[str] = None) -> None:
         """:meth:`decode` written straight into ``out`` (whole blocks multiply into place)."""
         numel = out.numel()
-        if len(data) != self.encoded_size(numel):
-            raise WireError(f"{self.name} part has {len(data)} bytes, expected {self.encoded_size(numel)} for "
-                            f"{numel} values", sender)
+        self.check_length(data, numel, sender)
         nb = numel // BLOCK_SIZE
         if numel == 0 or numel % BLOCK_SIZE or out.device.type != "cpu" or numel > _CPU_CHUNK:
             out.copy_(self._decode(data, numel, sender))
