@@ -6,7 +6,8 @@ Rank 0 writes its address to DIR/addr; every rank writes its peer id to DIR/id.<
 all PEERS ids, forms the group and runs one all-reduce of ``(rank + 1) * ones(NUMEL)`` with CODEC and
 chunks of CHUNK values (``allreduce.CHUNK_VALUES``). It writes DIR/result.<rank>.json: the error (or
 null), whether every value equals the exact mean, resident memory (MB) just before the all-reduce
-(input allocated) and the process's peak (``ru_maxrss``). Faults come from P2PDILOCO_FAULTS.
+(input allocated), the process's peak (``ru_maxrss``) and how many members' parts its handler
+saw cut off mid-stream. Faults come from P2PDILOCO_FAULTS.
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def main(out: str, rank: int, peers: int, numel: int, codec_name: str, chunk: in
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open(os.path.join(out, f"result.{rank}.json"), "w") as f:
         json.dump({"error": error, "exact": exact, "rss_before_mb": before, "peak_mb": peak,
-                   "vector_mb": numel * 4 / 2**20, "faults": faults.counters()}, f)
+                   "vector_mb": numel * 4 / 2**20, "faults": faults.counters(),
+                   "parts_cut": ar.stats["parts_cut"]}, f)
     node.shutdown()
 
 

@@ -289,6 +289,7 @@ class AllReducer:
 
     Counters for tests and operators: ``stats`` (``parts_dropped``, ``dropped:<check>``,
     ``replies_rejected``, ``rounds``, ``rounds_resent`` (results sent again after a late drop),
+    ``parts_cut`` (a member's stream broke mid-part: its round aborted),
     ``dial_retries``: streams to an owner whose dial failed first and was waited out, see
     :mod:`.dialing`) and ``dropped_log`` (the last 256 ``(peer, gid, phase, reason)``).
     """
@@ -371,6 +372,7 @@ class AllReducer:
                     self._drop(rnd, idx, e.check, str(e))
             except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, OSError) as e:
                 # a member that vanished mid-part (crashed, killed, link cut): never a partial average
+                self.stats["parts_cut"] += 1
                 self._fail(rnd, SyncFailed(f"member {sender} vanished after {rnd.got.get(idx, 0)} of "
                                            f"{len(rnd.chunks)} chunks of its part ({type(e).__name__})"))
                 logger.warning(f"[{self.node.short_id}] connection from {sender} dropped during a part; "
@@ -737,9 +739,9 @@ class AllReducer:
             await write_frame(writer, header, traffic=traffic)
             tasks = [asyncio.ensure_future(self._send_chunks(group, writer, sent_part, codec, chunk)),
                      asyncio.ensure_future(self._read_result(reader, owner, codec, chunk, out))]
-            reply = (await asyncio.gather(*tasks))[1]
+            reply, sq = (await asyncio.gather(*tasks))[1]
             covered = self._check_coverage(group, reply, j, owner)
-            self._check_result(group, owner, part, out)
+            self._check_result(group, owner, part, math.sqrt(sq))
             return covered, float(reply["w"])
         except WireError as e:
             self.stats["replies_rejected"] += 1
@@ -762,7 +764,8 @@ class AllReducer:
     async def _read_result(self, reader: asyncio.StreamReader, owner: str, codec: Codec, chunk: int,
                            out: torch.Tensor) -> dict:
         """The owner's reply: result chunks into ``out`` (exact sizes), ``again`` restarting them, then
-        the ``avg`` trailer (returned) once every chunk is in; ``abort``/``refuse`` raise."""
+        the ``avg`` trailer once every chunk is in, returned with ``out``'s squared norm; ``abort``/``refuse``
+        raise."""
         chunks = chunk_bounds(out.numel(), chunk)
         got = 0
         while True:
@@ -782,9 +785,10 @@ class AllReducer:
                 if reply.get("codec") != codec.codec_id or reply.get("numel") != out.numel():
                     raise WireError(f"reply for codec {str(reply.get('codec'))[:20]} with "
                                     f"{str(reply.get('numel'))[:20]} values", owner)
-                if not math.isfinite(_squared_norm(out)):
+                sq = _squared_norm(out)
+                if not math.isfinite(sq):
                     raise WireError("averaged shard decodes to non-finite values", owner)
-                return reply
+                return reply, sq
             else:
                 raise WireError(f"unexpected reply {str(kind)[:20]!r} after {got} of {len(chunks)} chunks", owner)
 
@@ -800,14 +804,13 @@ class AllReducer:
             raise WireError(f"reply names an invalid member set {str(cov)[:60]} or weight {str(w)[:20]}", owner)
         return tuple(cov)
 
-    def _check_result(self, group: Group, owner: str, mine: torch.Tensor, result: torch.Tensor) -> None:
-        """A result far larger than our own part is implausible: every part the owner may keep is
-        within norm_bound of the median, and any aggregate of them within √M of that."""
+    def _check_result(self, group: Group, owner: str, mine: torch.Tensor, got: float) -> None:
+        """A result (of norm ``got``) far larger than our own part is implausible: every part the owner
+        may keep is within norm_bound of the median, and any aggregate of them within √M of that."""
         bound = self.robust.norm_bound
         if not bound or mine.numel() < NORM_SCREEN_MIN_NUMEL:
             return
         own = float(mine.norm())
-        got = float(result.norm())
         if own > 0 and got > bound * math.sqrt(group.size) * own:
             raise WireError(f"averaged shard has norm {got:.4g}, implausible next to our part's {own:.4g} "
                             f"(limit {bound:g}·√{group.size} times it)", owner)
