@@ -221,6 +221,15 @@ class CompressionConfig:
     energy_target: float = 0.9
     #: matrices with fewer elements (and all 1-D tensors) are sent whole with ``codec``
     min_numel: int = 4096
+    #: > 0: each matrix's largest rank is this share of its smaller side (floor, >= 1), replacing ``rank``
+    rank_fraction: float = 0.0
+    #: power iterations per sync (each one more pair of all-reduces); 1 = PowerSGD's warm-started single step
+    power_iterations: int = 1
+    #: error feedback keeps this share of the low-rank residual (1: all of it)
+    feedback_decay: float = 1.0
+    #: comma-separated substrings: parameters whose names contain one are sent whole with ``codec``, not
+    #: as low-rank factors (e.g. "emb" for the embeddings)
+    dense_params: str = ""
 
     def validate(self) -> None:
         from .compression import get_codec
@@ -235,6 +244,14 @@ class CompressionConfig:
             raise ConfigError(f"compression.energy_target ({self.energy_target!r}) must be in (0, 1], e.g. 0.9")
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 1:
             raise ConfigError(f"compression.min_numel ({self.min_numel!r}) must be an integer >= 1")
+        if not 0.0 <= self.rank_fraction <= 1.0:
+            raise ConfigError(f"compression.rank_fraction ({self.rank_fraction!r}) must be in [0, 1], e.g. 0.125 "
+                              "(0: every matrix uses compression.rank)")
+        if (isinstance(self.power_iterations, bool) or not isinstance(self.power_iterations, int)
+                or self.power_iterations < 1):
+            raise ConfigError(f"compression.power_iterations ({self.power_iterations!r}) must be an integer >= 1")
+        if not 0.0 <= self.feedback_decay <= 1.0:
+            raise ConfigError(f"compression.feedback_decay ({self.feedback_decay!r}) must be in [0, 1]")
 
 
 @dataclass

@@ -255,3 +255,145 @@ def test_contributed_q_puts_wire_error_into_the_residual():
     contrib = (p @ sent[: cols * 2].reshape(cols, 2).double().t()).float()
     assert torch.allclose(contrib + c.residual(0), x[0], atol=1e-5)
     assert not torch.equal(sent, v2)  # the codec really was lossy
+
+
+# -- rank per matrix by size, dense parameters, power iterations, feedback decay ----------------
+
+
+def _round_iter(comps, inputs):
+    """One round with as many power iterations as the config asks (the reducer's loop)."""
+    if comps[0].cfg.adaptive:
+        _agree(comps)
+    a1 = _mean([c.begin(x) for c, x in zip(comps, inputs)])
+    a2 = _mean([c.middle(a1) for c in comps])
+    while comps[0].iterations_left:
+        a1 = _mean([c.again(a2) for c in comps])
+        a2 = _mean([c.middle(a1) for c in comps])
+    return [c.finish(a2) for c in comps]
+
+
+def test_new_config_validation():
+    with pytest.raises(ConfigError, match="rank_fraction"):
+        LowRankConfig(rank_fraction=1.5).validate()
+    with pytest.raises(ConfigError, match="power_iterations"):
+        LowRankConfig(power_iterations=0).validate()
+    with pytest.raises(ConfigError, match="feedback_decay"):
+        LowRankConfig(feedback_decay=-0.1).validate()
+    from p2pdiloco.config import load_config
+
+    for bad, key in [("compression.rank_fraction=-1", "rank_fraction"),
+                     ("compression.power_iterations=0", "power_iterations"),
+                     ("compression.feedback_decay=2", "feedback_decay")]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [bad])
+
+
+def test_rank_fraction_sets_each_matrix_rank_by_its_smaller_side():
+    shapes = [torch.Size([96, 80]), torch.Size([256, 64]), torch.Size([64, 4, 16]), torch.Size([80])]
+    c = LowRankCompressor(shapes, LowRankConfig(rank_fraction=0.125, adaptive=False))
+    assert c.lowrank_indices == [0, 1, 2]
+    assert c.ranks == [10, 8, 8]  # floor(0.125 * min(rows, cols)): 80 -> 10, 64 -> 8, (64, 64) -> 8
+    # a fraction whose factors would not be smaller than the matrix sends it whole
+    c = LowRankCompressor(shapes, LowRankConfig(rank_fraction=0.6, adaptive=False))
+    assert c.lowrank_indices == [1]  # 38 * (256 + 64) < 256 * 64; 48 * 176 >= 96 * 80; 38 * 128 >= 64 * 64
+    assert LowRankCompressor(shapes, LowRankConfig(rank_fraction=0.001)).ranks == [1, 1, 1]
+
+
+def test_dense_indices_are_sent_whole_and_averaged_exactly():
+    gen = torch.Generator().manual_seed(11)
+    comps = [LowRankCompressor(SHAPES, LowRankConfig(rank=2, adaptive=False), dense=[0]) for _ in range(3)]
+    assert comps[0].lowrank_indices == [3] and comps[0].small_indices == [0, 1, 2]
+    inputs = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(3)]
+    outs = _round(comps, inputs)
+    assert torch.equal(outs[0][0], _mean([x[0] for x in inputs]))
+    assert comps[0].wire_numel() == (64 * 2 + 96 * 80 + 80 + 64, 64 * 2)
+
+
+@pytest.mark.parametrize("iters", [2, 3])
+def test_power_iterations_agree_stay_exact_and_capture_more(iters):
+    gen = torch.Generator().manual_seed(12)
+    # a full-rank mean with a decaying spectrum: more iterations find its top subspace better
+    m, n, r = 96, 80, 3
+    u, v = _orth(m, m, gen)[:, :n], _orth(n, n, gen)
+    spectrum = 0.7 ** torch.arange(n, dtype=torch.float32)
+    x = (u * spectrum) @ v.t()
+    inputs = [[x + 0.01 * torch.randn(s, generator=gen) if k == 0 else torch.randn(s, generator=gen)
+               for k, s in enumerate(SHAPES)] for _ in range(3)]
+    err = {}
+    for it in (1, iters):
+        comps = [LowRankCompressor(SHAPES, LowRankConfig(rank=r, adaptive=False, power_iterations=it))
+                 for _ in range(3)]
+        outs = _round_iter(comps, inputs)
+        assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(o, outs[0]))
+        err[it] = float((outs[0][0] - _mean([z[0] for z in inputs])).norm())
+        assert comps[0].iterations_left == 0
+    assert err[iters] < 0.8 * err[1]
+    # still exact for a rank-r mean
+    comps = [LowRankCompressor(SHAPES, LowRankConfig(rank=r, adaptive=False, power_iterations=iters)) for _ in range(3)]
+    low = _inputs(gen, 1, r)
+    outs = _round_iter(comps, [[t.clone() for t in low[0]] for _ in range(3)])
+    assert (outs[0][0] - low[0][0]).abs().max() <= 1e-4 * low[0][0].abs().max()
+
+
+def test_power_iteration_phase_order():
+    c = LowRankCompressor(SHAPES, LowRankConfig(rank=2, adaptive=False, power_iterations=2))
+    x = [torch.randn(s) for s in SHAPES]
+    a2 = c.middle(c.begin(x))
+    with pytest.raises(RuntimeError, match="power iterations left"):
+        c.finish(a2)
+    with pytest.raises(ValueError, match="expected"):
+        c.again(a2[:-1])
+    v = c.again(a2)
+    assert v.numel() == 96 * 2 + 64 * 2  # no small tensors the second time
+    c.finish(c.middle(v))
+    with pytest.raises(RuntimeError, match="again"):
+        c.again(a2)
+
+
+def test_feedback_decay_scales_the_residual():
+    gen = torch.Generator().manual_seed(13)
+    x = [torch.randn(s, generator=gen) for s in SHAPES]
+    full = LowRankCompressor(SHAPES, LowRankConfig(rank=2, adaptive=False))
+    half = LowRankCompressor(SHAPES, LowRankConfig(rank=2, adaptive=False, feedback_decay=0.5))
+    _round([full], [x])
+    _round([half], [x])
+    assert torch.equal(half.residual(0), full.residual(0) * 0.5)
+
+
+def test_state_dict_round_trip_with_fraction_dense_and_iterations():
+    gen = torch.Generator().manual_seed(14)
+    cfg = LowRankConfig(rank_fraction=0.1, power_iterations=2, error_feedback=True, feedback_decay=0.5)
+    a = LowRankCompressor(SHAPES, cfg, dense=[3])
+    _round_iter([a], [[torch.randn(s, generator=gen) for s in SHAPES]])
+    b = LowRankCompressor(SHAPES, cfg, dense=[3])
+    b.load_state_dict(a.state_dict())
+    x = [torch.randn(s, generator=gen) for s in SHAPES]
+    (oa,) = _round_iter([a], [x])
+    (ob,) = _round_iter([b], [x])
+    assert all(torch.equal(p, q) for p, q in zip(oa, ob))
+    assert a.ranks == b.ranks == [8] and torch.equal(a.residual(0), b.residual(0))
+
+
+def test_make_reducer_dense_params_and_bytes_with_power_iterations():
+    from types import SimpleNamespace
+
+    from p2pdiloco.config import load_config
+    from p2pdiloco.diloco.reducers import make_reducer
+
+    cfg = load_config(None, ["compression.lowrank=true", "compression.rank_fraction=0.125", "compression.adaptive=false",
+                             "compression.dense_params=emb, head", "compression.power_iterations=2"])
+    params = [SimpleNamespace(shape=torch.Size(s)) for s in ([256, 64], [128, 64], [64])]
+    red = make_reducer(cfg, params, ["tok_emb.weight", "blocks.0.fc.weight", "blocks.0.fc.bias"])
+    assert red.comp.lowrank_indices == [1] and red.comp.ranks == [8]
+    assert make_reducer(cfg, params).comp.lowrank_indices == [0, 1]  # without names nothing is dense
+    phases = []
+
+    def allreduce(vec, phase, codec=None):
+        phases.append((phase, vec.numel()))
+        return vec.clone()
+
+    delta = torch.randn(sum(torch.Size(p.shape).numel() for p in params))
+    out = red.reduce(delta, allreduce)
+    assert [p for p, _ in phases] == ["p", "q", "p2", "q2"]
+    assert red.info()["values_sent"] == sum(n for _, n in phases) == (128 * 8 + 256 * 64 + 64) + 64 * 8 + 128 * 8 + 64 * 8
+    assert torch.equal(out[: 256 * 64], delta[: 256 * 64])  # the embedding travels whole

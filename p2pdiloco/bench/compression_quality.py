@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -35,7 +36,7 @@ from ..diloco.reducers import make_reducer
 from ..model import build_model
 from ..swarm.allreduce import shard_bounds
 
-__all__ = ["SETTINGS", "run_setting", "main"]
+__all__ = ["SETTINGS", "run_setting", "format_table", "main"]
 
 #: name -> [compression] overrides
 SETTINGS: Dict[str, Tuple[str, ...]] = {
@@ -95,8 +96,9 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int) -> Dict[str, object]:
         streams.append(BatchStream(corpus.train, shard=m, num_shards=peers, batch_size=cfg.inner.batch_size,
                                    seq_len=cfg.model.seq_len, seed=cfg.data.seed))
     params = [list(mod.parameters()) for mod in models]
+    names = [n for n, _ in models[0].named_parameters()]
     outer = OuterState(params[0], lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov)
-    reducers = [make_reducer(cfg, ps) for ps in params]
+    reducers = [make_reducer(cfg, ps, names) for ps in params]
     codec = get_codec(cfg.compression.codec)
 
     def val() -> float:
@@ -132,7 +134,10 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int) -> Dict[str, object]:
         info = reducers[0].info()
         if "ranks" in info:
             ranks.append(sum(info["ranks"]) / max(1, len(info["ranks"])))
+    numel = sum(p.numel() for p in params[0])
+    fp32_bytes = int(2 * (peers - 1) / peers * 4 * numel)  # PlainReducer with fp32: one all-reduce of Δ
     return {"val_loss": [round(v, 4) for v in losses], "bytes_per_sync": sent,
+            "fp32_bytes_per_sync": fp32_bytes, "x_fewer_than_fp32": round(fp32_bytes / max(1, sent[-1]), 1) if sent else None,
             "mean_rank": [round(r, 2) for r in ranks], "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -143,26 +148,49 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--peers", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--settings", default="fp32,e3m0,e3m0-ef,e3m0-lowrank,e3m0-lowrank-ef", help=f"any of {', '.join(SETTINGS)}")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=KEY=VALUE;KEY=VALUE...",
+                    help="an ad-hoc setting: its name, '=', then ';'-separated --set overrides (repeatable); "
+                         "run it by listing NAME in --settings")
+    ap.add_argument("--json", default=None, help="write every setting's results here (rewritten after each)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    results = {}
-    for name in [s for s in args.settings.split(",") if s]:
-        cfg = load_config(args.config, [*args.set, *SETTINGS[name]])
-        results[name] = run_setting(cfg, args.peers, args.rounds)
-        r = results[name]
-        print(f"{name:<18} val_loss {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.4f}  "
-              f"bytes/sync/peer {r['bytes_per_sync'][0]:>10,}  ({r['seconds']} s)  losses {r['val_loss']}", flush=True)
-    base = results.get("fp32")
-    if base:
-        print(f"\n{'setting':<18} {'final val':>9} {'vs fp32':>8} {'bytes/sync':>12} {'x fewer':>8}")
-        for name, r in results.items():
-            print(f"{name:<18} {r['val_loss'][-1]:>9.4f} {100 * (r['val_loss'][-1] / base['val_loss'][-1] - 1):>+7.2f}% "
-                  f"{r['bytes_per_sync'][-1]:>12,} {base['bytes_per_sync'][-1] / r['bytes_per_sync'][-1]:>8.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"argv": argv, "peers": args.peers, "rounds": args.rounds, "results": results}, f, indent=2)
+    settings = dict(SETTINGS)
+    for d in args.define:
+        name, _, rest = d.partition("=")
+        if not name or not rest:
+            ap.error(f"--define {d!r}: expected NAME=KEY=VALUE;KEY=VALUE...")
+        settings[name] = tuple(x for x in rest.split(";") if x)
+    names = [s for s in args.settings.split(",") if s]
+    unknown = [n for n in names if n not in settings]
+    if unknown:
+        ap.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(settings)} or --define them")
+    results: Dict[str, Dict[str, object]] = {}
+    for name in names:
+        cfg = load_config(args.config, [*args.set, *settings[name]])
+        results[name] = r = run_setting(cfg, args.peers, args.rounds)
+        r["overrides"] = list(settings[name])
+        print(f"{name:<22} val_loss {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.4f}  "
+              f"bytes/sync/peer {r['bytes_per_sync'][-1]:>10,} ({r['x_fewer_than_fp32']}x fewer than fp32)  "
+              f"({r['seconds']} s)  losses {r['val_loss']}  mean rank {r['mean_rank'][-1:] }", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"argv": argv if argv is not None else sys.argv[1:], "config": args.config, "set": args.set,
+                           "peers": args.peers, "rounds": args.rounds, "results": results}, f, indent=2)
+    print(format_table(results))
     return 0
+
+
+def format_table(results: Dict[str, Dict[str, object]]) -> str:
+    """Final loss per setting, relative to ``fp32`` and ``e3m0`` where they ran, and bytes vs fp32."""
+    base, e3 = results.get("fp32"), results.get("e3m0")
+    head = f"\n{'setting':<22} {'final val':>9} {'vs fp32':>8} {'vs e3m0':>8} {'bytes/sync/peer':>16} {'x fewer':>8}"
+    lines = [head]
+    for name, r in results.items():
+        final = r["val_loss"][-1]
+        rel = lambda b: f"{100 * (final / b['val_loss'][-1] - 1):>+7.2f}%" if b else f"{'-':>8}"  # noqa: E731
+        lines.append(f"{name:<22} {final:>9.4f} {rel(base)} {rel(e3)} {r['bytes_per_sync'][-1]:>16,} "
+                     f"{r['x_fewer_than_fp32']:>8}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,13 @@ class LowRankConfig:
     min_numel: int = 4096  #: matrices with fewer elements (and all 1-D tensors) are sent whole
     seed: int = 0  #: seed of the shared random bases (must be equal on all peers)
     error_feedback: bool = True  #: keep (I - P P^T) M locally and add it next round
+    #: > 0: each matrix's largest rank is ``max(1, floor(rank_fraction * min(rows, cols)))`` instead of
+    #: ``rank`` (the same share of every matrix, so bytes scale with the model); 0: ``rank`` for all
+    rank_fraction: float = 0.0
+    #: power iterations per round (each one more ``p``/``q`` all-reduce pair); 1 is PowerSGD's warm start
+    power_iterations: int = 1
+    #: error feedback keeps ``feedback_decay`` times the residual (1: all of it)
+    feedback_decay: float = 1.0
 
     def validate(self) -> "LowRankConfig":
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -123,7 +130,19 @@ class LowRankConfig:
             raise ConfigError(f"lowrank.min_numel must be an integer >= 1, got {self.min_numel!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"lowrank.seed must be an integer >= 0, got {self.seed!r}")
+        if not 0.0 <= float(self.rank_fraction) <= 1.0:
+            raise ConfigError(f"lowrank.rank_fraction must be in [0, 1] (0: use rank), got {self.rank_fraction!r}")
+        if not isinstance(self.power_iterations, int) or self.power_iterations < 1:
+            raise ConfigError(f"lowrank.power_iterations must be an integer >= 1, got {self.power_iterations!r}")
+        if not 0.0 <= float(self.feedback_decay) <= 1.0:
+            raise ConfigError(f"lowrank.feedback_decay must be in [0, 1], got {self.feedback_decay!r}")
         return self
+
+    def max_rank(self, rows: int, cols: int) -> int:
+        """Largest rank of a ``rows x cols`` matrix (``rank``, or ``rank_fraction`` of the smaller side)."""
+        if self.rank_fraction > 0:
+            return max(1, int(self.rank_fraction * min(rows, cols)))
+        return min(self.rank, rows, cols)
 
 
 def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
@@ -148,8 +167,10 @@ class LowRankCompressor:
     :meth:`begin` and :meth:`finish` (they are copied, so it is safe, but the round uses the copies).
     """
 
-    def __init__(self, shapes: Sequence[torch.Size], cfg: Optional[LowRankConfig] = None) -> None:
+    def __init__(self, shapes: Sequence[torch.Size], cfg: Optional[LowRankConfig] = None,
+                 dense: Sequence[int] = ()) -> None:
         self.cfg = (cfg or LowRankConfig()).validate()
+        dense_set = set(int(i) for i in dense)
         self._shapes = [torch.Size(s) for s in shapes]
         self._lowrank: List[int] = []  # tensor index of each low-rank matrix
         self._dims: List[Tuple[int, int]] = []
@@ -157,9 +178,9 @@ class LowRankCompressor:
         self._min_rank: List[int] = []
         self._small: List[int] = []
         for i, s in enumerate(self._shapes):
-            if len(s) >= 2 and s.numel() >= self.cfg.min_numel:
+            if len(s) >= 2 and s.numel() >= self.cfg.min_numel and i not in dense_set:
                 m, n = s[0], s.numel() // s[0]
-                rmax = min(self.cfg.rank, m, n)
+                rmax = self.cfg.max_rank(m, n)
                 if rmax * (m + n) < m * n:
                     self._lowrank.append(i)
                     self._dims.append((m, n))
@@ -183,6 +204,7 @@ class LowRankCompressor:
         self._q_local: List[torch.Tensor] = []
         self._rho: List[List[float]] = []
         self._small_avg: List[torch.Tensor] = []
+        self._iter = 0  # power iterations done in this round (middle calls)
 
     # -- introspection -------------------------------------------------------------------------
     @property
@@ -335,6 +357,8 @@ class LowRankCompressor:
         if self._phase != "begun":
             raise RuntimeError(f"LowRankCompressor.middle called during phase {self._phase!r}; call begin first")
         first, _ = self.wire_numel()
+        if self._iter > 0:  # a later power iteration: the small tensors were averaged in the first
+            first -= sum(self._shapes[i].numel() for i in self._small)
         avg_flat = avg_flat.detach().reshape(-1)
         if avg_flat.numel() != first:
             raise ValueError(f"first all-reduced vector has {avg_flat.numel()} values, expected {first}")
@@ -359,12 +383,40 @@ class LowRankCompressor:
                     rho = torch.zeros(r, dtype=torch.float64, device=m.device)
                     rho[0] = 1.0
                 self._rho.append([float(v) for v in rho.tolist()])
-        self._small_avg = []
-        for i in self._small:
-            k = self._shapes[i].numel()
-            self._small_avg.append(avg_flat[offset: offset + k].clone())
-            offset += k
+        if self._iter == 0:
+            self._small_avg = []
+            for i in self._small:
+                k = self._shapes[i].numel()
+                self._small_avg.append(avg_flat[offset: offset + k].clone())
+                offset += k
+        self._iter += 1
         self._phase = "middle"
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    @property
+    def iterations_left(self) -> int:
+        """Power iterations still to run in this round before :meth:`finish` (0 when it may finish)."""
+        return self.cfg.power_iterations - self._iter if self._phase == "middle" else 0
+
+    def again(self, avg_q_flat: torch.Tensor) -> torch.Tensor:
+        """Another power iteration (``power_iterations > 1``): from the mean of :meth:`middle`'s vectors,
+        ``Q = mean Q_m`` (unit-norm columns) and return ``[M_m Q ...]`` (no small tensors) for the next
+        all-reduce, whose mean goes to :meth:`middle` again."""
+        if self._phase != "middle" or self.iterations_left <= 0:
+            raise RuntimeError(f"LowRankCompressor.again called during phase {self._phase!r} with "
+                               f"{self.iterations_left} power iterations left")
+        _, second = self.wire_numel()
+        avg_q_flat = avg_q_flat.detach().reshape(-1)
+        if avg_q_flat.numel() != second:
+            raise ValueError(f"second all-reduced vector has {avg_q_flat.numel()} values, expected {second}")
+        parts: List[torch.Tensor] = []
+        offset = 0
+        for j, m in enumerate(self._m):
+            cols, r = self._dims[j][1], self._ranks[j]
+            q = self._complete_basis(j, avg_q_flat[offset: offset + cols * r].reshape(cols, r).to(m.device), r)
+            offset += cols * r
+            parts.append((m @ q.to(m.device)).reshape(-1))
+        self._phase = "begun"
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def finish(self, avg_q_flat: torch.Tensor, contributed: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
@@ -375,6 +427,9 @@ class LowRankCompressor:
         """
         if self._phase != "middle":
             raise RuntimeError(f"LowRankCompressor.finish called during phase {self._phase!r}; call middle first")
+        if self.iterations_left > 0:
+            raise RuntimeError(f"LowRankCompressor.finish called with {self.iterations_left} power iterations left; "
+                               "call again first")
         _, second = self.wire_numel()
         avg_q_flat = avg_q_flat.detach().reshape(-1)
         if avg_q_flat.numel() != second:
@@ -393,6 +448,8 @@ class LowRankCompressor:
             results[i] = exact_outer_sum(p, q_avg, torch.float32).reshape(self._shapes[i])  # agreed: exact
             if self.cfg.error_feedback:
                 self._residual[j] = self._m[j] - (p @ q_sent.double().t()).float()
+                if self.cfg.feedback_decay != 1.0:
+                    self._residual[j] = self._residual[j] * self.cfg.feedback_decay
             if self.cfg.adaptive:  # the next header decides the rank and which columns to keep
                 self._pending_q[j] = q_avg.float().clone()
                 self._pending_rho[j] = self._rho[j]
@@ -412,6 +469,7 @@ class LowRankCompressor:
 
     def _clear_scratch(self) -> None:
         self._m, self._p, self._q_local, self._rho, self._small_avg = [], [], [], [], []
+        self._iter = 0
         self._phase = "idle"
 
     def reset_residuals(self) -> None:

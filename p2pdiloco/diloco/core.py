@@ -113,7 +113,8 @@ class DiLoCo:
         ]
         self.codec: Codec = get_codec(cfg.compression.codec)
         #: one reducer per fragment: how its pseudo-gradient is averaged (plain, or compressed)
-        self.reducers: List[Reducer] = [make_reducer(cfg, ps) for ps in self.local]
+        self.reducers: List[Reducer] = [make_reducer(cfg, ps, names)
+                                        for ps, names in zip(self.local, self.layout.names)]
         #: the schedule position: inner steps taken (rounds of H steps), or the swarm clock's position
         #: (inner.round_samples > 0, :mod:`.clock`); send steps, synced_step and tau count positions
         self.inner_step = 0

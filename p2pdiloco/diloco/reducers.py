@@ -139,8 +139,8 @@ class LowRankReducer:
     :class:`QuantizedReducer`; with a lossless codec both reduce to PowerSGD's ``(I − P P^T) M_m``.
     """
 
-    def __init__(self, shapes: Sequence[torch.Size], codec: Codec, cfg: LowRankConfig):
-        self.comp = LowRankCompressor(shapes, cfg)
+    def __init__(self, shapes: Sequence[torch.Size], codec: Codec, cfg: LowRankConfig, dense: Sequence[int] = ()):
+        self.comp = LowRankCompressor(shapes, cfg, dense)
         self.codec = codec
         self._shapes = [torch.Size(s) for s in shapes]
         self._numels = [s.numel() for s in self._shapes]
@@ -172,6 +172,14 @@ class LowRankReducer:
                 a1 = allreduce(v1, "p", self.codec) if v1.numel() else v1  # sizes agree: all skip alike
                 v2 = comp.middle(a1)
                 a2 = allreduce(v2, "q", self.codec) if v2.numel() else v2
+                k, more = 1, 0
+                while comp.iterations_left:  # more power iterations: phases p2/q2, p3/q3, ...
+                    k += 1
+                    v1k = comp.again(a2)
+                    a1 = allreduce(v1k, f"p{k}", self.codec) if v1k.numel() else v1k
+                    more += v1k.numel() + v2.numel()  # the earlier q and this p
+                    v2 = comp.middle(a1)
+                    a2 = allreduce(v2, f"q{k}", self.codec) if v2.numel() else v2
                 contributed = self.codec.roundtrip(v2) if self._lossy and comp.cfg.error_feedback else None
                 out = comp.finish(a2, contributed)
             except BaseException:
@@ -187,7 +195,7 @@ class LowRankReducer:
             self._info = {
                 "ranks": comp.ranks,
                 "rank_energy": [None if e != e else round(e, 4) for e in comp.energies],  # NaN -> None (JSON)
-                "values_sent": sent_header + v1.numel() + v2.numel(),
+                "values_sent": sent_header + v1.numel() + more + v2.numel(),
                 "values_dense": comp.dense_numel(),
                 "residual_norm": round(self._residual_norm(), 6),
             }
@@ -229,19 +237,24 @@ class LowRankReducer:
         return dict(self._info)
 
 
-def make_reducer(cfg, params: Sequence[torch.Tensor]) -> Reducer:
+def make_reducer(cfg, params: Sequence[torch.Tensor], names: Optional[Sequence[str]] = None) -> Reducer:
     """The reducer ``cfg.compression`` asks for, for one fragment's parameters (in fragment order).
 
     ``lowrank`` → :class:`LowRankReducer` (factors with ``codec``); else a lossy ``codec`` with
-    ``error_feedback`` → :class:`QuantizedReducer`; else :class:`PlainReducer`.
+    ``error_feedback`` → :class:`QuantizedReducer`; else :class:`PlainReducer`. ``names``: the
+    parameters' names (same order); those containing one of ``compression.dense_params``' substrings
+    are sent whole with ``codec`` instead of as low-rank factors (without names, none is).
     """
     c = cfg.compression
     codec = get_codec(c.codec)
     if c.lowrank:
         lr = LowRankConfig(rank=c.rank, min_rank=c.min_rank, adaptive=c.adaptive, energy_target=c.energy_target,
                            min_numel=c.min_numel, seed=int(cfg.train.seed) % (2**31),
-                           error_feedback=c.error_feedback)
-        return LowRankReducer([p.shape for p in params], codec, lr)
+                           error_feedback=c.error_feedback, rank_fraction=c.rank_fraction,
+                           power_iterations=c.power_iterations, feedback_decay=c.feedback_decay)
+        subs = [x.strip() for x in c.dense_params.split(",") if x.strip()]
+        dense = [i for i, n in enumerate(names or ()) if any(x in n for x in subs)]
+        return LowRankReducer([p.shape for p in params], codec, lr, dense)
     if c.error_feedback and codec.relative_error_bound > 0:
         return QuantizedReducer(codec)
     return PlainReducer()
