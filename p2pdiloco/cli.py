@@ -17,7 +17,7 @@ import threading
 import time
 from typing import List, Optional, Sequence
 
-from .errors import UserError
+from .errors import LocalWorkerLost, UserError
 
 __all__ = ["main"]
 
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--summary-json", help="also write the final summary to this JSON file")
     j.add_argument("--dashboard-port", type=int, default=None, metavar="PORT",
                    help="also serve the swarm's web dashboard on 127.0.0.1:PORT (train.dashboard_port)")
+    j.add_argument("--local-workers", type=int, default=1, metavar="K",
+                   help="train this peer's replica with K local processes (one per GPU on CUDA; gloo on CPU), "
+                        "data-parallel inside the machine; still one swarm member (default 1)")
 
     s = sub.add_parser("status", help="list the live peers of a run, read from the DHT")
     _add_swarm_args(s, peers_required=True)
@@ -107,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     _setup_logging()
     args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # join --local-workers: the workers' command
     try:
         if args.command == "bootstrap":
             return _cmd_bootstrap(args)
@@ -138,6 +142,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except LocalWorkerLost as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -177,11 +184,42 @@ def _cmd_join(args: argparse.Namespace) -> int:
     if args.dashboard_port is not None:
         overrides.append(f"train.dashboard_port={args.dashboard_port}")
     cfg = load_config(args.config, overrides)
-    summary = run_peer(cfg)
+    local = _local_workers(args, cfg)
+    if isinstance(local, int):
+        return local  # the launcher's exit status, or a local worker 1..K-1's
+    summary = run_peer(cfg, local=local)
     print(json.dumps(summary), flush=True)
     if args.summary_json:
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=1)
+    return 0
+
+
+def _local_workers(args: argparse.Namespace, cfg):
+    """``join --local-workers K`` (issue 20, :mod:`p2pdiloco.local`). The command the user ran starts K
+    workers (this same command line, each told its rank by the environment) and returns their exit
+    status; a worker of rank 0 gets its LocalGroup back and runs the peer; ranks 1..K-1 run their inner
+    steps and return their exit status. None: a one-process peer."""
+    from .local.group import LocalGroup
+    from .local.launch import check_local_workers, launch, watch_parent
+
+    device = cfg.train.resolved_device()
+    local = LocalGroup.from_env(device)
+    if local is None:
+        check_local_workers(args.local_workers, device)
+        if args.local_workers == 1:
+            return None
+        return launch([sys.executable, "-m", "p2pdiloco.cli", *args.argv], args.local_workers)
+    watch_parent(local.rank)
+    if local.rank == 0:
+        return local
+    from .local.worker import run_worker
+
+    try:
+        run_worker(cfg, local)
+    except (UserError, LocalWorkerLost) as e:  # rank 0 says it (once) for the machine; ours is a detail
+        logger.info(f"local worker {local.rank}: stopping: {e}")
+        return 1
     return 0
 
 
@@ -223,7 +261,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"no live peers in run {args.run_id!r}")
         return 0
     now = time.time()
-    cols = f"{'peer':<8} {'reach':<8} {'outer':>5} {'step':>7} {'samples/s':>9} {'share':>5} {'samples':>9} {'sent':>9} {'recv':>9} {'last sync':>9} {'loss':>7} {'val':>7}"
+    cols = f"{'peer':<8} {'reach':<8} {'workers':>7} {'outer':>5} {'step':>7} {'samples/s':>9} {'share':>5} {'samples':>9} {'sent':>9} {'recv':>9} {'last sync':>9} {'loss':>7} {'val':>7}"
     print(cols)
     for pid, v in sorted(peers.items(), key=lambda kv: kv[0]):
         last = v.get("last_sync")
@@ -234,7 +272,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         rate, share = v.get("rate"), v.get("share")  # samples/s, share of the last round's samples (issue 23)
         rate = f"{rate:.1f}" if isinstance(rate, (int, float)) and math.isfinite(rate) else "-"
         share = f"{100 * share:.0f}%" if isinstance(share, (int, float)) and 0 <= share <= 1 else "-"
-        print(f"{pid[-6:]:<8} {reach:<8} {v.get('round', 0):>5} {v.get('step', 0):>7} {rate:>9} {share:>5} "
+        lw = v.get("lw")  # local workers training the peer's replica (join --local-workers; issue 20)
+        lw = lw if isinstance(lw, int) and not isinstance(lw, bool) and lw > 0 else 1
+        print(f"{pid[-6:]:<8} {reach:<8} {lw:>7} {v.get('round', 0):>5} {v.get('step', 0):>7} {rate:>9} {share:>5} "
               f"{v.get('samples', 0):>9} {format_bytes(v.get('sent', 0)):>9} {format_bytes(v.get('recv', 0)):>9} "
               f"{ago:>9} {loss if loss is None else f'{loss:.3f}':>7} {val if val is None else f'{val:.3f}':>7}")
     return 0

@@ -11,6 +11,9 @@
     │   ├── CheckpointError         missing or corrupt checkpoint
     │   └── JoinFailed              no live peer delivered state matching the swarm's digest: the
     │                               peer stops instead of training on unverified state
+    ├── LocalWorkerLost             another local worker of this machine's peer stopped (join
+    │                               --local-workers): the peer leaves the swarm; the CLI prints one
+    │                               line and exits with status 1
     ├── WireError                   a message from the network failed validation (size, dtype,
     │                               codec, non-finite values, version); carries the sender
     └── SyncFailed                  a sync round could not complete (timeout, peer lost);
@@ -32,6 +35,7 @@ __all__ = [
     "FingerprintMismatch",
     "CheckpointError",
     "JoinFailed",
+    "LocalWorkerLost",
     "WireError",
     "SyncFailed",
     "MatchmakingFailed",
@@ -73,6 +77,11 @@ class CheckpointError(UserError):
 
 class JoinFailed(UserError):
     pass
+
+
+class LocalWorkerLost(P2PDilocoError):
+    """A collective between the local workers of one peer failed: one of them died (or hung past the
+    collective timeout). Nothing of the step is applied on this machine; the last checkpoint stands."""
 
 
 class WireError(P2PDilocoError):

@@ -24,6 +24,7 @@ from ..metrics import MetricsWriter, format_bytes
 from ..model import build_model, count_parameters
 from ..errors import JoinFailed, SyncFailed
 from ..swarm.state_sync import StateServer, download_state, in_minority, pick_target, rival_lineage
+from ..local.worker import local_stream
 from .core import DiLoCo, SyncReport
 
 __all__ = ["run_peer", "inner_step", "inner_setup"]
@@ -37,20 +38,29 @@ def _inner_lr(cfg: RunConfig, step: int) -> float:
     return cfg.inner.lr * min(1.0, (step + 1) / w) if w else cfg.inner.lr
 
 
-def inner_step(cfg: RunConfig, model, opt, stream: BatchStream, step: int, device="cpu") -> Tuple[float, int]:
+def inner_step(cfg: RunConfig, model, opt, stream: BatchStream, step: int, device="cpu",
+               local=None) -> Tuple[float, int]:
     """One inner AdamW step on the next batch of ``stream`` (warm-up lr for ``step`` = steps taken
     before, gradient clipping); returns (loss, batch size). The peer's loop, the benchmarks and the
-    tests' references all take their inner steps here."""
+    tests' references all take their inner steps here. With ``local`` (a
+    :class:`~p2pdiloco.local.group.LocalGroup`) the gradients and the loss are averaged over the
+    machine's local workers before clipping and the step (data parallelism inside one peer)."""
     for group in opt.param_groups:
         group["lr"] = _inner_lr(cfg, step)
     x, y = stream.next_batch(device)
     _, loss = model(x, y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if local is not None:
+        return _finish_step(cfg, model, opt, local.average_gradients(list(model.parameters()), loss.item())), x.shape[0]
+    return _finish_step(cfg, model, opt, loss.item()), x.shape[0]
+
+
+def _finish_step(cfg: RunConfig, model, opt, loss: float) -> float:
     if cfg.inner.grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
     opt.step()
-    return loss.item(), x.shape[0]
+    return loss
 
 
 def inner_setup(cfg: RunConfig, corpus, shard: int, device="cpu"):
@@ -67,7 +77,7 @@ def inner_setup(cfg: RunConfig, corpus, shard: int, device="cpu"):
     return model, opt, stream
 
 
-def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, Any]:
+def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None, local=None) -> Dict[str, Any]:
     """Run one volunteer until a budget is reached or SIGINT/SIGTERM; return its summary.
 
     The peer's life, as named steps (:class:`_Peer`): ``connect`` (DHT node, swarm, fingerprint
@@ -76,18 +86,28 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
     event, first progress record, wait for peers) → ``train`` (inner steps; syncs, catch-ups and
     divergence checks between them) → ``finish`` (syncs in flight applied, checkpoint, summary).
     ``close`` releases everything, whatever happened.
+
+    ``local`` (a :class:`~p2pdiloco.local.group.LocalGroup` of rank 0, ``join --local-workers K``):
+    this process is the swarm member of a machine of K local workers (:mod:`p2pdiloco.local`); one
+    more step, ``brief_workers``, hands them the start, and every inner step ends with a message to
+    them (``_tell_workers``).
     """
     faults.install_from_env()  # P2PDILOCO_FAULTS: fault injection for tests (p2pdiloco/faults.py)
     stop = stop_flag if stop_flag is not None else []
-    _install_signal_handlers(stop)  # from the start: a SIGTERM while starting up still leaves cleanly
+    # from the start: a SIGTERM while starting up still leaves cleanly. With local workers the launcher
+    # passes its signals on, and a terminal's Ctrl-C reaches us directly too: a repeat within 1 s is one
+    _install_signal_handlers(stop, repeat_s=1.0 if local is not None else 0.0)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    peer = _Peer(cfg, stop)
+    if local is not None:
+        local.connect()
+    peer = _Peer(cfg, stop, local)
     try:
         peer.connect()
         peer.build()
         peer.join_run()
         peer.announce()
+        peer.brief_workers()
         peer.train()
         return peer.finish()
     finally:
@@ -97,11 +117,14 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None) -> Dict[str, A
 class _Peer:
     """One volunteer's state between the steps of :func:`run_peer` (one training thread owns it)."""
 
-    def __init__(self, cfg: RunConfig, stop: list):
+    def __init__(self, cfg: RunConfig, stop: list, local=None):
         from ..swarm.node import SwarmNode
 
         self.cfg, self.stop = cfg, stop
-        self.device = cfg.train.resolved_device()
+        #: local workers (issue 20): our LocalGroup (rank 0) and, once briefed, our side of the protocol
+        self.local, self.leader = local, None
+        self.world = local.world if local is not None else 1
+        self.device = local.device if local is not None else cfg.train.resolved_device()
         self.node = SwarmNode(cfg.swarm.initial_peers, host_maddrs=cfg.swarm.host_maddrs,
                               announce_maddrs=cfg.swarm.announce_maddrs, identity_path=cfg.swarm.identity_path,
                               bootstrap_timeout=cfg.swarm.bootstrap_timeout, reachability=cfg.swarm.reachability)
@@ -151,8 +174,8 @@ class _Peer:
         ckpt_path = find_checkpoint(self.run_dir)
         ckpt = load_checkpoint(ckpt_path) if ckpt_path is not None else None
         self.shard = _data_shard(cfg, self.node.peer_id_str, ckpt)
-        self.stream = BatchStream(self.corpus.train, shard=self.shard, num_shards=cfg.data.num_shards,
-                                  batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
+        # our slice of the shard: the whole shard alone, the first of K slices with local workers
+        self.stream = local_stream(cfg, self.corpus, self.shard, 0, self.world)
         self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner.lr,
                                            weight_decay=cfg.inner.weight_decay, betas=(cfg.inner.beta1, cfg.inner.beta2))
         self.diloco = diloco = DiLoCo(self.model, cfg, self.swarm)
@@ -165,7 +188,10 @@ class _Peer:
         for line in cfg.advice():
             logger.warning(f"[{me}] {line}")
         if ckpt is not None:
-            _restore(ckpt, self.model, self.inner_opt, diloco, self.stream)
+            saved_world = _local_workers_of(ckpt)
+            _restore(ckpt, self.model, self.inner_opt, diloco, self.stream if saved_world == self.world else None)
+            if saved_world != self.world:
+                self._reshard(ckpt, saved_world)
             logger.info(f"[{me}] resumed from {ckpt_path} at inner step {diloco.inner_step}")
             self.metrics.write("resume", step=diloco.inner_step, synced_step=diloco.synced_step,
                                digest=diloco.digest(), outer_step=diloco.outer_round())
@@ -174,6 +200,20 @@ class _Peer:
         self.swarm.matchmaker.give_way = lambda peers: (
             f"{len(found)} peer(s) of another history outnumber ours: adopting their state instead"
             if (found := self.rivals(peers)) else None)
+
+    def _reshard(self, ckpt: Dict[str, Any], saved_world: int) -> None:
+        """Resuming with another number of local workers: the model, the inner optimiser, the global
+        copies and the schedule resume as saved; the data is re-sliced into the new K sub-shards of
+        our shard, each stream drawing on from the saved count (the exact batches of the old slicing
+        cannot carry over)."""
+        drawn = int((ckpt.get("stream") or {}).get("batches_drawn", 0))
+        for _ in range(drawn):
+            self.stream.next_starts()
+        logger.warning(f"[{self.me}] the checkpoint was written by {saved_world} local worker(s), this peer has "
+                       f"{self.world}: resuming the model, optimiser and global state, with the data re-sliced "
+                       f"into {self.world} sub-shard(s) of shard {self.shard}")
+        self.metrics.write("reshard", local_workers=self.world, saved_local_workers=saved_world,
+                           step=self.diloco.inner_step, batches_drawn=drawn)
 
     # ---- catching up, giving way -------------------------------------------------------------------------
     def rivals(self, peers: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, Dict[str, Any]]]:
@@ -313,10 +353,34 @@ class _Peer:
         swarm.update_progress(step=diloco.inner_step, round=diloco.outer_round(), samples=0, sent=0, recv=0,
                               loss=None, val_loss=self.val0, digest=diloco.digest(), last_sync=None, sps=0.0,
                               next_sync=diloco.next_sync_step(), synced_step=diloco.synced_step)
+        swarm.update_progress(lw=self.world)  # local workers training this replica (status)
         swarm.note_val_loss(diloco.outer_round(), self.val0)  # the dashboard's history (issue 21)
         swarm.publish_progress(wait=True)  # visible before we wait for peers
         swarm.start_publishing()
         _wait_for_peers(swarm, cfg, self.me)
+
+    # ---- brief the local workers -------------------------------------------------------------------------------
+    def brief_workers(self) -> None:
+        """With local workers: hand them the start (our run folder, data shard, stream position and
+        inner optimiser state; the parameters and global copies follow with the first message)."""
+        if self.local is None:
+            return
+        from ..local.group import LocalLeader
+
+        self.leader = LocalLeader(self.local, self.model, self.diloco)
+        self.leader.brief(dict(run_dir=self.run_dir, me=self.me, peer=self.node.peer_id_str, shard=self.shard,
+                               batches_drawn=self.stream.batches_drawn), self.inner_opt)
+        logger.info(f"[{self.me}] {self.world} local workers train this replica (data sub-shards "
+                    f"{self.stream.shard}..{self.stream.shard + self.world - 1} of {self.stream.num_shards})")
+
+    def _tell_workers(self, final: bool = False) -> None:
+        """After each inner step (and at the start and the end): tell the local workers whether to go on
+        and send them what our DiLoCo changed since our step (:mod:`p2pdiloco.local.group`)."""
+        if self.leader is None:
+            return
+        ctl = self.leader.tell(self.go and not final, self.diloco.lr_step, final)
+        if ctl.event is not None:
+            self.metrics.write("local_sync", **ctl.event)
 
     # ---- train ---------------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -330,11 +394,9 @@ class _Peer:
         diloco.on_sync = self.on_sync
         self.model.train()
         diloco.start_clock()
-        while not self.stop:
-            if cfg.train.max_outer_steps and diloco.outer_round() >= cfg.train.max_outer_steps:
-                break
-            if cfg.train.max_seconds and time.time() - self.t_start >= cfg.train.max_seconds:
-                break
+        self.go = self._keep_going()
+        self._tell_workers()  # local workers: the parameters and global copies to start from
+        while self.go:
             t0 = time.perf_counter()
             loss, batch = self._inner_step()
             faults.set_step(diloco.inner_step + 1)
@@ -344,6 +406,17 @@ class _Peer:
             self._check_against_swarm()
             self._update_progress()
             self.bar.update(diloco, loss, self.val, *self.node.traffic.snapshot())
+            self.go = self._keep_going()
+            self._tell_workers()
+
+    def _keep_going(self) -> bool:
+        """No signal, and no budget (outer steps, seconds) reached."""
+        cfg = self.cfg
+        if self.stop:
+            return False
+        if cfg.train.max_outer_steps and self.diloco.outer_round() >= cfg.train.max_outer_steps:
+            return False
+        return not (cfg.train.max_seconds and time.time() - self.t_start >= cfg.train.max_seconds)
 
     def _update_progress(self) -> None:
         """Our progress record between publications: position, speed (``sps``: schedule positions per
@@ -359,9 +432,13 @@ class _Peer:
         self.swarm.update_progress(**fields)
 
     def _inner_step(self) -> Tuple[float, int]:
-        """One AdamW step on the next batch of our shard; returns (loss, batch size)."""
+        """One AdamW step on the next batch of our shard; returns (loss, batch size). With local workers,
+        the machine's step: gradients and loss averaged over the workers, the batch their sum."""
         value, batch = inner_step(self.cfg, self.model, self.inner_opt, self.stream, self.diloco.lr_step,
-                                  self.device)
+                                  self.device, local=self.local)
+        if self.leader is not None:
+            batch *= self.world
+            self.leader.mark()  # a parameter changed after this is DiLoCo's doing: the workers need it
         self.losses.append(value)
         self.samples += batch
         self.steps += 1
@@ -451,7 +528,7 @@ class _Peer:
 
     def _save_checkpoint(self) -> None:
         with self.diloco.state_lock:  # not while a background sync writes a global copy
-            snap = _snapshot(self.model, self.inner_opt, self.diloco, self.stream)
+            snap = _snapshot(self.model, self.inner_opt, self.diloco, self.stream, local_workers=self.world)
         save_checkpoint(self.run_dir, snap)
 
     # ---- finish, close -------------------------------------------------------------------------------------
@@ -460,6 +537,7 @@ class _Peer:
         summary event. Returns the summary."""
         diloco = self.diloco
         diloco.finish()
+        self._tell_workers(final=True)  # the model as finish() left it: every local worker ends with it
         diloco.close()
         self._save_checkpoint()
         self.bar.close()
@@ -484,6 +562,8 @@ class _Peer:
         if self.swarm is not None:
             self.swarm.shutdown()
         self.node.shutdown()
+        if self.local is not None:
+            self.local.close()
 
 
 def _save_run_config(cfg: RunConfig, run_dir: str) -> None:
@@ -509,8 +589,14 @@ def _data_shard(cfg: RunConfig, peer_id: str, ckpt: Optional[Dict[str, Any]]) ->
     persistent identity has a new id, which would pick another shard); else derived from our id."""
     stream = ckpt.get("stream") if ckpt is not None else None
     if cfg.data.shard < 0 and isinstance(stream, dict) and isinstance(stream.get("shard"), int):
-        return stream["shard"]
+        return stream["shard"] // _local_workers_of(ckpt)  # rank 0's stream is sub-shard shard·K + 0
     return cfg.data.shard_for(peer_id)
+
+
+def _local_workers_of(ckpt: Dict[str, Any]) -> int:
+    """How many local workers wrote a checkpoint (1 before issue 20)."""
+    k = ckpt.get("local_workers", 1)
+    return k if isinstance(k, int) and k >= 1 else 1
 
 
 def _next_sync_after(diloco: DiLoCo, step: int) -> int:
@@ -532,8 +618,8 @@ def _wait_for_peers(swarm, cfg: RunConfig, me: str) -> None:
             logger.warning(f"[{me}] only {n} of {want} peers after {cfg.swarm.start_timeout:.0f} s; starting anyway")
 
 
-def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> Dict[str, Any]:
-    return {"format": 1, "model": model.state_dict(), "inner_opt": inner_opt.state_dict(),
+def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream, local_workers: int = 1) -> Dict[str, Any]:
+    return {"format": 1, "local_workers": local_workers, "model": model.state_dict(), "inner_opt": inner_opt.state_dict(),
             "outer": [o.state_dict() for o in diloco.outer], "inner_step": diloco.inner_step,
             "samples_since": list(diloco.samples_since), "stream": stream.state_dict(),
             "torch_rng": torch.get_rng_state(), "reducers": [r.state_dict() for r in diloco.reducers],
@@ -541,7 +627,8 @@ def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> Dict[str
             "local_steps": diloco.local_steps, "clock": diloco.clock.state_dict() if diloco.clock else None}
 
 
-def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: BatchStream) -> None:
+def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: Optional[BatchStream]) -> None:
+    """Load a checkpoint; ``stream`` None: the data stream's position is not restored (re-sliced)."""
     from ..errors import CheckpointError
 
     try:
@@ -559,22 +646,29 @@ def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: Ba
             for r, s in zip(diloco.reducers, state["reducers"], strict=True):
                 r.load_state_dict(s)
         diloco.load_overlap_state(state.get("overlap"))  # delay/eager: where each inner phase started
-        stream.load_state_dict(state["stream"])
+        if stream is not None:
+            stream.load_state_dict(state["stream"])
         torch.set_rng_state(state["torch_rng"])
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise CheckpointError(f"checkpoint does not match this configuration ({e}); "
                               "use the configuration it was written with, or delete it to start fresh") from None
 
 
-def _install_signal_handlers(stop: list) -> None:
+def _install_signal_handlers(stop: list, repeat_s: float = 0.0) -> None:
+    """SIGINT/SIGTERM: stop after the current step; a second one (later than ``repeat_s`` seconds after
+    the first): at once."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return
+    first = []
 
     def handler(signum, frame):
         if stop:
+            if first and time.time() - first[0] < repeat_s:
+                return
             raise KeyboardInterrupt
+        first.append(time.time())
         stop.append(signum)
         logger.info("stopping after the current step (signal again to stop immediately)")
 

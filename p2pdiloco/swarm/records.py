@@ -125,6 +125,8 @@ class ProgressRecord(_Open):
     #: samples (sequences) per second over the last seconds, and our share of the last round's samples
     rate: Optional[Number] = None
     share: Optional[Number] = None
+    #: local workers training this peer's replica (join --local-workers; absent: 1)
+    lw: Optional[conint(strict=True, ge=1, le=4096)] = None
     #: the swarm clock (inner.round_samples > 0, diloco/clock.py): our position and when (unix s) it was read
     pos: Optional[Number] = None
     pt: Optional[Number] = None

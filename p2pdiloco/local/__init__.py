@@ -1,0 +1,12 @@
+"""Local workers (issue 20): one swarm member per machine, K processes training its replica.
+
+``p2pdiloco join --local-workers K`` starts K worker processes on this machine (:mod:`.launch`).
+Local rank 0 is the swarm member: the DHT node, the identity, the all-reduce, the checkpoint and the
+metrics, exactly as a one-process peer (:mod:`p2pdiloco.diloco.loop`). Ranks 1..K-1 never touch the
+network (:mod:`.worker`). Inside the machine the replica trains data-parallel: every worker takes
+its inner step on its own sub-shard of the peer's data, the gradients are averaged (``torch.distributed``,
+gloo on CPU, nccl on CUDA) and every worker applies the same AdamW step. After each inner step rank
+0 tells the others whether to go on and sends them whatever its DiLoCo changed: the model's
+parameters when a sync result reached them, the global copy (θ and momentum) of each fragment whose
+outer step landed (:mod:`.group`), so every worker logs the swarm's digest.
+"""

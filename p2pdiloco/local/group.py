@@ -1,0 +1,317 @@
+"""The collectives between the local workers of one peer, and what rank 0 tells the others.
+
+:class:`LocalGroup` is this process's place in the machine's ``torch.distributed`` group (gloo on
+CPU; on CUDA ``cpu:gloo,cuda:nccl``, so the small control messages and the CPU-resident global copy
+go through gloo and the gradients and parameters through nccl). Every collective that fails because
+another local worker died raises :class:`~p2pdiloco.errors.LocalWorkerLost`: gloo notices a closed
+connection within milliseconds, and the launcher's watchdog (:mod:`.launch`) covers the rest.
+
+The protocol, after rank 0's brief at the start (:meth:`LocalLeader.brief`: run folder, data shard,
+stream position, inner optimiser state), is one message per inner step (:meth:`LocalLeader.tell`)::
+
+    control (int64): go, final, lr step of the next inner step, schedule position, synced step,
+                     changed flag per model parameter, changed flag per fragment, outer steps per fragment
+    then the changed parameters (from rank 0's model), then each changed fragment's θ‖momentum (fp32)
+
+A parameter has changed when rank 0's DiLoCo wrote it since rank 0's inner step (a sync result merged
+into the model in ``tau`` mode, the restart of an inner phase in ``delay``/``eager``, a downloaded
+state): torch's in-place version counter says so, whatever the mode. A fragment's global copy has
+changed when its outer step count or DiLoCo's state epoch (bumped by a download) did; it is read under
+``DiLoCo.state_lock``, so a background sync landing meanwhile is sent at the next step, never half.
+Every worker therefore starts each inner step with rank 0's parameters (the inner steps themselves
+keep them equal: the same averaged gradient, the same AdamW), and logs the digest of the global copy
+it received, which is the swarm's.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import LocalWorkerLost
+
+__all__ = ["LocalGroup", "LocalLeader", "LocalFollower", "Control", "ENV_RANK", "ENV_WORLD", "ENV_STORE",
+           "ENV_PARENT", "COLLECTIVE_TIMEOUT_S", "digest_of"]
+
+logger = logging.getLogger(__name__)
+
+#: set by the launcher in each worker's environment
+ENV_RANK, ENV_WORLD = "P2PDILOCO_LOCAL_RANK", "P2PDILOCO_LOCAL_WORLD"
+ENV_STORE, ENV_PARENT = "P2PDILOCO_LOCAL_STORE", "P2PDILOCO_LOCAL_PARENT"
+#: how long a worker waits in one collective: rank 0 may spend this long on the network between two
+#: messages (a state download, waiting for peers). A *dead* worker is noticed at once (gloo's closed
+#: connection, the launcher's watchdog); this only bounds a live process that hangs.
+COLLECTIVE_TIMEOUT_S = 2 * 3600
+#: gradients are averaged in buckets of at most this many elements (one all-reduce each)
+BUCKET_NUMEL = 1 << 24
+
+
+def digest_of(tensors: Sequence[torch.Tensor]) -> str:
+    """Short sha256 of the tensors' bytes in order: for a fragment's θ then momentum, the same string as
+    :meth:`p2pdiloco.diloco.outer.OuterState.digest` (sha256 of concatenated bytes = of the pieces)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(-1).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class LocalGroup:
+    """This process's membership in its machine's group of ``world`` local workers."""
+
+    def __init__(self, rank: int, world: int, store: str, device: str):
+        self.rank, self.world, self.store_addr = rank, world, store
+        #: this worker's device: ``cuda:<rank>`` when the run trains on CUDA, else the CPU
+        self.device = f"cuda:{rank}" if device.startswith("cuda") else device
+        self.broken = False
+
+    @classmethod
+    def from_env(cls, device: str) -> Optional["LocalGroup"]:
+        """The group the launcher put this process in, or None for a one-process peer."""
+        if ENV_RANK not in os.environ:
+            return None
+        return cls(int(os.environ[ENV_RANK]), int(os.environ[ENV_WORLD]), os.environ[ENV_STORE], device)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def connect(self) -> None:
+        """Join the process group (the launcher's TCPStore on 127.0.0.1 is the rendezvous)."""
+        import torch.distributed as dist
+
+        host, port = self.store_addr.rsplit(":", 1)
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(self.device)
+        backend = "cpu:gloo,cuda:nccl" if self.device.startswith("cuda") else "gloo"
+
+        def init() -> None:
+            store = dist.TCPStore(host, int(port), self.world, is_master=False, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
+        self._call("join the local group", init)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and not self.broken:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:  # gloo/nccl: a closed connection, a timeout (DistError is a RuntimeError)
+            self.broken = True
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise LocalWorkerLost(f"local worker {self.rank} of {self.world}: another local worker of this "
+                                  f"machine stopped while we {what} ({first[:200]}); the peer leaves the swarm "
+                                  "(run the same command again to resume from its last checkpoint)") from None
+
+    # ---- the inner step ---------------------------------------------------------------------------------
+    def average_gradients(self, params: Sequence[torch.Tensor], loss: float) -> float:
+        """Replace every gradient by its mean over the local workers (a missing one counts as zeros);
+        returns the mean of ``loss``. The sum is one all-reduce per bucket, then a division by K: every
+        worker gets the same bits, so every worker's AdamW step is the same."""
+        import torch.distributed as dist
+
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for bucket in _buckets([p.grad for p in params]):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            self._call("averaged gradients", dist.all_reduce, flat)
+            flat.div_(self.world)
+            off = 0
+            for g in bucket:
+                g.copy_(flat[off: off + g.numel()].view_as(g))
+                off += g.numel()
+        t = torch.tensor([float(loss)], dtype=torch.float64)
+        self._call("averaged the loss", dist.all_reduce, t)
+        return float(t[0]) / self.world
+
+    # ---- broadcasts from rank 0 -----------------------------------------------------------------------
+    def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        """Rank 0's ``tensors`` into the others' (same shapes, dtypes, devices), in place."""
+        import torch.distributed as dist
+
+        for bucket in _buckets(list(tensors)):
+            flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+            self._call(what, dist.broadcast, flat, 0)
+            if self.rank:
+                off = 0
+                with torch.no_grad():
+                    for t in bucket:
+                        t.copy_(flat[off: off + t.numel()].view_as(t))
+                        off += t.numel()
+
+    def broadcast_object(self, obj: Any, what: str) -> Any:
+        import torch.distributed as dist
+
+        box = [obj]
+        self._call(what, dist.broadcast_object_list, box, 0)
+        return box[0]
+
+
+def _buckets(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """Consecutive tensors of one dtype and device, at most BUCKET_NUMEL elements per bucket (a larger
+    tensor is a bucket of its own). Every rank builds the same buckets from the same shapes."""
+    out: List[List[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        if not out or size + t.numel() > BUCKET_NUMEL or (out[-1][0].dtype, out[-1][0].device) != (t.dtype, t.device):
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += t.numel()
+    return out
+
+
+@dataclass
+class Control:
+    """One message from rank 0 (see the module docstring)."""
+
+    go: bool            # take another inner step
+    final: bool         # rank 0 finished (its last syncs applied): the workers end
+    lr_step: int        # the inner lr schedule's step for the next inner step
+    step: int           # rank 0's schedule position
+    synced_step: int
+    event: Optional[Dict[str, Any]] = None  # what changed, as logged (None: nothing)
+
+
+def _event(rank: int, ctl: Control, outer_steps: List[int], fragments: Dict[int, str], frag_digests: List[str],
+           model_digest: Optional[str]) -> Dict[str, Any]:
+    """The ``local_sync`` event every worker logs when rank 0 sent something: the same fields, computed
+    from what each holds (rank 0: its own state; the others: what they received)."""
+    return dict(rank=rank, step=ctl.step, synced_step=ctl.synced_step, final=ctl.final, outer_steps=outer_steps,
+                fragments={str(p): d for p, d in fragments.items()}, digest="-".join(frag_digests),
+                model_digest=model_digest)
+
+
+class LocalLeader:
+    """Rank 0's side of the protocol, around its model and DiLoCo."""
+
+    def __init__(self, group: LocalGroup, model: torch.nn.Module, diloco):
+        self.group, self.diloco = group, diloco
+        self.params = list(model.parameters())
+        self._versions: List[Optional[int]] = [None] * len(self.params)   # after our last inner step
+        self._outer_keys: List[Optional[Tuple[int, int]]] = [None] * diloco.num_fragments  # as last sent
+        self._frag_digests = [""] * diloco.num_fragments
+
+    def brief(self, info: Dict[str, Any], inner_opt: torch.optim.Optimizer) -> None:
+        """The start: ``info`` (run folder, data shard, stream position...) and the inner optimiser's
+        state (resumed from a checkpoint, or empty)."""
+        skeleton, tensors = _split_state(inner_opt.state_dict())
+        self.group.broadcast_object({**info, "opt": skeleton}, "sent the start")
+        self.group.broadcast(tensors, "sent the inner optimiser state")
+
+    def mark(self) -> None:
+        """Right after our inner step: from here on, a parameter whose version moves was changed by DiLoCo."""
+        self._versions = [p._version for p in self.params]
+
+    def tell(self, go: bool, lr_step: int, final: bool = False) -> Control:
+        """Send this step's message and what changed; returns it with its event (None: nothing sent)."""
+        d = self.diloco
+        changed = [v is None or p._version != v for p, v in zip(self.params, self._versions)]
+        with d.state_lock:  # one consistent view of the global copies (a background sync may land any time)
+            keys = [(d._epoch, o.steps) for o in d.outer]
+            send = [k != s for k, s in zip(keys, self._outer_keys)]
+            flats = {p: torch.cat([t.reshape(-1) for t in (*o.params, *o.buffers)])
+                     for p, (o, s) in enumerate(zip(d.outer, send)) if s}
+            step, synced = d.inner_step, d.synced_step
+        ctl = Control(go=go, final=final, lr_step=lr_step, step=step, synced_step=synced)
+        msg = [int(go), int(final), lr_step, step, synced, *map(int, changed), *map(int, send), *(k[1] for k in keys)]
+        self.group.broadcast([torch.tensor(msg, dtype=torch.int64)], "sent a step's message")
+        if any(changed):
+            self.group.broadcast([p for p, c in zip(self.params, changed) if c], "sent the parameters")
+        for p, flat in flats.items():
+            self.group.broadcast([flat], "sent a global copy")
+            self._frag_digests[p] = digest_of([flat])
+        self._outer_keys = keys
+        self.mark()
+        if any(changed) or flats:
+            ctl.event = _event(0, ctl, [k[1] for k in keys], {p: self._frag_digests[p] for p in flats},
+                               self._frag_digests, digest_of(self.params) if any(changed) else None)
+        return ctl
+
+
+class LocalFollower:
+    """Rank 1..K-1's side: receives the messages into its own model."""
+
+    def __init__(self, group: LocalGroup, model: torch.nn.Module, numels: List[int]):
+        self.group = group
+        self.params = list(model.parameters())
+        self.numels = numels  # per fragment: θ and momentum are 2 × numel fp32 values
+        self._frag_digests = [""] * len(numels)
+
+    @property
+    def digest(self) -> str:
+        """The digest of the global copy as last received (every fragment's, joined)."""
+        return "-".join(self._frag_digests)
+
+    def brief(self, inner_opt: torch.optim.Optimizer) -> Dict[str, Any]:
+        info = self.group.broadcast_object(None, "waited for the start")
+        skeleton = info.pop("opt")
+        state, tensors = _build_state(skeleton, self.params)
+        self.group.broadcast(tensors, "received the inner optimiser state")
+        inner_opt.load_state_dict(state)
+        return info
+
+    def recv(self) -> Control:
+        n, P = len(self.params), len(self.numels)
+        msg = torch.zeros(5 + n + 2 * P, dtype=torch.int64)
+        self.group.broadcast([msg], "waited for rank 0")
+        vals = msg.tolist()
+        ctl = Control(go=bool(vals[0]), final=bool(vals[1]), lr_step=vals[2], step=vals[3], synced_step=vals[4])
+        changed, send, steps = vals[5: 5 + n], vals[5 + n: 5 + n + P], vals[5 + n + P:]
+        if any(changed):
+            self.group.broadcast([p.data for p, c in zip(self.params, changed) if c], "received the parameters")
+        got = {}
+        for p in [p for p in range(P) if send[p]]:
+            flat = torch.empty(2 * self.numels[p], dtype=torch.float32)
+            self.group.broadcast([flat], "received a global copy")
+            got[p] = self._frag_digests[p] = digest_of([flat])
+        if any(changed) or got:
+            ctl.event = _event(self.group.rank, ctl, steps, got, self._frag_digests,
+                               digest_of(self.params) if any(changed) else None)
+        return ctl
+
+
+# ---- the inner optimiser's state as (picklable skeleton, tensors) -------------------------------------
+def _split_state(state: Any) -> Tuple[Any, List[torch.Tensor]]:
+    tensors: List[torch.Tensor] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return ("__tensor__", tuple(x.shape), str(x.dtype).replace("torch.", ""), x.device.type)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+    return walk(state), tensors
+
+
+def _build_state(skeleton: Any, params: Sequence[torch.Tensor]) -> Tuple[Any, List[torch.Tensor]]:
+    tensors: List[torch.Tensor] = []
+    gpu = next((p.device for p in params if p.device.type == "cuda"), None)
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, tuple) and len(x) == 4 and x[0] == "__tensor__":
+            device = gpu if x[3] == "cuda" and gpu is not None else "cpu"
+            t = torch.zeros(x[1], dtype=getattr(torch, x[2]), device=device)
+            tensors.append(t)
+            return t
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+    return walk(skeleton), tensors
