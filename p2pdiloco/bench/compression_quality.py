@@ -38,19 +38,30 @@ from ..swarm.allreduce import shard_bounds
 
 __all__ = ["SETTINGS", "run_setting", "format_table", "main"]
 
-#: name -> [compression] overrides
+#: name -> [compression] overrides; every key the settings differ in is spelled out, so a change of the
+#: run defaults does not change what a named setting measures
+_PLAIN = ("compression.lowrank=false",)
+_LOWRANK_R4 = ("compression.lowrank=true", "compression.rank=4", "compression.adaptive=true", "compression.rank_fraction=0",
+               "compression.dense_params=", "compression.power_iterations=1")
+#: the recommended low-rank setting (docs/compression.md, "What compression costs in quality")
+_LOWRANK_F16 = ("compression.lowrank=true", "compression.rank_fraction=0.125", "compression.adaptive=false",
+                "compression.dense_params=emb", "compression.power_iterations=1")
+#: the bench simulates blocking DiLoCo over the whole model (one fragment; the streaming mode is not used), whatever the
+#: run defaults say; applied before ``--set``
+_BLOCKING = ("streaming.fragments=1",)
 SETTINGS: Dict[str, Tuple[str, ...]] = {
-    "fp32": ("compression.codec=fp32",),
-    "fp16": ("compression.codec=fp16",),
-    "e3m0": ("compression.codec=e3m0", "compression.error_feedback=false"),
-    "e3m0-ef": ("compression.codec=e3m0", "compression.error_feedback=true"),
-    "nf4": ("compression.codec=nf4", "compression.error_feedback=false"),
-    "nf4-ef": ("compression.codec=nf4", "compression.error_feedback=true"),
-    "lowrank": ("compression.codec=fp32", "compression.lowrank=true", "compression.error_feedback=false"),
-    "e3m0-lowrank": ("compression.codec=e3m0", "compression.lowrank=true", "compression.error_feedback=false"),
-    "e3m0-lowrank-ef": ("compression.codec=e3m0", "compression.lowrank=true", "compression.error_feedback=true"),
-    "e3m0-lowrank-r16-ef": ("compression.codec=e3m0", "compression.lowrank=true", "compression.rank=16",
-                            "compression.error_feedback=true"),
+    "fp32": ("compression.codec=fp32", "compression.error_feedback=false", *_PLAIN),
+    "fp16": ("compression.codec=fp16", "compression.error_feedback=false", *_PLAIN),
+    "e3m0": ("compression.codec=e3m0", "compression.error_feedback=false", *_PLAIN),
+    "e3m0-ef": ("compression.codec=e3m0", "compression.error_feedback=true", *_PLAIN),
+    "nf4": ("compression.codec=nf4", "compression.error_feedback=false", *_PLAIN),
+    "nf4-ef": ("compression.codec=nf4", "compression.error_feedback=true", *_PLAIN),
+    "lowrank": ("compression.codec=fp32", "compression.error_feedback=false", *_LOWRANK_R4),
+    "e3m0-lowrank": ("compression.codec=e3m0", "compression.error_feedback=false", *_LOWRANK_R4),
+    "e3m0-lowrank-ef": ("compression.codec=e3m0", "compression.error_feedback=true", *_LOWRANK_R4),
+    "e3m0-lowrank-r16-ef": ("compression.codec=e3m0", "compression.error_feedback=true", *_LOWRANK_R4[:-5],
+                            "compression.rank=16", *_LOWRANK_R4[2:]),
+    "e3m0-lowrank-f16": ("compression.codec=e3m0", "compression.error_feedback=false", *_LOWRANK_F16),
 }
 
 
@@ -166,7 +177,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(settings)} or --define them")
     results: Dict[str, Dict[str, object]] = {}
     for name in names:
-        cfg = load_config(args.config, [*args.set, *settings[name]])
+        cfg = load_config(args.config, [*_BLOCKING, *args.set, *settings[name]])
         results[name] = r = run_setting(cfg, args.peers, args.rounds)
         r["overrides"] = list(settings[name])
         print(f"{name:<22} val_loss {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.4f}  "
