@@ -7,7 +7,8 @@ In a swarm (two terminals):    p2pdiloco bootstrap            # prints /ip4/127.
 
 Your loop stays yours: p2pdiloco only needs `diloco.after_inner_step(samples)` after each optimizer
 step. Every H steps the pseudo-gradients are averaged across the swarm and the outer Nesterov step is
-applied; the returned SyncReport says what happened.
+applied; the returned SyncReport says what happened. At the end, `diloco.finish()` applies the syncs
+still in flight (the default scheme overlaps each sync with the next inner steps).
 """
 import argparse
 
@@ -44,6 +45,9 @@ def main() -> None:
     cfg.swarm.min_peers_to_start = args.min_peers
     cfg.inner.sync_every = 20          # H
     cfg.outer.lr, cfg.outer.momentum = 0.7, 0.9
+    # the default scheme streams 4 fragments of whole blocks (parameters under blocks.<i>.); a GRU has
+    # none, so it syncs as one fragment (tau overlap and the 4-bit codec of the default stay on)
+    cfg.streaming.fragments = 1
     cfg.validate()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,8 +59,8 @@ def main() -> None:
     batches = p2pdiloco.BatchStream(corpus.train, shard=args.shard, num_shards=4, batch_size=8, seq_len=64, seed=0)
 
     swarm = join_swarm(cfg, model) if args.initial_peers else None
-    diloco = DiLoCo(model, cfg, swarm)
     try:
+        diloco = DiLoCo(model, cfg, swarm)
         for step in range(args.steps):
             x, y = batches.next_batch(device)
             loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -64,11 +68,17 @@ def main() -> None:
             loss.backward()
             opt.step()
             for report in diloco.after_inner_step(samples=x.shape[0]):
-                print(f"step {step + 1}: outer step {report.round + 1} "
-                      f"{'ok' if report.ok else 'failed'} with {report.group_size} peer(s), "
-                      f"loss {loss.item():.3f}, digest {report.digest}")
+                show(step + 1, report, loss.item())
+        for report in diloco.finish():  # syncs still in flight (tau overlap): wait, apply, report
+            show(args.steps, report, loss.item())
+        diloco.close()
     finally:
         leave_swarm(swarm)
+
+
+def show(step: int, report, loss: float) -> None:
+    print(f"step {step}: outer step {report.round + 1} {'ok' if report.ok else 'failed'} with "
+          f"{report.group_size} peer(s), loss {loss:.3f}, digest {report.digest}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ __all__ = [
     "RobustConfig",
     "load_config",
     "config_from_dict",
+    "SCHEMES",
+    "DEFAULT_SCHEME",
+    "scheme_of",
+    "describe_scheme",
 ]
 
 
@@ -50,7 +54,7 @@ class InnerConfig:
     """Local (inner) optimisation: AdamW on each peer; its state is never averaged (DiLoCo §1)."""
 
     #: inner steps between two syncs of a fragment (DiLoCo's H)
-    sync_every: int = 50
+    sync_every: int = 100
     lr: float = 1e-3
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -102,7 +106,7 @@ class OuterConfig:
 
 @dataclass
 class StreamingConfig:
-    """Fragments and overlap of communication with training. Defaults are plain blocking DiLoCo.
+    """Fragments and overlap of communication with training. Defaults: the scheme ``streaming`` (:data:`SCHEMES`).
 
     * ``fragments`` P: the model is split into P fragments of whole blocks, fragment p synced every
       ``inner.sync_every`` (H) steps at offset p·H/P (Streaming DiLoCo, arXiv 2501.18512 §2).
@@ -125,16 +129,16 @@ class StreamingConfig:
       See :mod:`p2pdiloco.diloco.overlap` for the exact rules.
     """
 
-    fragments: int = 1
+    fragments: int = 4
     #: "strided" (block i -> fragment i mod P), "sequential" (runs of ceil(L/P) blocks) or "balanced"
     #: (consecutive blocks, embeddings and head included, cut so the largest fragment is smallest)
     pattern: str = "strided"
     #: "tau", "delay" or "eager" (see above)
     mode: str = "tau"
     #: mode "tau": inner steps between sending a fragment's pseudo-gradient and applying its average
-    tau: int = 0
+    tau: int = 4
     #: mode "tau": weight of the local progress when the average is merged in (0 = take the average)
-    alpha: float = 0.0
+    alpha: float = 0.5
     #: start group formation at least this many inner steps before a sync, in the background, so it is
     #: off the critical path (capped at H/P - 1; 0 = form the group at the sync step, with
     #: prepare_seconds = 0 too). Not part of the fingerprint.
@@ -205,7 +209,7 @@ class CompressionConfig:
     """
 
     #: fp32 (lossless), fp16, or a 4-bit blockwise codec: e3m0 (Streaming DiLoCo), nf4, fp4
-    codec: str = "fp32"
+    codec: str = "e3m0"
     #: carry what a lossy codec / the low-rank projection dropped into the next round (per peer).
     #: Off by default: measured no gain with 4-bit and a loss with low-rank (docs/compression.md)
     error_feedback: bool = False
@@ -367,6 +371,59 @@ _SECTIONS = {
     "swarm": SwarmConfig,
     "train": TrainConfig,
 }
+
+
+#: named training schemes: the values they give the keys they cover. ``--set scheme=NAME`` (or a
+#: top-level ``scheme = "NAME"`` in a TOML file) applies one as a layer between the dataclass defaults
+#: and the file's and command line's own keys, so an explicit key always wins over the scheme. The
+#: dataclass defaults are :data:`DEFAULT_SCHEME` (tested); why these values: docs/benchmark.md,
+#: "The default scheme".
+SCHEMES: Dict[str, Dict[str, Any]] = {
+    # the mission's scheme: Streaming DiLoCo, 4 fragments, each average applied tau steps after it was
+    # sent (merged with alpha), 4-bit E3M0 pseudo-gradients
+    "streaming": {"streaming.fragments": 4, "streaming.mode": "tau", "streaming.tau": 4, "streaming.alpha": 0.5,
+                  "compression.codec": "e3m0", "compression.lowrank": False, "outer.lr": 0.7},
+    # the original DiLoCo: one fragment, blocking, fp32 pseudo-gradients
+    "diloco": {"streaming.fragments": 1, "streaming.mode": "tau", "streaming.tau": 0, "streaming.alpha": 0.0,
+               "compression.codec": "fp32", "compression.lowrank": False, "outer.lr": 0.7},
+}
+DEFAULT_SCHEME = "streaming"
+
+
+def scheme_of(cfg: "RunConfig") -> Optional[str]:
+    """The name of the scheme ``cfg`` runs (its values on every key a scheme covers), or None."""
+    for name, values in SCHEMES.items():
+        if all(_get(cfg, k) == v for k, v in values.items()):
+            return name
+    return None
+
+
+def describe_scheme(cfg: "RunConfig") -> str:
+    """One line saying what scheme ``cfg`` runs, e.g. for the demo's summary."""
+    s, c = cfg.streaming, cfg.compression
+    if s.fragments == 1 and s.mode == "tau" and s.tau == 0:
+        what = "DiLoCo (blocking)"
+    else:
+        overlap = {"tau": f"tau={s.tau}, alpha={s.alpha:g}" if s.tau else "blocking",
+                   "delay": "one-step delay", "eager": f"eager ({s.eager_estimate})"}[s.mode]
+        what = f"Streaming DiLoCo, {s.fragments} fragment{'s' if s.fragments > 1 else ''}, {overlap}"
+    wire = c.codec + (f" + low-rank (rank {c.rank})" if c.lowrank else "")
+    name = scheme_of(cfg)
+    return f"{what}, {wire} on the wire, outer lr {cfg.outer.lr:g}" + (f" (scheme '{name}')" if name else "")
+
+
+def _get(cfg: "RunConfig", dotted: str) -> Any:
+    section, key = dotted.split(".", 1)
+    return getattr(getattr(cfg, section), key)
+
+
+def _apply_scheme(cfg: "RunConfig", name: Any) -> None:
+    if not isinstance(name, str) or name not in SCHEMES:
+        raise ConfigError(f"unknown scheme {name!r}; choose one of {', '.join(SCHEMES)} (default {DEFAULT_SCHEME!r}), "
+                          "e.g. --set scheme=diloco for blocking fp32 DiLoCo")
+    for dotted, value in SCHEMES[name].items():
+        section, key = dotted.split(".", 1)
+        setattr(getattr(cfg, section), key, value)
 
 
 #: eager's outer lr above which :meth:`RunConfig.advice` warns (bench.eager: every overlapped mode is worse at 0.7 than at 0.4)
@@ -547,32 +604,73 @@ def _apply(cfg: RunConfig, section: str, key: str, value: Any, from_string: bool
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), validate: bool = True) -> RunConfig:
     """Build a RunConfig from defaults, an optional TOML file and ``section.key=value`` overrides."""
     cfg = RunConfig()
+    items: List[Tuple[str, str, Any, bool]] = []  # (section, key, value, from_string), in order
+    scheme: Any = None
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path} not found; pass an existing file, e.g. --config peers/tiny-cpu.toml")
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        data = _read_toml(path)
         preset = data.pop("preset", None)
         if preset is not None:
             _apply_model_preset(cfg, preset)
+        scheme = data.pop("scheme", None)
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
             for key, value in table.items():
-                _apply(cfg, section, key, value, from_string=False)
+                items.append((section, key, value, False))
     for item in overrides:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set inner.sync_every=20")
-        lhs, value = item.split("=", 1)
-        section, key = lhs.strip().split(".", 1)
+        lhs = item.split("=", 1)[0].strip()
+        if "=" in item and lhs == "scheme":
+            scheme = item.split("=", 1)[1].strip()
+            continue
+        if "=" not in item or "." not in lhs:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set inner.sync_every=20 "
+                              "(or scheme=NAME)")
+        value = item.split("=", 1)[1]
+        section, key = lhs.split(".", 1)
         if section == "model" and key == "preset":
             _apply_model_preset(cfg, value)
             continue
-        _apply(cfg, section, key.strip(), value.strip(), from_string=True)
+        items.append((section, key.strip(), value.strip(), True))
+    if scheme is not None:  # below every explicit key, whatever the order they came in
+        _apply_scheme(cfg, scheme)
+    for section, key, value, from_string in items:
+        _apply(cfg, section, key, value, from_string)
+    explicit = {f"{section}.{key}" for section, key, _, _ in items}
+    if cfg.streaming.mode != "tau":  # delay and eager have no tau/alpha: drop the defaults' (never the user's)
+        for key in ("tau", "alpha"):
+            if f"streaming.{key}" not in explicit:
+                setattr(cfg.streaming, key, type(getattr(cfg.streaming, key))(0))
     return cfg.validate() if validate else cfg
+
+
+def _read_toml(path: str, seen: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """The TOML file's tables; a top-level ``base = "other.toml"`` (relative to the file) is read first
+    and the file's own keys win over it, key by key."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found (named as base by {seen[-1]})" if seen else
+                          f"config file {path} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must be the path of another TOML file, got {base!r}")
+    full = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), base))
+    if full in seen or full == os.path.abspath(path):
+        raise ConfigError(f"{path}: base {base!r} includes itself")
+    merged = _read_toml(full, (*seen, os.path.abspath(path)))
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
 
 
 def config_from_dict(d: Dict[str, Dict[str, Any]], validate: bool = False) -> RunConfig:

@@ -1,7 +1,9 @@
 """``p2pdiloco demo``: a bootstrap peer plus volunteers on 127.0.0.1, started through the real CLI.
 
-It shows a live status line while they train, then a summary (validation loss at start and end,
-outer steps, bytes sent and received per peer, whether every peer holds the same state digest) and
+It says which training scheme runs (the default: Streaming DiLoCo with 4-bit pseudo-gradients, config.SCHEMES),
+shows a live status line while they train, then a summary (validation loss at start and end, outer
+steps, bytes sent and received per peer, whether every peer holds the same state digest, and the
+bytes the syncs sent against an fp32 all-reduce of the same syncs) and
 writes ``<out>/demo.png`` (validation loss and bytes sent over time).
 """
 from __future__ import annotations
@@ -46,8 +48,12 @@ def run_demo(args) -> int:
         procs.append(p)
         return p
 
+    from .config import describe_scheme, load_config
+
+    scheme = describe_scheme(load_config(config, list(args.set)))  # a bad --set is refused here, before anything starts
     try:
         print(f"starting a bootstrap peer and {n} volunteers on 127.0.0.1 (logs in {out})", flush=True)
+        print(f"scheme: {scheme}", flush=True)
         boot = start(_cli("bootstrap", "--identity", os.path.join(out, "bootstrap.key")), "bootstrap")
         addr = _wait_for_address(os.path.join(out, "bootstrap.out"), boot)
         print(f"bootstrap peer: {addr}", flush=True)
@@ -71,7 +77,7 @@ def run_demo(args) -> int:
                 tail = open(os.path.join(out, f"peer{i}.log")).read().strip().splitlines()[-5:]
                 print(f"volunteer {i} failed (exit {volunteers[i].returncode}):\n  " + "\n  ".join(tail), file=sys.stderr)
             return 1
-        _print_summary(out, n)
+        _print_summary(out, n, scheme)
         _plot(out, n)
         return 0
     finally:
@@ -123,7 +129,7 @@ def _status_line(out: str, n: int, outer_steps: int) -> str:
     return " | ".join(parts)
 
 
-def _print_summary(out: str, n: int) -> None:
+def _print_summary(out: str, n: int, scheme: str = "") -> None:
     print("\nsummary")
     print(f"{'peer':<6} {'id':<8} {'val loss start':>14} {'val loss end':>12} {'outer steps':>11} "
           f"{'bytes sent':>11} {'bytes recv':>11}  digest")
@@ -138,6 +144,22 @@ def _print_summary(out: str, n: int) -> None:
               f"{format_bytes(summ['bytes_received']):>11}  {summ['digest']}")
     same = "yes" if len(digests) == 1 else f"NO ({len(digests)} different)"
     print(f"all peers hold identical global parameters: {same}")
+    print(savings_line(out, n, scheme))
+
+
+def savings_line(out: str, n: int, scheme: str) -> str:
+    """What the syncs sent per peer (all-reduce payload and framing, the sync events' ``sync_bytes_sent``)
+    against an fp32 all-reduce of the same syncs (their ``fp32_bytes``), mean over peers."""
+    sent = fp32 = 0
+    for i in range(n):
+        for r in _metrics(out, i):
+            if r["event"] == "sync" and r.get("ok"):
+                sent += int(r.get("sync_bytes_sent") or 0)
+                fp32 += int(r.get("fp32_bytes") or 0)
+    if not sent or not fp32:
+        return f"scheme: {scheme}; no successful sync to compare with fp32"
+    return (f"scheme: {scheme}; syncs sent {format_bytes(sent / n)} per peer, an fp32 all-reduce of the same syncs "
+            f"{format_bytes(fp32 / n)}: {fp32 / sent:.1f}x fewer bytes")
 
 
 def _plot(out: str, n: int) -> None:

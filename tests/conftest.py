@@ -15,7 +15,7 @@ from typing import List, Optional
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "peers", "tiny-cpu.toml")
+TINY = os.path.join(ROOT, "tests", "tiny-diloco.toml")  # tiny-cpu.toml + the blocking fp32 scheme
 
 
 def cli_argv(*args: str) -> List[str]:

@@ -29,7 +29,7 @@ def test_solo_diloco_equals_hand_written_outer_step():
     result to an ulp (torch may fuse a multiply-add on this CPU)."""
     import torch
 
-    cfg = p2pdiloco.RunConfig()
+    cfg = p2pdiloco.load_config(None, ["scheme=diloco"])  # one fragment, blocking, fp32
     cfg.inner.sync_every = 3
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)

@@ -213,3 +213,38 @@ def test_in_process_overlap_comparison_runs_each_variant_and_peers_agree():
     assert runs["eager@0.5"]["outer_lr"] == 0.5
     assert runs["blocking"]["final_val_loss"] != runs["eager@0.5"]["final_val_loss"]
     assert main(["--variants", "blocking,guess"]) == 2
+
+
+@needs_root
+@pytest.mark.netem
+@pytest.mark.timeout(300)
+def test_long_matrix_smoke_extrapolates_data_parallelism_from_a_short_networked_run(tmp_path):
+    """The long-horizon matrix in small: the networked hivemind baseline runs 3 of the 20 steps; data
+    parallelism's curve over all 20 comes from the in-process reference, checked against the networked
+    validations over the steps both ran; time and bytes are the networked run's per step x 20."""
+    out = tmp_path / "long"
+    proc = subprocess.run(
+        [sys.executable, "-m", "p2pdiloco.bench.run", "--matrix", "long", "--peers", "2", "--rate", "50",
+         "--delay", "5", "--steps", "20", "--dp-steps", "3", "--set", "inner.sync_every=20",
+         "--set", "train.eval_batches=2", "--set", "data.max_bytes=400000", "--out", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=290,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    modes = results["modes"]
+    assert set(modes) == {"hivemind-dp", "diloco-fp32", "default", "dp-reference"}
+    assert all(m["status"] == "ok" for m in modes.values()), {k: m.get("note") for k, m in modes.items()}
+    net, ref = modes["hivemind-dp"], modes["dp-reference"]
+    assert net["tokens"] == 2 * 3 * 8 * 128 and ref["tokens"] == 2 * 20 * 8 * 128 == modes["default"]["tokens"]
+    check = ref["check_against_networked"]
+    assert check["matched"] >= 2, check  # steps 1, 2, 3 were validated over the network
+    # the same math; measured here: the networked run lags by ~1% over its first steps (its first update is
+    # smaller: between an lr of 0.05x and 0.1x where ours is the warm-up's 0.1x; not traced, docs/benchmark.md)
+    assert check["max_rel_diff"] < 0.02, check
+    assert ref["wall_seconds"] == pytest.approx(20 * ref["seconds_per_step"], rel=0.01)
+    assert ref["bytes_sent_per_peer"] == pytest.approx(20 / 3 * net["bytes_sent_per_peer"], rel=0.01)
+    # the default scheme ran (4 fragments, 4-bit) against blocking fp32, and the table compares with dp-reference
+    default = modes["default"]
+    assert default["counted_bytes_sent_per_peer"] < modes["diloco-fp32"]["counted_bytes_sent_per_peer"] / 5
+    assert "| dp-reference | ok |" in proc.stdout and "+0.0%" in proc.stdout.split("| dp-reference |")[1].split("\n")[0]
+    assert results["target_rule"]

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("hivemind")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "peers", "tiny-cpu.toml")
+TINY = os.path.join(ROOT, "tests", "tiny-diloco.toml")  # tiny-cpu.toml + the blocking fp32 scheme
 
 
 def _start(argv, log_path, cwd):

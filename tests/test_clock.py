@@ -97,7 +97,7 @@ def test_target(case, P, processed, pos, look, want):
 def test_a_fragment_without_samples_is_not_sent():
     """One inner step worth two rounds of the swarm's samples: the first send point carries our samples,
     the second has none of ours: we are no member of that round (a missed round, so the loop catches up)."""
-    cfg = p2pdiloco.RunConfig()
+    cfg = p2pdiloco.load_config(None, ["scheme=diloco"])  # one fragment, blocking
     cfg.inner.sync_every, cfg.inner.round_samples = 4, 40
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)

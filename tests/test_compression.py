@@ -88,7 +88,7 @@ class SimGroup:
 
 
 def _cfg(*sets):
-    return load_config(None, list(sets))
+    return load_config(None, ["scheme=diloco", *sets])  # blocking fp32 DiLoCo, then the test's keys
 
 
 # ---- configuration ------------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def test_lowrank_reducer_failed_sync_leaves_state_and_next_round_works():
 def test_lowrank_ranks_fall_and_are_logged_in_sync_reports():
     """Solo DiLoCo on the tiny model with pseudo-gradients forced to rank 1: the agreed rank
     diminishes from 4 to the minimum and SyncReport.extra carries it."""
-    cfg = load_config("peers/tiny-cpu.toml", ["inner.sync_every=2", "compression.lowrank=true",
+    cfg = load_config("tests/tiny-diloco.toml", ["inner.sync_every=2", "compression.lowrank=true",
                                               "compression.codec=e3m0", "compression.energy_target=0.9"])
     torch.manual_seed(0)
     model = build_model(cfg.model)
@@ -347,7 +347,7 @@ def test_reducer_state_survives_a_checkpoint(tmp_path, sets):
     from p2pdiloco.checkpoint import load_checkpoint, save_checkpoint
     from p2pdiloco.diloco.loop import _restore, _snapshot
 
-    cfg = load_config("peers/tiny-cpu.toml", ["inner.sync_every=2", *sets])
+    cfg = load_config("tests/tiny-diloco.toml", ["inner.sync_every=2", *sets])
 
     def make():
         torch.manual_seed(0)
@@ -380,7 +380,7 @@ def test_reducer_state_survives_a_checkpoint(tmp_path, sets):
 
 
 def test_adopting_swarm_state_resets_residuals():
-    cfg = load_config("peers/tiny-cpu.toml", ["inner.sync_every=1", "compression.codec=e3m0",
+    cfg = load_config("tests/tiny-diloco.toml", ["inner.sync_every=1", "compression.codec=e3m0",
                                               "compression.lowrank=true", "compression.error_feedback=true"])
     torch.manual_seed(0)
     m = build_model(cfg.model)

@@ -213,13 +213,13 @@ def test_bad_contributions_never_reach_honest_parameters(nodes, monkeypatch):
 
     from torch import nn
 
-    from p2pdiloco.config import RunConfig
+    from p2pdiloco.config import load_config
     from p2pdiloco.diloco.core import DiLoCo
     import p2pdiloco.swarm.swarm as swarm_mod
 
     ns, evil, H, rounds = nodes[:4], 3, 2, 3
     run = f"sec{next(_runs)}"
-    cfg = RunConfig()
+    cfg = load_config(None, ["scheme=diloco"])  # blocking fp32 DiLoCo: one fragment, exact sums
     cfg.swarm.run_id = run
     cfg.inner.sync_every = H
     swarms = []

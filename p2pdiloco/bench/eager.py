@@ -31,11 +31,13 @@ from ..errors import ConfigError
 
 __all__ = ["VARIANTS", "run_variant", "main"]
 
+#: every variant starts from blocking DiLoCo (``scheme=diloco``: one fragment, no overlap; the hub averages
+#: in fp32 whatever the codec); ``--set`` adds fragments, tau or alpha to all of them
 VARIANTS: Dict[str, Tuple[str, ...]] = {
-    "blocking": (),
-    "eager": ("streaming.mode=eager", "streaming.eager_estimate=paper"),
-    "eager-heuristic": ("streaming.mode=eager", "streaming.eager_estimate=fresh_heuristic"),
-    "delay": ("streaming.mode=delay",),
+    "blocking": ("scheme=diloco",),
+    "eager": ("scheme=diloco", "streaming.mode=eager", "streaming.eager_estimate=paper"),
+    "eager-heuristic": ("scheme=diloco", "streaming.mode=eager", "streaming.eager_estimate=fresh_heuristic"),
+    "delay": ("scheme=diloco", "streaming.mode=delay"),
 }
 
 

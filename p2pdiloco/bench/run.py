@@ -66,10 +66,13 @@ __all__ = ["MODES", "BASELINES", "MATRICES", "run_benchmark", "summarize_mode", 
 
 logger = logging.getLogger(__name__)
 
-#: p2pdiloco modes: name -> ``--set`` overrides for ``p2pdiloco join``. A new mode is one line.
+#: p2pdiloco modes: name -> ``--set`` overrides for ``p2pdiloco join``. A new mode is one line. Every mode
+#: starts from blocking fp32 DiLoCo (``scheme=diloco`` comes first, :data:`BASE_SETS`), so its overrides say
+#: what differs from it; "default" is the scheme a peer gets with no ``--set`` (config.DEFAULT_SCHEME).
 #: (Entries assume the matrix's H = inner.sync_every = 20; one whose values do not fit the H in use is
 #: skipped with the CLI's message, e.g. tau must stay below H / fragments.)
 MODES: Dict[str, Tuple[str, ...]] = {
+    "default": ("scheme=streaming",),
     "diloco-fp32": (),
     "diloco-fp16": ("compression.codec=fp16",),
     "diloco-nf4": ("compression.codec=nf4",),
@@ -97,6 +100,9 @@ MODES: Dict[str, Tuple[str, ...]] = {
     "rounds-samples": ("inner.round_samples=auto",),
     "fast-only": (),
 }
+
+#: the ``--set`` overrides every mode starts from (its own come after them and win)
+BASE_SETS: Tuple[str, ...] = ("scheme=diloco",)
 
 #: modes in which only the peers at full speed (--speeds 1) train, for as many rounds as make the same tokens
 FAST_ONLY = frozenset({"fast-only"})
@@ -142,12 +148,27 @@ MATRICES: Dict[str, Tuple[str, ...]] = {
     # issue 23: peers of different speeds (--speeds, default 1,1,0.5,0.2): rounds of H steps on every peer,
     # rounds by the swarm's samples, and the full-speed peers alone
     "speeds": ("diloco-fp32", "rounds-samples", "fast-only"),
+    # issue 18: the long horizon (30 outer steps at H = 60): data parallelism's curve computed in process over
+    # the whole budget, its time and bytes per step from a networked hivemind run over DP_STEPS steps
+    "long": ("hivemind-dp", "diloco-fp32", "default"),
 }
+
+#: settings a matrix runs with, before the user's --set (which win)
+MATRIX_SETS: Dict[str, Tuple[str, ...]] = {
+    "long": ("inner.sync_every=60", "data.max_bytes=8000000", "train.eval_batches=8"),
+}
+
+#: global steps of the networked data-parallel baseline where a matrix does not run it over the whole
+#: budget (--dp-steps): its loss curve then comes from the in-process reference (bench/dp_reference.py)
+#: and its wall time and bytes from the networked run's per-step figures
+DP_STEPS: Dict[str, int] = {"long": 30}
+#: validations of the short networked baseline (for the check of the in-process curve against it)
+_DP_EVALS = 3
 
 #: default budget of each matrix in outer rounds (inner steps per peer = rounds * H), sized for
 #: about 20 minutes on 2 cores at 10 Mbit/s (the data-parallel baseline needs ~8 s per step there)
 MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4, "streaming": 4, "overlap": 4, "overlap-h40": 4,
-                                 "private": 4, "speeds": 6}
+                                 "private": 4, "speeds": 6, "long": 30}
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _DEFAULT_CONFIG = os.path.join(_REPO, "peers", "tiny-cpu.toml")
@@ -223,6 +244,15 @@ class _Plan:
     supports_start_wait: bool
     pin_cores: bool = False          # each peer (with its DHT and p2p daemon) on its own share of the cores
     speeds: Tuple[float, ...] = ()   # per peer, 1 = full speed (issue 23: a slower peer sleeps after each step)
+    dp_steps: int = 0                # global steps of the networked baseline (0 = steps)
+
+    @property
+    def dp_eval_every(self) -> int:
+        """Steps between the baseline's validations: the DiLoCo modes' cadence (H) over the whole budget;
+        a few points over a short span (they check the in-process curve)."""
+        if self.dp_steps and self.dp_steps < self.steps:
+            return max(1, self.dp_steps // _DP_EVALS)
+        return self.sync_every
 
 
 @dataclass
@@ -269,8 +299,8 @@ def _diloco_sets(plan: _Plan, mode: _ModeRun, i: int, host: Optional[Host]) -> L
         outer = math.ceil(outer * plan.peers / max(1, len(_mode_peers(plan, mode))))
         if plan.supports_start_wait:
             start = [f"swarm.min_peers_to_start={len(_mode_peers(plan, mode))}"]
-    extra = [s.replace("round_samples=auto", f"round_samples={plan.peers * plan.sync_every * plan.batch_size}")
-             for s in mode.argv_extra]
+    extra = [*BASE_SETS, *(s.replace("round_samples=auto", f"round_samples={plan.peers * plan.sync_every * plan.batch_size}")
+             for s in mode.argv_extra)]
     return [*_peer_overrides(plan, mode.name, i, host), f"train.max_outer_steps={outer}",
             f"train.max_seconds={plan.mode_timeout:g}", *start, *extra]
 
@@ -303,8 +333,8 @@ def _peer_argv(plan: _Plan, mode: _ModeRun, i: int, host: Host, maddr: str) -> L
     else:
         sets = _peer_overrides(plan, mode.name, i, host)
         argv = [sys.executable, "-m", "p2pdiloco.bench.hivemind_dp", "--initial-peers", maddr, "--config",
-                plan.config, "--peers", str(plan.peers), "--steps", str(plan.steps), "--eval-every",
-                str(plan.sync_every), "--averaging-timeout", f"{plan.allreduce_timeout:g}", *mode.argv_extra]
+                plan.config, "--peers", str(plan.peers), "--steps", str(plan.dp_steps or plan.steps), "--eval-every",
+                str(plan.dp_eval_every), "--averaging-timeout", f"{plan.allreduce_timeout:g}", *mode.argv_extra]
     for s in sets:
         argv += ["--set", s]
     return argv + ["--summary-json", os.path.join(plan.out, mode.name, f"peer{i}.summary.json")]
@@ -469,7 +499,8 @@ def _status_line(plan: _Plan, mode: _ModeRun, sampler: _Sampler, label: str) -> 
         per_peer = [window[-1][1][i][0] - window[0][1][i][0] for i in range(plan.peers)]
         sent = f", sent/peer {_fmt_bytes(sum(per_peer) / plan.peers)}"
     val = f", val {min(vals):.3f}" if vals else ""
-    return f"{label} {mode.name}: {elapsed:5.0f} s, step {min(steps)}/{plan.steps}{val}{sent}"
+    total = plan.dp_steps or plan.steps if mode.kind == "baseline" else plan.steps
+    return f"{label} {mode.name}: {elapsed:5.0f} s, step {min(steps)}/{total}{val}{sent}"
 
 
 # ----------------------------------------------------------------------------- results
@@ -583,6 +614,8 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
     if not baseline and all(summaries):
         counted = sum(int(s.get("bytes_sent") or 0) for s in summaries) / n
     failed = sum(int(s.get("failed_syncs") or 0) for s in summaries if s)
+    evals = [s.get("eval_seconds") for s in summaries if s]
+    eval_seconds = sum(evals) / n if evals and len(evals) == n and None not in evals else 0.0
     # every replica should end with the same model: a spread means they diverged
     finals = [float(s["val_loss_end"]) for s in summaries if s and s.get("val_loss_end") is not None]
     return {
@@ -608,6 +641,7 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
         # measured forward/backward time / wall, where the trainer reports it (the hivemind baseline)
         "compute_fraction": sum(compute) / len(compute) if compute else None,
         "failed_syncs": failed,
+        "eval_seconds": eval_seconds,  # validation time per peer, where the trainer reports it (the baseline)
         "curve": curve,
         "bytes_series": series,
     }
@@ -634,7 +668,7 @@ def _fmt_bytes(n: Optional[float]) -> str:
 def format_table(results: Dict[str, Any]) -> str:
     """A markdown table of the modes in ``results`` (as written to results.json)."""
     modes = results["modes"]
-    ref = next((m for name, m in modes.items() if name in BASELINES and m.get("status") == "ok"), None)
+    ref = modes.get(DP_REFERENCE) or next((m for name, m in modes.items() if name in BASELINES and m.get("status") == "ok"), None)
     head = ("| mode | status | tokens | final val loss | vs DP | wall s | sent/peer (iface) | DP/mode bytes "
             "| counted sent/peer | peak B/s/peer | util | time to target s |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -741,7 +775,7 @@ def _plot(results: Dict[str, Any], out: str) -> List[str]:
 
 
 def _finish(results: Dict[str, Any], modes: List[_ModeRun], plan: _Plan, sampler: Optional[_Sampler],
-            target_flag: Optional[float]) -> None:
+            target_flag: Optional[float], cfg: Any = None, dp_curve_file: Optional[str] = None) -> None:
     for mode in modes:
         entry: Dict[str, Any] = {"status": mode.status, "note": mode.note, "kind": mode.kind,
                                  "args": list(mode.argv_extra)}
@@ -758,15 +792,30 @@ def _finish(results: Dict[str, Any], modes: List[_ModeRun], plan: _Plan, sampler
             except (ValueError, KeyError) as e:
                 entry.update(status="failed", note=f"metrics unreadable: {e!r}")
         results["modes"][mode.name] = entry
-    finals = [m["val_loss_final"] for m in results["modes"].values()
-              if m.get("status") == "ok" and m["val_loss_final"] < m["val_loss_start"]]
-    target = target_flag if target_flag is not None else (max(finals) if finals else None)
+    short = [n for n, m in results["modes"].items() if m.get("kind") == "baseline" and m.get("status") == "ok"
+             and plan.dp_steps < plan.steps]
+    for name in short:
+        results["modes"][name]["note"] = (f"networked over {plan.dp_steps} of {plan.steps} steps: its time and bytes "
+                                          f"per step make {DP_REFERENCE}'s")
+    if short and cfg is not None:
+        results["modes"][DP_REFERENCE] = dp_reference_mode(results["modes"][short[0]], short[0], cfg, plan,
+                                                            dp_curve_file)
+    full = {n: m for n, m in results["modes"].items() if m.get("status") == "ok" and n not in short}
+    finals = [m["val_loss_final"] for m in full.values() if m["val_loss_final"] < m["val_loss_start"]]
+    ref = full.get(DP_REFERENCE)
+    if target_flag is not None:
+        target, rule = target_flag, "--target-loss"
+    elif ref is not None and all(min(c["val_loss"] for c in m["curve"]) <= ref["val_loss_final"] for m in full.values()):
+        target, rule = ref["val_loss_final"], "data parallelism's final validation loss (every mode reaches it)"
+    else:
+        target = max(finals) if finals else None
+        rule = ("worst final validation loss among the modes that improved on the initial loss"
+                + (" (not every mode reaches data parallelism's final loss)" if ref is not None else ""))
     results["target_loss"] = target
-    results["target_rule"] = ("--target-loss" if target_flag is not None else
-                              "worst final validation loss among the modes that improved on the initial loss")
+    results["target_rule"] = rule
     planned = results.get("tokens_planned")
-    for m in results["modes"].values():
-        if m.get("status") != "ok":
+    for name, m in results["modes"].items():
+        if m.get("status") != "ok" or name in short:
             continue
         if target is not None:
             m["time_to_target_seconds"] = _time_to_target(m["curve"], target)
@@ -774,6 +823,73 @@ def _finish(results: Dict[str, Any], modes: List[_ModeRun], plan: _Plan, sampler
         if planned and m["tokens"] != planned:
             # train.max_outer_steps counts successful rounds: failed ones add inner steps
             m["note"] = (m.get("note") or "") + f"trained {m['tokens']:,} tokens, not the planned {planned:,}"
+
+
+def _every(seconds: float, fn):
+    """``fn`` at most once per ``seconds`` (status lines of long loops)."""
+    last = [0.0]
+
+    def call(line: str) -> None:
+        if time.monotonic() - last[0] >= seconds:
+            last[0] = time.monotonic()
+            fn(line)
+    return call
+
+
+#: the results entry of data parallelism over the whole budget when the networked baseline ran a shorter span
+DP_REFERENCE = "dp-reference"
+
+
+def dp_reference_mode(measured: Dict[str, Any], name: str, cfg: Any, plan: _Plan,
+                      curve_file: Optional[str] = None) -> Dict[str, Any]:
+    """Data parallelism over the whole budget: the loss curve computed in process (bench/dp_reference.py,
+    the same math as the networked run), wall time and bytes per step from the networked baseline
+    ``measured`` (its wall time without its validations, and its interface bytes, per global step),
+    and the check of the in-process curve against the networked run's validations over the span both ran."""
+    from .dp_reference import check_against, dp_curve, identity
+
+    if curve_file:
+        with open(curve_file) as f:
+            ref = json.load(f)
+        if ref.get("identity") != identity(cfg, plan.peers) or ref.get("steps", 0) < plan.steps:
+            raise UserError(f"--dp-curve {curve_file} was computed for another configuration or fewer steps than "
+                            f"{plan.steps}: recompute it with python -m p2pdiloco.bench.dp_reference (the command "
+                            "in docs/benchmark.md)")
+    else:
+        print(f"data parallelism over {plan.steps} steps, in process (the loss curve; time and bytes per step from "
+              f"{name})", flush=True)
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as every peer trains (train.threads=1); more threads only contend on a shared CPU
+        try:
+            ref = dp_curve(cfg, plan.peers, plan.steps, math.gcd(plan.sync_every, plan.dp_eval_every),
+                           status=_every(10.0, lambda line: print("  " + line, flush=True)))
+        finally:
+            torch.set_num_threads(threads)
+    per_step_tokens = plan.peers * plan.batch_size * plan.seq_len
+    steps_measured = plan.dp_steps
+    compute_wall = max(measured["wall_seconds"] - measured.get("eval_seconds", 0.0), 1e-9)
+    per_step = compute_wall / steps_measured
+    bytes_per_step = measured["bytes_sent_per_peer"] / steps_measured
+    curve = [{"tokens": p["step"] * per_step_tokens, "seconds": round(p["step"] * per_step, 2), "val_loss": p["val"]}
+             for p in ref["curve"] if p["step"] <= plan.steps]
+    networked = [{"step": int(round(c["tokens"] / per_step_tokens)), "val": c["val_loss"]} for c in measured["curve"][1:]]
+    check = check_against(ref["curve"], networked)
+    return {
+        "status": "ok", "kind": "reference", "args": [],
+        "note": (f"loss curve in process over {plan.steps} steps; time and bytes: {name} measured over "
+                 f"{steps_measured} steps ({per_step:.2f} s and {_fmt_bytes(bytes_per_step)} per step)"),
+        "peers": plan.peers, "wall_seconds": round(per_step * plan.steps, 2), "tokens": plan.steps * per_step_tokens,
+        "val_loss_start": curve[0]["val_loss"], "val_loss_final": curve[-1]["val_loss"],
+        "bytes_sent_per_peer": bytes_per_step * plan.steps, "counted_bytes_sent_per_peer": None,
+        "peak_bytes_per_s_per_peer": measured["peak_bytes_per_s_per_peer"],
+        "peak_bytes_per_s_by_window": {}, "utilization": measured["utilization"],
+        "compute_fraction": measured.get("compute_fraction"), "failed_syncs": 0, "curve": curve,
+        "bytes_series": [{"seconds": c["seconds"], "sent_per_peer": bytes_per_step * c["tokens"] / per_step_tokens}
+                         for c in curve],
+        "seconds_per_step": round(per_step, 3), "bytes_per_step": bytes_per_step, "check_against_networked": check,
+    }
 
 
 # ----------------------------------------------------------------------------- driver
@@ -831,7 +947,8 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
     if args.peers < 2:
         raise ConfigError(f"--peers ({args.peers}) must be at least 2")
     link = LinkSpec(args.rate, args.delay, args.jitter, args.loss).validate()
-    base = load_config(args.config, list(args.set))
+    user_sets = [*(MATRIX_SETS.get(args.matrix, ()) if not args.modes else ()), *args.set]
+    base = load_config(args.config, user_sets)
     H = base.inner.sync_every
     tokens_per_round = args.peers * base.inner.batch_size * base.model.seq_len * H
     if args.tokens:
@@ -846,11 +963,12 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
     allreduce_timeout = args.allreduce_timeout or max(30.0, 3 * est_allreduce + 10)
     plan = _Plan(
         config=args.config, peers=args.peers, steps=steps, sync_every=H, batch_size=base.inner.batch_size,
-        seq_len=base.model.seq_len, user_sets=list(args.set), link=link, out=os.path.abspath(args.out),
+        seq_len=base.model.seq_len, user_sets=user_sets, link=link, out=os.path.abspath(args.out),
         mode_timeout=args.mode_timeout, allreduce_timeout=allreduce_timeout,
         matchmaking_timeout=max(60.0, allreduce_timeout),
         supports_start_wait=hasattr(SwarmConfig(), "min_peers_to_start"),
         pin_cores=args.pin_cores, speeds=_speeds(args),
+        dp_steps=min(steps, args.dp_steps or DP_STEPS.get(args.matrix, 0) or steps),
     )
     os.makedirs(plan.out, exist_ok=True)
     modes = [_ModeRun(n, "baseline" if n in BASELINES else "diloco", BASELINES.get(n) or MODES.get(n, ())) for n in names]
@@ -867,7 +985,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
         "batch_size": plan.batch_size, "seq_len": plan.seq_len, "params": params,
         "tokens_planned": steps * plan.peers * plan.batch_size * plan.seq_len,
         "config": os.path.relpath(args.config, _REPO) if args.config.startswith(_REPO) else args.config,
-        "sets": list(args.set), "allreduce_timeout": allreduce_timeout, "modes": {},
+        "sets": user_sets, "allreduce_timeout": allreduce_timeout, "dp_steps": plan.dp_steps, "modes": {},
     }
     todo = [m for m in modes if m.status == "pending"]
     print(f"benchmark: {plan.peers} peers at {link.rate_mbit:g} Mbit/s, {link.delay_ms:g} ms delay"
@@ -903,7 +1021,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
         if sampler is not None:
             sampler.stop()
         results["machine"]["loadavg_at_end"] = _loadavg()
-        _finish(results, modes, plan, sampler, args.target_loss)
+        _finish(results, modes, plan, sampler, args.target_loss, base, args.dp_curve)
         with open(os.path.join(plan.out, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
     results["plots"] = _plot(results, plan.out)
@@ -956,6 +1074,13 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="override for every peer of every mode (repeatable)")
     p.add_argument("--target-loss", type=float, default=None,
                    help="validation loss for time-to-target (default: worst final loss among the modes)")
+    p.add_argument("--dp-steps", type=int, default=0,
+                   help="global steps of the networked data-parallel baseline (default: the whole budget; long: "
+                        f"{DP_STEPS.get('long')}); when fewer, data parallelism's curve over the budget is computed "
+                        "in process and its time and bytes per step come from the networked run")
+    p.add_argument("--dp-curve", default=None, metavar="JSON",
+                   help="the in-process curve written by python -m p2pdiloco.bench.dp_reference --json (same "
+                        "config and peers, at least as many steps) instead of computing it")
     p.add_argument("--mode-timeout", type=float, default=1800, help="training budget of one mode, s")
     p.add_argument("--allreduce-timeout", type=float, default=0,
                    help="swarm.allreduce_timeout / hivemind averaging_timeout, s (default: sized for the link)")

@@ -66,6 +66,14 @@ class SyncReport:
     extra: Dict[str, object] = field(default_factory=dict)
 
 
+def fp32_allreduce_bytes(numel: int, group_size: int) -> int:
+    """Payload one member sends in an fp32 butterfly all-reduce of ``numel`` values among ``group_size``
+    peers: its parts for the other owners and its shard's mean back to the others, 2·(N−1)/N·4·numel
+    (algorithm.md §5). The sync event's ``fp32_bytes``: what the same sync would have cost uncompressed."""
+    n = max(1, group_size)
+    return int(2 * (n - 1) * 4 * numel // n)
+
+
 class _SoloGroup:
     size = 1
 
@@ -517,7 +525,9 @@ class DiLoCo:
                             overlapped_steps=job.overlapped_steps,
                             peak_bytes_per_s=self.meter.take_peak() if self.meter is not None else 0.0,
                             extra={**(job.extra if job.ok else {}),
-                                   **({"round_samples": job.covered_weight} if job.ok else {}),
+                                   **({"round_samples": job.covered_weight,
+                                       "fp32_bytes": fp32_allreduce_bytes(job.delta.numel(), job.group_size)}
+                                      if job.ok else {}),
                                    "group_wait_seconds": round(job.group_wait, 4)})
         if notify:
             self._notify(report)
