@@ -151,7 +151,7 @@ def test_two_worker_peer_finishes_and_resumes_with_one(procs, tmp_path):
     keys = ("step", "synced_step", "outer_steps", "fragments", "digest", "model_digest", "final")
     ev0 = [{k: r[k] for k in keys} for r in ra if r["event"] == "local_sync"]
     ev1 = [{k: r[k] for k in keys} for r in w1 if r["event"] == "local_sync"]
-    assert ev0 == ev1 and len(ev0) >= ROUNDS + 1
+    assert ev0 == ev1 and len(ev0) >= ROUNDS + 1 and ev1[-1]["final"]
     for k, by in syncs.items():
         got = [e for e in ev1 if e["outer_steps"] == [k] and e["fragments"]]
         assert len(got) == 1 and got[0]["digest"] == by["a"]["digest"] and got[0]["model_digest"], (k, got)
@@ -264,3 +264,71 @@ def test_local_workers_in_a_swarm_and_a_dead_one(procs, tmp_path):
     cfg = load_config(TINY, [*PINNED, *settings])
     _, digests = _reference(cfg, [[r for r in rs if r["event"] == "start"][0]["peer"] for rs in (ra, rb)])
     assert digests == [by[k]["a"]["digest"] for k in range(1, ROUNDS + 1)]  # bitwise the reference's state
+
+
+#: the streaming scheme the project is moving its defaults to, pinned: 2 fragments, tau/alpha overlap, 4-bit
+STREAMING = ["compression.codec=e3m0", "streaming.fragments=2", "streaming.mode=tau", "streaming.tau=2",
+             "streaming.alpha=0.5"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_worker_peer_joins_a_streaming_run_and_stops_on_ctrl_c(procs, tmp_path):
+    """A 2-worker peer joins a run in progress (its state download reaches both workers), trains with
+    2 fragments, tau/alpha overlap and 4-bit pseudo-gradients, and stops on a Ctrl-C to its process
+    group (the terminal's): exit 0 for the launcher and both workers, the final state on both."""
+    addr = procs.bootstrap()
+    settings = [*STREAMING, "swarm.run_id=lw-stream", "swarm.progress_period=2"]
+    b = _join(procs, addr, "b", tmp_path / "b", *settings, "data.shard=1")
+    deadline = time.time() + 120
+    while len(_syncs(tmp_path / "b" / "metrics.jsonl")) < 4:  # two outer steps before the 2-worker peer comes
+        assert b.poll() is None and time.time() < deadline, procs.err("b")[-3000:]
+        time.sleep(0.2)
+    a = _join(procs, addr, "a", tmp_path / "a", *settings, "data.shard=0", workers=2)
+    pids = _worker_pids(procs, "a", 2)
+    deadline = time.time() + 150
+    while len([r for r in _syncs(tmp_path / "a" / "metrics.jsonl") if r["ok"] and r["group_size"] == 2]) < 4:
+        assert a.poll() is None and b.poll() is None and time.time() < deadline, procs.err("a")[-3000:]
+        time.sleep(0.2)
+    os.killpg(a.pid, signal.SIGINT)  # what Ctrl-C in its terminal does: the launcher and both workers get it
+    assert procs.wait(a, 60) == 0, procs.err("a")[-3000:]
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids.values())
+    os.killpg(b.pid, signal.SIGTERM)
+    assert procs.wait(b, 60) == 0, procs.err("b")[-3000:]
+
+    ra, rb = read_metrics(str(tmp_path / "a" / "metrics.jsonl")), read_metrics(str(tmp_path / "b" / "metrics.jsonl"))
+    w1 = read_metrics(str(tmp_path / "a" / "worker1.jsonl"))
+    # joined from the swarm's verified state (and, as a one-process joiner may, adopted it once more at its
+    # first sync when that round's group had formed without it): every adopted state reached worker 1
+    caught = [r for r in ra if r["event"] == "catch_up"]
+    keys = ("step", "synced_step", "outer_steps", "fragments", "digest", "model_digest", "final")
+    ev0, ev1 = ([{k: r[k] for k in keys} for r in rs if r["event"] == "local_sync"] for rs in (ra, w1))
+    assert caught and ev0 == ev1 and ev1[0]["digest"] == caught[0]["digest"] and ev1[-1]["final"]
+    assert all(any(e["digest"] == c["digest"] and e["model_digest"] for e in ev1) for c in caught)
+    theirs = {(r["fragment"], r["outer_step"]): r["digest"] for r in rb if r["event"] == "sync" and r["ok"]}
+    ours = [r for r in ra if r["event"] == "sync" and r["ok"]]
+    assert len(ours) >= 4 and all(theirs[(r["fragment"], r["outer_step"])] == r["digest"] for r in ours)
+    received = {(int(p), d) for e in ev1 for p, d in e["fragments"].items()}
+    assert all((r["fragment"], r["digest"]) in received for r in ours)  # worker 1 holds every synced global copy
+    summaries = [[r for r in rs if r["event"] == "summary"][-1] for rs in (ra, w1)]
+    assert summaries[0]["digest"] == summaries[1]["digest"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_killed_launcher_leaves_nothing_behind(procs, tmp_path):
+    """The launcher itself SIGKILLed (its workers are not): they notice and leave, rank 0 with its DHT
+    process and daemon."""
+    a = _join(procs, None, "a", tmp_path / "a", "swarm.run_id=lw-orphan", workers=2)
+    pids = _worker_pids(procs, "a", 2)
+    deadline = time.time() + 120
+    while not _syncs(tmp_path / "a" / "metrics.jsonl"):
+        assert a.poll() is None and time.time() < deadline, procs.err("a")[-3000:]
+        time.sleep(0.2)
+    machine = [pids[0], *[c.pid for c in psutil.Process(pids[0]).children(recursive=True)], pids[1]]
+    os.kill(a.pid, signal.SIGKILL)  # the launcher only
+    deadline = time.time() + 45
+    while left := [p for p in machine if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
+        assert time.time() < deadline, f"left behind: {left}"
+        time.sleep(0.2)
+    print(f"\nthe workers were gone {45 - (deadline - time.time()):.1f} s after the launcher was killed")

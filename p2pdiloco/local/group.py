@@ -216,7 +216,8 @@ class LocalLeader:
         self._versions = [p._version for p in self.params]
 
     def tell(self, go: bool, lr_step: int, final: bool = False) -> Control:
-        """Send this step's message and what changed; returns it with its event (None: nothing sent)."""
+        """Send this step's message and what changed; returns it with its event (None: nothing sent and
+        not the final message)."""
         d = self.diloco
         changed = [v is None or p._version != v for p, v in zip(self.params, self._versions)]
         with d.state_lock:  # one consistent view of the global copies (a background sync may land any time)
@@ -235,9 +236,9 @@ class LocalLeader:
             self._frag_digests[p] = digest_of([flat])
         self._outer_keys = keys
         self.mark()
-        if any(changed) or flats:
+        if any(changed) or flats or final:  # the final message always: every worker logs its end state
             ctl.event = _event(0, ctl, [k[1] for k in keys], {p: self._frag_digests[p] for p in flats},
-                               self._frag_digests, digest_of(self.params) if any(changed) else None)
+                               self._frag_digests, digest_of(self.params) if any(changed) or final else None)
         return ctl
 
 
@@ -277,9 +278,9 @@ class LocalFollower:
             flat = torch.empty(2 * self.numels[p], dtype=torch.float32)
             self.group.broadcast([flat], "received a global copy")
             got[p] = self._frag_digests[p] = digest_of([flat])
-        if any(changed) or got:
+        if any(changed) or got or ctl.final:
             ctl.event = _event(self.group.rank, ctl, steps, got, self._frag_digests,
-                               digest_of(self.params) if any(changed) else None)
+                               digest_of(self.params) if any(changed) or ctl.final else None)
         return ctl
 
 
