@@ -397,3 +397,21 @@ def test_make_reducer_dense_params_and_bytes_with_power_iterations():
     assert [p for p, _ in phases] == ["p", "q", "p2", "q2"]
     assert red.info()["values_sent"] == sum(n for _, n in phases) == (128 * 8 + 256 * 64 + 64) + 64 * 8 + 128 * 8 + 64 * 8
     assert torch.equal(out[: 256 * 64], delta[: 256 * 64])  # the embedding travels whole
+
+
+def test_quality_bench_settings_and_table():
+    from p2pdiloco.bench import compression_quality as cq
+    from p2pdiloco.config import load_config
+
+    for name, overrides in cq.SETTINGS.items():  # every named setting is a valid config
+        load_config(None, [*cq._BLOCKING, "inner.sync_every=50", *overrides])
+    with pytest.raises(SystemExit):
+        cq.main(["--settings", "nope"])
+    with pytest.raises(SystemExit):
+        cq.main(["--define", "broken", "--settings", "fp32"])
+    table = cq.format_table({
+        "fp32": {"val_loss": [5.0, 3.0], "bytes_per_sync": [800], "x_fewer_than_fp32": 1.0},
+        "e3m0": {"val_loss": [5.0, 3.03], "bytes_per_sync": [113], "x_fewer_than_fp32": 7.1},
+        "x": {"val_loss": [5.0, 3.06], "bytes_per_sync": [25], "x_fewer_than_fp32": 32.0}})
+    row = [line for line in table.splitlines() if line.startswith("x ")][0]
+    assert "+2.00%" in row and "+0.99%" in row and "32.0" in row

@@ -1,7 +1,8 @@
 """What compression costs in quality: DiLoCo with simulated peers in one process, per setting.
 
     python -m p2pdiloco.bench.compression_quality --config peers/tiny-cpu.toml --peers 3 --rounds 8 \\
-        [--set inner.sync_every=20 ...] [--settings fp32,e3m0,e3m0-ef,e3m0-lowrank] [--json out.json]
+        [--set inner.sync_every=50 ...] [--settings fp32,e3m0,nf4-lowrank-f16,mine] \\
+        [--define "mine=compression.codec=e3m0;compression.lowrank=true;compression.rank=8"] [--json out.json]
 
 Every setting runs the same experiment from the same seeds: ``--peers`` peers, each with the run's
 model, its own AdamW and its own data shard (peer m reads shard m of ``--peers``), take H inner
@@ -14,7 +15,10 @@ the new global parameters. No network, no timing noise: only what the wire forma
 Reported per setting and round: validation loss of the global parameters (``train.eval_batches``
 fixed windows) and the payload bytes one peer sends per sync (``2 (M-1)/M`` of each all-reduced
 vector, encoded: its parts out and its shard's mean back; framing excluded). A setting is a name
-and ``--set``-style overrides of ``[compression]`` (see :data:`SETTINGS`).
+and ``--set``-style overrides of ``[compression]`` (see :data:`SETTINGS`, or ``--define`` one); the
+table at the end gives each final loss relative to ``fp32`` and ``e3m0`` (where they ran) and the
+bytes relative to an fp32 all-reduce of the same model. Progress (one line per round) goes to stderr.
+The bench pins ``streaming.fragments=1`` (blocking DiLoCo over the whole model).
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ __all__ = ["SETTINGS", "run_setting", "format_table", "main"]
 _PLAIN = ("compression.lowrank=false",)
 _LOWRANK_R4 = ("compression.lowrank=true", "compression.rank=4", "compression.adaptive=true", "compression.rank_fraction=0",
                "compression.dense_params=", "compression.power_iterations=1")
-#: the recommended low-rank setting (docs/compression.md, "What compression costs in quality")
+#: rank 1/8 of each matrix's smaller side, fixed, embeddings whole: with nf4 the recommended low-rank
+#: setting (docs/compression.md, "What compression costs in quality")
 _LOWRANK_F16 = ("compression.lowrank=true", "compression.rank_fraction=0.125", "compression.adaptive=false",
                 "compression.dense_params=emb", "compression.power_iterations=1")
 #: the bench simulates blocking DiLoCo over the whole model (one fragment; the streaming mode is not used), whatever the
@@ -62,6 +67,7 @@ SETTINGS: Dict[str, Tuple[str, ...]] = {
     "e3m0-lowrank-r16-ef": ("compression.codec=e3m0", "compression.error_feedback=true", *_LOWRANK_R4[:-5],
                             "compression.rank=16", *_LOWRANK_R4[2:]),
     "e3m0-lowrank-f16": ("compression.codec=e3m0", "compression.error_feedback=false", *_LOWRANK_F16),
+    "nf4-lowrank-f16": ("compression.codec=nf4", "compression.error_feedback=false", *_LOWRANK_F16),
 }
 
 
@@ -93,7 +99,7 @@ class _Butterfly:
         return allreduce
 
 
-def run_setting(cfg: RunConfig, peers: int, rounds: int) -> Dict[str, object]:
+def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False) -> Dict[str, object]:
     """One setting: returns ``{"val_loss": [start, after round 1, ...], "bytes_per_sync": [...], ...}``."""
     torch.manual_seed(cfg.train.seed)
     corpus = load_corpus(cfg.data)
@@ -142,6 +148,8 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int) -> Dict[str, object]:
             outer.copy_to(ps)
         losses.append(val())
         sent.append(bf.payload[0])
+        if progress:
+            print(f"  round {len(sent)}: val_loss {losses[-1]:.4f}, {sent[-1]:,} bytes", file=sys.stderr, flush=True)
         info = reducers[0].info()
         if "ranks" in info:
             ranks.append(sum(info["ranks"]) / max(1, len(info["ranks"])))
@@ -178,7 +186,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     results: Dict[str, Dict[str, object]] = {}
     for name in names:
         cfg = load_config(args.config, [*_BLOCKING, *args.set, *settings[name]])
-        results[name] = r = run_setting(cfg, args.peers, args.rounds)
+        print(f"{name}: {' '.join(settings[name])}", file=sys.stderr, flush=True)
+        results[name] = r = run_setting(cfg, args.peers, args.rounds, progress=True)
         r["overrides"] = list(settings[name])
         print(f"{name:<22} val_loss {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.4f}  "
               f"bytes/sync/peer {r['bytes_per_sync'][-1]:>10,} ({r['x_fewer_than_fp32']}x fewer than fp32)  "
