@@ -3,7 +3,7 @@
 Through the real CLI, on CPU with gloo (this machine has no GPU), bootstrap included, fp32 and
 blocking DiLoCo pinned (``PINNED``: the defaults may change):
 
-* default run: a 2-worker peer and a 1-worker peer train together for ROUNDS rounds: every sync a
+* default run: a 2-worker peer and a 1-worker peer train together for QUICK rounds: every sync a
   group of 2, the 2-worker peer weighted by both workers' samples; equal digests on both peers, and
   both local workers of the 2-worker peer log the same ``local_sync`` events (the swarm's digest
   after every sync, the same model digest); the state after every round bitwise that of a
@@ -39,6 +39,8 @@ from p2pdiloco.local.worker import local_stream
 from p2pdiloco.metrics import read_metrics
 
 H, BATCH, ROUNDS = 10, 8, 3
+#: rounds the default test checks before its fault (the slow one runs ROUNDS)
+QUICK = 2
 #: what these tests rely on, pinned (the defaults may change): fp32, one fragment, blocking syncs
 PINNED = ["compression.codec=fp32", "compression.lowrank=false", "streaming.fragments=1", "streaming.mode=tau",
           "streaming.tau=0", "streaming.alpha=0.0", "inner.round_samples=0", f"inner.sync_every={H}",
@@ -64,7 +66,7 @@ def _worker_pids(procs, name, k, timeout=60.0):
     raise AssertionError(f"{name} printed no worker pids")
 
 
-def _reference(cfg, peer_ids, one_forward=False):
+def _reference(cfg, peer_ids, one_forward=False, rounds=ROUNDS):
     """Blocking DiLoCo in one process: peer 0 is ONE replica (one model, one AdamW) whose inner step
     takes the summed batch of its two sub-shards (the batches the two local workers draw), peer 1 an
     ordinary replica on shard 1; each round averages their pseudo-gradients weighted by samples, in
@@ -85,7 +87,7 @@ def _reference(cfg, peer_ids, one_forward=False):
                        nesterov=cfg.outer.nesterov)
     step = 0
     digests = []
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for m in (model0, model1):
             outer.copy_to(list(m.parameters()))
         for i in range(H):
@@ -200,7 +202,7 @@ def _syncs(path):
 
 @pytest.mark.timeout(240)
 def test_local_workers_in_a_swarm_and_a_dead_one(procs, tmp_path):
-    """The default run: a 2-worker and a 1-worker peer for ROUNDS rounds (equal digests, workers' logs,
+    """The default run: a 2-worker and a 1-worker peer for QUICK rounds (equal digests, workers' logs,
     bitwise the summed-batch reference after every round, status), then local worker 1 SIGKILLed."""
     addr = procs.bootstrap()
     settings = ["swarm.min_peers_to_start=2", "swarm.run_id=lw-swarm", "swarm.progress_period=2"]
@@ -208,7 +210,7 @@ def test_local_workers_in_a_swarm_and_a_dead_one(procs, tmp_path):
     b = _join(procs, addr, "b", tmp_path / "b", *settings, "data.shard=1")
     pids = _worker_pids(procs, "a", 2)
     deadline = time.time() + 150
-    while not all(len(_syncs(tmp_path / w / "metrics.jsonl")) >= ROUNDS for w in "ab"):
+    while not all(len(_syncs(tmp_path / w / "metrics.jsonl")) >= QUICK for w in "ab"):
         assert a.poll() is None and b.poll() is None, (procs.err("a")[-2000:], procs.err("b")[-2000:])
         assert time.time() < deadline, "too few syncs within 150 s"
         time.sleep(0.2)
@@ -245,25 +247,25 @@ def test_local_workers_in_a_swarm_and_a_dead_one(procs, tmp_path):
     os.killpg(b.pid, signal.SIGTERM)
     assert procs.wait(b, 60) == 0, procs.err("b")[-3000:]
 
-    # the first ROUNDS rounds: one group of both, equal digests, both local workers logging them
+    # the first QUICK rounds: one group of both, equal digests, both local workers logging them
     ra, rb = read_metrics(str(tmp_path / "a" / "metrics.jsonl")), read_metrics(str(tmp_path / "b" / "metrics.jsonl"))
     w1 = read_metrics(str(tmp_path / "a" / "worker1.jsonl"))
     by = {k: {w: [r for r in rs if r["event"] == "sync" and r["outer_step"] == k][0] for w, rs in (("a", ra), ("b", rb))}
-          for k in range(1, ROUNDS + 1)}
+          for k in range(1, QUICK + 1)}
     for k, r in by.items():
         assert r["a"]["ok"] and r["b"]["ok"] and r["a"]["group_size"] == r["b"]["group_size"] == 2, k
         assert r["a"]["digest"] == r["b"]["digest"], k
         assert r["a"]["samples"] == 2 * H * BATCH and r["a"]["round_samples"] == 3 * H * BATCH, k
     keys = ("step", "synced_step", "outer_steps", "fragments", "digest", "model_digest")
-    ev0, ev1 = ([{k: r[k] for k in keys} for r in rs if r["event"] == "local_sync" and r["synced_step"] <= ROUNDS * H]
+    ev0, ev1 = ([{k: r[k] for k in keys} for r in rs if r["event"] == "local_sync" and r["synced_step"] <= QUICK * H]
                 for rs in (ra, w1))
-    assert ev0 == ev1 and len(ev0) == ROUNDS + 1  # the start, then every sync
+    assert ev0 == ev1 and len(ev0) == QUICK + 1  # the start, then every sync
     for k, r in by.items():
         (e,) = [e for e in ev1 if e["outer_steps"] == [k]]
         assert e["digest"] == r["a"]["digest"] and e["step"] == r["a"]["step"] and e["model_digest"], (k, e)
     cfg = load_config(TINY, [*PINNED, *settings])
-    _, digests = _reference(cfg, [[r for r in rs if r["event"] == "start"][0]["peer"] for rs in (ra, rb)])
-    assert digests == [by[k]["a"]["digest"] for k in range(1, ROUNDS + 1)]  # bitwise the reference's state
+    _, digests = _reference(cfg, [[r for r in rs if r["event"] == "start"][0]["peer"] for rs in (ra, rb)], rounds=QUICK)
+    assert digests == [by[k]["a"]["digest"] for k in range(1, QUICK + 1)]  # bitwise the reference's state
 
 
 #: the streaming scheme the project is moving its defaults to, pinned: 2 fragments, tau/alpha overlap, 4-bit
@@ -332,3 +334,13 @@ def test_killed_launcher_leaves_nothing_behind(procs, tmp_path):
         assert time.time() < deadline, f"left behind: {left}"
         time.sleep(0.2)
     print(f"\nthe workers were gone {45 - (deadline - time.time()):.1f} s after the launcher was killed")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("k, needle", [("0", "--local-workers (0) must be between 1 and 64"),
+                                       ("two", "invalid int value: 'two'")])
+def test_bad_local_workers_is_one_clear_line(tmp_path, k, needle):
+    res = subprocess.run(cli_argv("join", "--config", TINY, "--local-workers", k), capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path, start_new_session=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert needle in res.stderr

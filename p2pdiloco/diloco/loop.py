@@ -51,9 +51,10 @@ def inner_step(cfg: RunConfig, model, opt, stream: BatchStream, step: int, devic
     _, loss = model(x, y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    value = loss.item()
     if local is not None:
-        return _finish_step(cfg, model, opt, local.average_gradients(list(model.parameters()), loss.item())), x.shape[0]
-    return _finish_step(cfg, model, opt, loss.item()), x.shape[0]
+        value = local.average_gradients(list(model.parameters()), value)
+    return _finish_step(cfg, model, opt, value), x.shape[0]
 
 
 def _finish_step(cfg: RunConfig, model, opt, loss: float) -> float:

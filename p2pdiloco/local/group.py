@@ -110,6 +110,9 @@ class LocalGroup:
         except RuntimeError as e:  # gloo/nccl: a closed connection, a timeout (DistError is a RuntimeError)
             self.broken = True
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if self.rank:  # rank 0 (or the launcher) says it for the machine, once
+                raise LocalWorkerLost(f"local worker {self.rank} of {self.world}: the machine's peer stopped while "
+                                      f"we {what} ({first[:200]}); exiting") from None
             raise LocalWorkerLost(f"local worker {self.rank} of {self.world}: another local worker of this "
                                   f"machine stopped while we {what} ({first[:200]}); the peer leaves the swarm "
                                   "(run the same command again to resume from its last checkpoint)") from None
