@@ -276,7 +276,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         lw = lw if isinstance(lw, int) and not isinstance(lw, bool) and lw > 0 else 1
         print(f"{pid[-6:]:<8} {reach:<8} {lw:>7} {v.get('round', 0):>5} {v.get('step', 0):>7} {rate:>9} {share:>5} "
               f"{v.get('samples', 0):>9} {format_bytes(v.get('sent', 0)):>9} {format_bytes(v.get('recv', 0)):>9} "
-              f"{ago:>9} {loss if loss is None else f'{loss:.3f}':>7} {val if val is None else f'{val:.3f}':>7}")
+              f"{ago:>9} {'-' if loss is None else f'{loss:.3f}':>7} {'-' if val is None else f'{val:.3f}':>7}")
     return 0
 
 

@@ -344,3 +344,30 @@ def test_bad_local_workers_is_one_clear_line(tmp_path, k, needle):
                          timeout=60, cwd=tmp_path, start_new_session=True)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert needle in res.stderr
+
+
+def test_status_table_shows_local_workers(monkeypatch, capsys):
+    """``status`` (the table): each peer's local workers (1 when its record has none: an older peer) and
+    samples/s; a peer that has not synced yet (loss null) prints '-' instead of failing."""
+    import p2pdiloco.swarm.node as node
+    from p2pdiloco.cli import main
+
+    records = {"Qm" + "A" * 40 + "aaaaaa": {"lw": 8, "rate": 123.4, "round": 3, "step": 60, "samples": 9000,
+                                           "loss": 3.2, "val_loss": 3.3, "last_sync": time.time(), "reach": "public"},
+               "Qm" + "B" * 40 + "bbbbbb": {"rate": 12.0, "loss": None, "val_loss": 5.4}}
+
+    class FakeNode:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def get_subkeys(self, key):
+            return records
+
+        def shutdown(self):
+            pass
+    monkeypatch.setattr(node, "SwarmNode", FakeNode)
+    assert main(["status", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/" + "Qm" + "C" * 44]) == 0
+    head, a, b = capsys.readouterr().out.splitlines()
+    assert head.split()[:4] == ["peer", "reach", "workers", "outer"]
+    assert a.split()[:2] + a.split()[2:3] + [a.split()[5]] == ["aaaaaa", "public", "8", "123.4"]
+    assert b.split()[2] == "1" and b.split()[-2:] == ["-", "5.400"]
