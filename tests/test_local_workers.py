@@ -371,3 +371,85 @@ def test_status_table_shows_local_workers(monkeypatch, capsys):
     assert head.split()[:4] == ["peer", "reach", "workers", "outer"]
     assert a.split()[:2] + a.split()[2:3] + [a.split()[5]] == ["aaaaaa", "public", "8", "123.4"]
     assert b.split()[2] == "1" and b.split()[-2:] == ["-", "5.400"]
+
+
+def _protocol_rank(rank: int, port: int, out: str) -> None:
+    """One side of test_protocol_between_two_processes (a spawned process)."""
+    from p2pdiloco.diloco.core import DiLoCo
+    from p2pdiloco.local.group import LocalFollower, LocalGroup, LocalLeader
+    from p2pdiloco.model import build_model
+
+    torch.set_num_threads(1)
+    cfg = load_config(TINY, [*PINNED, "streaming.fragments=2", "inner.sync_every=10"])
+    os.environ.update(P2PDILOCO_LOCAL_RANK=str(rank), P2PDILOCO_LOCAL_WORLD="2",
+                      P2PDILOCO_LOCAL_STORE=f"127.0.0.1:{port}")
+    group = LocalGroup.from_env("cpu")
+    group.connect()
+    torch.manual_seed(rank)  # different starting points: everything a worker holds must come from rank 0
+    model = build_model(cfg.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (2, 16))
+    if rank == 0:  # a resumed rank 0: its AdamW has state
+        model(x, x)[1].backward()
+        opt.step()
+        diloco = DiLoCo(model, cfg, None)
+        leader = LocalLeader(group, model, diloco)
+        leader.brief({"run_dir": "x"}, opt)
+        first = leader.tell(True, 0)
+        leader.mark()
+        with torch.no_grad():  # what a sync does between our step and the message: a merge, an outer step
+            next(model.parameters()).mul_(0.5)
+        diloco.outer[1].step(torch.full((diloco.outer[1].numel,), 1e-3))
+        second = leader.tell(False, 7, final=True)
+        result = dict(events=[first.event, second.event], digest=diloco.digest())
+    else:
+        diloco = DiLoCo(model, cfg, None)
+        follower = LocalFollower(group, model, [o.numel for o in diloco.outer])
+        info = follower.brief(opt)
+        first, second = follower.recv(), follower.recv()
+        result = dict(info=info, events=[first.event, second.event], digest=follower.digest,
+                      lr_step=second.lr_step, go=[first.go, second.go], final=second.final)
+    result["model"] = digest_model(model)
+    result["opt"] = digest_model([t for s in opt.state.values() for t in s.values()])
+    with open(out, "w") as f:
+        json.dump(result, f)
+    group.close()
+
+
+def digest_model(x) -> str:
+    from p2pdiloco.local.group import digest_of
+
+    return digest_of(list(x.parameters()) if isinstance(x, torch.nn.Module) else x)
+
+
+@pytest.mark.timeout(120)
+def test_protocol_between_two_processes(tmp_path):
+    """The brief and two messages between two real processes (gloo): worker 1 ends with rank 0's inner
+    optimiser state, parameters and global copies (it started from other ones), and both log the same
+    events: the start (everything), then the one parameter and the one fragment that changed."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    ps = [ctx.Process(target=_protocol_rank, args=(r, store.port, str(tmp_path / f"r{r}.json"))) for r in range(2)]
+    for p in ps:
+        p.start()
+    try:
+        for p in ps:
+            p.join(90)
+            assert p.exitcode == 0
+    finally:
+        for p in ps:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2))
+    assert r1["info"] == {"run_dir": "x"} and r1["go"] == [True, False] and r1["final"] and r1["lr_step"] == 7
+    assert r0["opt"] == r1["opt"] and r0["model"] == r1["model"] and r0["digest"] == r1["digest"]
+    drop_rank = [{k: v for k, v in e.items() if k != "rank"} for e in r0["events"]]
+    assert drop_rank == [{k: v for k, v in e.items() if k != "rank"} for e in r1["events"]]
+    start, change = r1["events"]
+    assert sorted(start["fragments"]) == ["0", "1"] and start["model_digest"]
+    assert sorted(change["fragments"]) == ["1"] and change["outer_steps"] == [0, 1] and change["final"]
