@@ -98,10 +98,11 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None, local=None) ->
     # from the start: a SIGTERM while starting up still leaves cleanly. With local workers the launcher
     # passes its signals on, and a terminal's Ctrl-C reaches us directly too: a repeat within 1 s is one
     _install_signal_handlers(stop, repeat_s=1.0 if local is not None else 0.0)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
     if local is not None:
+        local.set_threads(cfg.train.threads)
         local.connect()
+    elif cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
     peer = _Peer(cfg, stop, local)
     try:
         peer.connect()

@@ -80,6 +80,14 @@ class LocalGroup:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    def set_threads(self, threads: int) -> None:
+        """``train.threads``, or with 0 (torch's default, every core) on the CPU: this worker's share of
+        the cores, so K workers do not oversubscribe the machine K times."""
+        if threads:
+            torch.set_num_threads(threads)
+        elif not self.device.startswith("cuda"):
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
+
     def connect(self) -> None:
         """Join the process group (the launcher's TCPStore on 127.0.0.1 is the rendezvous)."""
         import torch.distributed as dist

@@ -46,8 +46,7 @@ def run_worker(cfg: RunConfig, group: LocalGroup) -> Dict[str, Any]:
 
     for s in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the machine stops, and tells us
         signal.signal(s, signal.SIG_IGN)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    group.set_threads(cfg.train.threads)
     group.connect()
     name = f"local worker {group.rank}/{group.world}"
     torch.manual_seed(cfg.train.seed)  # the run's θ, as on every peer (rank 0 sends its own anyway)

@@ -357,7 +357,11 @@ class PeerGate:
             try:
                 await handler(info, reader, writer)
             except asyncio.CancelledError:
-                raise
+                # our node is shutting down (the peer leaves) while it served this stream: nothing to
+                # report. Re-raised, the cancelled task's exception reached asyncio's stream callback,
+                # which logged it as a traceback on every leave during a round (issue 20's tests).
+                writer.close()
+                return
             except Exception as e:  # a handler bug must not take the peer down; say who triggered it
                 with self._lock:
                     self.errors += 1
