@@ -13,6 +13,8 @@ is local phases with all-reduce-means between them, done by the caller::
     a1 = allreduce_mean(v1)         # identical on every peer
     v2 = comp.middle(a1)            # [Q_m for each low-rank matrix], fp32
     a2 = allreduce_mean(v2)         # identical on every peer
+    while comp.iterations_left:     # power_iterations > 1 only
+        a2 = allreduce_mean(comp.middle(allreduce_mean(comp.again(a2))))
     out = comp.finish(a2)           # averaged tensors, original shapes, fp32
 
 If an all-reduce fails, call :meth:`abort`: the round is dropped, residuals are kept.
@@ -79,6 +81,20 @@ k)`` which estimates ``||P_k P_k^T M||_F / ||M||_F``. This round's rank per matr
 
 Every decision uses only all-reduced values, so ranks agree on all peers of the round, including
 peers whose own state was stale (a restart, a missed round): the vote heals them in one round.
+
+Which matrices and which rank: a matrix's largest rank is ``cfg.rank``, or with ``rank_fraction``
+``f > 0`` the share ``floor(f * min(rows, cols))`` of its smaller side (at least 1), so the factors'
+bytes keep the same proportion to the matrix as models grow. Tensors listed in the constructor's
+``dense`` (the reducer passes the parameters named by ``compression.dense_params``, e.g. the
+embeddings, whose pseudo-gradients are far from low-rank) are sent whole like the small ones.
+
+Power iterations (``power_iterations = k > 1``): after :meth:`middle`, :meth:`again` takes the
+all-reduced ``mean Q_m`` as the new ``Q`` (unit-norm columns) and returns ``[M_m Q]`` for one more
+all-reduce, whose mean goes to :meth:`middle` again; :meth:`finish` follows the k-th. ``P``, the
+applied update, the residual and the energy stats come from the last iteration. Measured in DiLoCo
+(docs/compression.md): at equal bytes, a higher rank with one iteration did better.
+
+``feedback_decay`` (error feedback only) keeps that share of the residual.
 
 Tensors that are 1-D, smaller than ``min_numel``, or whose factors would not be smaller than the
 matrix (``max_rank * (rows + cols) >= rows * cols``) are sent whole, averaged exactly by the first

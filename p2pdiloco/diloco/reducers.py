@@ -132,6 +132,7 @@ class LowRankReducer:
              (adaptive ranks only; exact, so rank decisions are exact and agreed by everyone)
         p    the run's codec: P_m = M_m Q for every low-rank matrix, then the small/1-D tensors whole
         q    the run's codec: Q_m = M_m^T P for every low-rank matrix
+        p2, q2, ...  with ``power_iterations`` k > 1: k − 1 more p/q pairs (P_m = M_m mean(Q_m), ...)
 
     Bytes per matrix: ``r * (rows + cols)`` values instead of ``rows * cols``. With error feedback
     the residual of each matrix is ``M_m − P Q^_m^T`` (``Q^_m``: what the owners decoded of this
