@@ -454,3 +454,41 @@ def test_protocol_between_two_processes(tmp_path):
     start, change = r1["events"]
     assert sorted(start["fragments"]) == ["0", "1"] and start["model_digest"]
     assert sorted(change["fragments"]) == ["1"] and change["outer_steps"] == [0, 1] and change["final"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_restart_after_a_dead_worker_resumes(procs, tmp_path):
+    """Issue 20 item 4's last words: after a local worker died, the same command resumes from the
+    machine's checkpoint (same K: no re-slicing), catches up with the swarm, and trains in its groups."""
+    addr = procs.bootstrap()
+    settings = ["swarm.min_peers_to_start=2", "swarm.run_id=lw-restart", "swarm.progress_period=2"]
+    a = _join(procs, addr, "a", tmp_path / "a", *settings, "data.shard=0", workers=2)
+    b = _join(procs, addr, "b", tmp_path / "b", *settings, "data.shard=1")
+    pids = _worker_pids(procs, "a", 2)
+    deadline = time.time() + 150
+    while len(_syncs(tmp_path / "a" / "metrics.jsonl")) < 2:
+        assert a.poll() is None and b.poll() is None and time.time() < deadline, procs.err("a")[-3000:]
+        time.sleep(0.2)
+    os.kill(pids[1], signal.SIGKILL)
+    assert procs.wait(a, 45) == 1
+    before = len(read_metrics(str(tmp_path / "a" / "metrics.jsonl")))
+    a2 = _join(procs, addr, "a2", tmp_path / "a", *settings, "data.shard=0", workers=2)
+    deadline = time.time() + 150
+    while len([r for r in _syncs(tmp_path / "a" / "metrics.jsonl")[2:] if r["ok"] and r["group_size"] == 2]) < 2:
+        assert a2.poll() is None and b.poll() is None and time.time() < deadline, procs.err("a2")[-3000:]
+        time.sleep(0.2)
+    for p in (a2, b):
+        os.killpg(p.pid, signal.SIGTERM)
+    assert procs.wait(a2, 60) == 0 and procs.wait(b, 60) == 0, procs.err("a2")[-3000:]
+    ra = read_metrics(str(tmp_path / "a" / "metrics.jsonl"))[before:]
+    assert [r["event"] for r in ra if r["event"] in ("resume", "reshard")] == ["resume"]
+    theirs = {(r["fragment"], r["outer_step"]): r["digest"] for r in read_metrics(str(tmp_path / "b" / "metrics.jsonl"))
+              if r["event"] == "sync" and r["ok"]}
+    ours = [r for r in ra if r["event"] == "sync" and r["ok"]]
+    assert len(ours) >= 2 and all(theirs[(r["fragment"], r["outer_step"])] == r["digest"] for r in ours)
+    w1 = read_metrics(str(tmp_path / "a" / "worker1.jsonl"))
+    restart = max(i for i, r in enumerate(w1) if r["event"] == "start")
+    keys = ("step", "synced_step", "outer_steps", "fragments", "digest", "model_digest", "final")
+    assert [{k: r[k] for k in keys} for r in ra if r["event"] == "local_sync"] == \
+        [{k: r[k] for k in keys} for r in w1[restart:] if r["event"] == "local_sync"]
