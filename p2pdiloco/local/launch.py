@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 from ..errors import ConfigError
 from .group import COLLECTIVE_TIMEOUT_S, ENV_PARENT, ENV_RANK, ENV_STORE, ENV_WORLD
