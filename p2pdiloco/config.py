@@ -629,14 +629,14 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), valid
                               "(or scheme=NAME)")
         value = item.split("=", 1)[1]
         section, key = lhs.split(".", 1)
-        if section == "model" and key == "preset":
-            _apply_model_preset(cfg, value)
-            continue
-        items.append((section, key.strip(), value.strip(), True))
+        items.append((section.strip(), key.strip(), value.strip(), True))
     if scheme is not None:  # below every explicit key, whatever the order they came in
         _apply_scheme(cfg, scheme)
     for section, key, value, from_string in items:
-        _apply(cfg, section, key, value, from_string)
+        if section == "model" and key == "preset":  # in order: later keys change the preset's sizes
+            _apply_model_preset(cfg, value)
+        else:
+            _apply(cfg, section, key, value, from_string)
     explicit = {f"{section}.{key}" for section, key, _, _ in items}
     if cfg.streaming.mode != "tau":  # delay and eager have no tau/alpha: drop the defaults' (never the user's)
         for key in ("tau", "alpha"):

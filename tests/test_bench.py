@@ -232,7 +232,7 @@ def test_long_matrix_smoke_extrapolates_data_parallelism_from_a_short_networked_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     modes = results["modes"]
-    assert set(modes) == {"hivemind-dp", "diloco-fp32", "default", "dp-reference"}
+    assert set(modes) == {"hivemind-dp", "diloco-fp32", "default", "streaming4-tau4-nf4-lowrank", "dp-reference"}
     assert all(m["status"] == "ok" for m in modes.values()), {k: m.get("note") for k, m in modes.items()}
     net, ref = modes["hivemind-dp"], modes["dp-reference"]
     assert net["tokens"] == 2 * 3 * 8 * 128 and ref["tokens"] == 2 * 20 * 8 * 128 == modes["default"]["tokens"]
@@ -246,5 +246,6 @@ def test_long_matrix_smoke_extrapolates_data_parallelism_from_a_short_networked_
     # the default scheme ran (4 fragments, 4-bit) against blocking fp32, and the table compares with dp-reference
     default = modes["default"]
     assert default["counted_bytes_sent_per_peer"] < modes["diloco-fp32"]["counted_bytes_sent_per_peer"] / 5
+    assert modes["streaming4-tau4-nf4-lowrank"]["counted_bytes_sent_per_peer"] < default["counted_bytes_sent_per_peer"]
     assert "| dp-reference | ok |" in proc.stdout and "+0.0%" in proc.stdout.split("| dp-reference |")[1].split("\n")[0]
     assert results["target_rule"]

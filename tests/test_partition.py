@@ -43,7 +43,7 @@ def test_partition_then_heal_converges(tmp_path):
         addr = wait_for(lambda: next((l.strip() for l in (tmp_path / "boot.out").read_text().splitlines()
                                       if h0.address in l and "/p2p/" in l), None), 90, "the bootstrap address")
         # the tiny model (0.14 s per step): rounds take compute time, as on real volunteers
-        settings = [*FAST, "model.preset=tiny", "swarm.run_id=partition", f"inner.sync_every={H}", "train.max_outer_steps=1000",
+        settings = ["scheme=diloco", *FAST, "model.preset=tiny", "swarm.run_id=partition", f"inner.sync_every={H}", "train.max_outer_steps=1000",
                     "swarm.min_peers_to_start=3", "swarm.matchmaking_timeout=10", "swarm.allreduce_timeout=10"]
         for host, name in ((h0, "a"), (h1, "b"), (h2, "c")):
             args = ["join", "--initial-peers", addr]

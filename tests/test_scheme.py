@@ -120,3 +120,8 @@ def test_demo_runs_the_default_scheme_and_says_what_it_saved(tmp_path):
     # 4-bit E3M0 carries 4.5 bits per value (4 + one fp16 scale per 64): 32 / 4.5 = 7.1x, less the framing
     assert 6.0 <= float(m.group(3)) <= 7.2
     assert "all peers hold identical global parameters: yes" in proc.stdout
+
+
+def test_a_model_preset_on_the_command_line_applies_in_order():
+    assert load_config(None, ["model.n_layers=2", "model.preset=tiny", "scheme=diloco"]).model.n_layers == 4
+    assert load_config(None, ["model.preset=tiny", "model.n_layers=2", "scheme=diloco"]).model.n_layers == 2

@@ -89,6 +89,11 @@ MODES: Dict[str, Tuple[str, ...]] = {
     "streaming4-tau4-e3m0": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5", "compression.codec=e3m0"),
     "streaming4-tau8-e3m0": ("streaming.fragments=4", "streaming.tau=8", "streaming.alpha=0.5", "compression.codec=e3m0"),
     "streaming4-eager-fp32": ("streaming.fragments=4", "streaming.mode=eager"),
+    # issue 18: the default scheme with low-rank factors (rank 1/8 of each matrix, embeddings whole) in 4-bit NF4
+    "streaming4-tau4-nf4-lowrank": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5",
+                                    "compression.codec=nf4", "compression.lowrank=true",
+                                    "compression.rank_fraction=0.125", "compression.adaptive=false",
+                                    "compression.dense_params=emb"),
     "streaming4-eager-nf4": ("streaming.fragments=4", "streaming.mode=eager", "compression.codec=nf4"),
     # issue 16: the same as their all-public namesakes with every odd-numbered peer private (HALF_PRIVATE)
     "diloco-fp32-halfprivate": (),
@@ -150,7 +155,7 @@ MATRICES: Dict[str, Tuple[str, ...]] = {
     "speeds": ("diloco-fp32", "rounds-samples", "fast-only"),
     # issue 18: the long horizon (30 outer steps at H = 60): data parallelism's curve computed in process over
     # the whole budget, its time and bytes per step from a networked hivemind run over DP_STEPS steps
-    "long": ("hivemind-dp", "diloco-fp32", "default"),
+    "long": ("hivemind-dp", "diloco-fp32", "default", "streaming4-tau4-nf4-lowrank"),
 }
 
 #: settings a matrix runs with, before the user's --set (which win)
@@ -269,6 +274,7 @@ class _ModeRun:
 
 def _peer_overrides(plan: _Plan, name: str, i: int, host: Optional[Host]) -> List[str]:
     sets = [
+        *BASE_SETS,
         f"data.num_shards={plan.peers}",
         f"data.shard={i}",
         f"train.run_dir={os.path.join(plan.out, name, f'peer{i}')}",
@@ -299,7 +305,7 @@ def _diloco_sets(plan: _Plan, mode: _ModeRun, i: int, host: Optional[Host]) -> L
         outer = math.ceil(outer * plan.peers / max(1, len(_mode_peers(plan, mode))))
         if plan.supports_start_wait:
             start = [f"swarm.min_peers_to_start={len(_mode_peers(plan, mode))}"]
-    extra = [*BASE_SETS, *(s.replace("round_samples=auto", f"round_samples={plan.peers * plan.sync_every * plan.batch_size}")
+    extra = [*(s.replace("round_samples=auto", f"round_samples={plan.peers * plan.sync_every * plan.batch_size}")
              for s in mode.argv_extra)]
     return [*_peer_overrides(plan, mode.name, i, host), f"train.max_outer_steps={outer}",
             f"train.max_seconds={plan.mode_timeout:g}", *start, *extra]
@@ -947,8 +953,8 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
     if args.peers < 2:
         raise ConfigError(f"--peers ({args.peers}) must be at least 2")
     link = LinkSpec(args.rate, args.delay, args.jitter, args.loss).validate()
-    user_sets = [*(MATRIX_SETS.get(args.matrix, ()) if not args.modes else ()), *args.set]
-    base = load_config(args.config, user_sets)
+    user_sets = [*MATRIX_SETS.get(args.matrix, ()), *args.set]  # also with --modes: --matrix long --modes ...
+    base = load_config(args.config, [*BASE_SETS, *user_sets])
     H = base.inner.sync_every
     tokens_per_round = args.peers * base.inner.batch_size * base.model.seq_len * H
     if args.tokens:
