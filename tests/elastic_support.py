@@ -80,11 +80,15 @@ def stop(procs, proc, sig=signal.SIGTERM, timeout: float = 60) -> int:
 
 
 def digests_by_sync(run_dirs: Iterable) -> Dict[tuple, Dict[str, str]]:
-    """{(fragment, step): {run_dir: digest}} over every successful sync of the given peers."""
+    """{(fragment, step): {run_dir: digest}} over every successful sync of the given peers that had a
+    group: a peer's solo outer step (group_size 1: it found nobody, e.g. a straggler waking from a
+    freeze mid-matchmaking) is shared with no one, and the lineage rule repairs it later (it adopts
+    the larger group's state), so it is not compared."""
     out: Dict[tuple, Dict[str, str]] = {}
     for d in run_dirs:
         for r in ok_syncs(d):
-            out.setdefault((r["fragment"], r["step"]), {})[str(d)] = r["digest"]
+            if r.get("group_size", 2) > 1:
+                out.setdefault((r["fragment"], r["step"]), {})[str(d)] = r["digest"]
     return out
 
 
