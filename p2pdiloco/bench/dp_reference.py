@@ -52,7 +52,7 @@ def dp_curve(cfg: Any, peers: int, steps: int, eval_every: int, *,
     "seconds"}``; ``tokens`` counts every peer's tokens (peers * batch * seq_len per step), as
     the benchmark counts a DiLoCo mode's tokens.
     """
-    from ..data import evaluate, load_corpus
+    from ..data import BatchStream, evaluate, load_corpus
     from ..diloco.loop import _inner_lr, inner_setup
 
     if peers < 1 or steps < 1 or eval_every < 1:
@@ -61,8 +61,9 @@ def dp_curve(cfg: Any, peers: int, steps: int, eval_every: int, *,
     cfg.data.num_shards = peers  # peer i trains on shard i of peers, as in the benchmark
     corpus = load_corpus(cfg.data)
     model, opt, _ = inner_setup(cfg, corpus, 0, device)
-    streams = [inner_setup(cfg, corpus, i, device)[2] for i in range(peers)]
-    torch.manual_seed(cfg.train.seed)  # inner_setup reseeded; nothing below draws from it, kept for clarity
+    # each peer's data stream, as inner_setup builds it (without building a model per peer)
+    streams = [BatchStream(corpus.train, shard=i, num_shards=peers, batch_size=cfg.inner.batch_size,
+                           seq_len=cfg.model.seq_len, seed=cfg.data.seed) for i in range(peers)]
     params = [p for p in model.parameters() if p.requires_grad]
     tokens_per_step = peers * cfg.inner.batch_size * cfg.model.seq_len
     nb = cfg.train.eval_batches
