@@ -37,6 +37,7 @@ __all__ = [
     "OuterConfig",
     "SwarmConfig",
     "TrainConfig",
+    "LocalConfig",
     "StreamingConfig",
     "CompressionConfig",
     "RobustConfig",
@@ -360,6 +361,27 @@ class TrainConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@dataclass
+class LocalConfig:
+    """Local workers of one peer (``join --local-workers K``, :mod:`p2pdiloco.local`). Each machine
+    chooses its own: not part of the run fingerprint; ignored by a one-process peer (K = 1)."""
+
+    #: ``replicate``: every worker holds the whole model (DDP-style, the model must fit one device);
+    #: ``fsdp``: parameters, gradients and inner optimiser state in K shards (torch FSDP2), for a model
+    #: that does not fit one device (:mod:`p2pdiloco.local.shard`)
+    sharding: str = "replicate"
+    #: seconds a local worker may go without a heartbeat (a stopped or frozen process) before the
+    #: launcher takes the machine's peer down (:mod:`p2pdiloco.local.launch`)
+    heartbeat_timeout: float = 60.0
+
+    def validate(self) -> None:
+        if self.sharding not in ("replicate", "fsdp"):
+            raise ConfigError(f"local.sharding ({self.sharding!r}) must be replicate or fsdp")
+        if not self.heartbeat_timeout >= 2.0:
+            raise ConfigError(f"local.heartbeat_timeout ({self.heartbeat_timeout}) must be at least 2 seconds "
+                              "(workers beat every 0.5 s)")
+
+
 _SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -370,6 +392,7 @@ _SECTIONS = {
     "robust": RobustConfig,
     "swarm": SwarmConfig,
     "train": TrainConfig,
+    "local": LocalConfig,
 }
 
 
@@ -441,12 +464,18 @@ class RunConfig:
     robust: RobustConfig = field(default_factory=RobustConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    local: LocalConfig = field(default_factory=LocalConfig)
 
     def validate(self) -> "RunConfig":
         for name in _SECTIONS:
             getattr(self, name).validate()
         self.streaming.check_schedule(self.inner.sync_every, self.model.num_blocks())
         self._check_vocab()
+        if self.local.sharding == "fsdp" and self.inner.round_samples:
+            raise ConfigError("local.sharding=fsdp does not work with inner.round_samples > 0 (the swarm clock): "
+                              "the clock may move several schedule positions in one step, so worker 0 cannot tell "
+                              "the other workers in advance which parameters to gather for its sync; use "
+                              "local.sharding=replicate, or inner.round_samples=0 (rounds of H steps)")
         return self
 
     def _check_vocab(self) -> None:

@@ -66,7 +66,7 @@ def _worker_pids(procs, name, k, timeout=60.0):
     raise AssertionError(f"{name} printed no worker pids")
 
 
-def _reference(cfg, peer_ids, one_forward=False, rounds=ROUNDS):
+def _reference(cfg, peer_ids, one_forward=False, rounds=ROUNDS, sharded=False, states=None):
     """Blocking DiLoCo in one process: peer 0 is ONE replica (one model, one AdamW) whose inner step
     takes the summed batch of its two sub-shards (the batches the two local workers draw), peer 1 an
     ordinary replica on shard 1; each round averages their pseudo-gradients weighted by samples, in
@@ -77,7 +77,13 @@ def _reference(cfg, peer_ids, one_forward=False, rounds=ROUNDS):
     instead, the same function in another summation order: AdamW's normalised step turns its ulp-level
     gradient differences into lr-sized ones on parameters whose gradients are near zero (in one
     process, 1e-6 after one step, 8e-4 after 30: the effect hetero_support.py describes), so that
-    variant is only printed."""
+    variant is only printed.
+
+    ``sharded``: the 2-worker peer is sharded (``local.sharding=fsdp``), and its gradient clipping
+    takes the norm as FSDP's DTensors do: each parameter's norm reduced over the two shards,
+    (||shard 0||² + ||shard 1||²)^½, then the norm of those (the same function as the norm of the whole
+    gradient, in another summation order). ``states``: a list that gets, after every round, the global
+    parameters (a list of tensors) and peer 0's inner optimiser state."""
     torch.set_num_threads(1)
     corpus = load_corpus(cfg.data)
     model0, opt0, _ = inner_setup(cfg, corpus, 0)
@@ -107,7 +113,16 @@ def _reference(cfg, peer_ids, one_forward=False, rounds=ROUNDS):
                     grads.append([p.grad for p in model0.parameters()])
                 for p, g0, g1 in zip(model0.parameters(), *grads):
                     p.grad = torch.add(g0, g1).div_(2)
-            if cfg.inner.grad_clip:
+            if cfg.inner.grad_clip and sharded:
+                from p2pdiloco.local.shard import shard_of
+
+                grads = [p.grad for p in model0.parameters()]
+                per = [(torch.linalg.vector_norm(shard_of(g, 0, 2)) ** 2.0
+                        + torch.linalg.vector_norm(shard_of(g, 1, 2)) ** 2.0) ** 0.5 for g in grads]
+                coef = torch.clamp(cfg.inner.grad_clip / (torch.linalg.vector_norm(torch.stack(per)) + 1e-6), max=1.0)
+                for g in grads:
+                    g.mul_(coef)
+            elif cfg.inner.grad_clip:
                 torch.nn.utils.clip_grad_norm_(model0.parameters(), cfg.inner.grad_clip)
             opt0.step()
             inner_step(cfg, model1, opt1, stream1, step + i)
@@ -117,6 +132,9 @@ def _reference(cfg, peer_ids, one_forward=False, rounds=ROUNDS):
         order = sorted((0, 1), key=lambda i: peer_ids[i])
         outer.step(weighted_mean([deltas[i] for i in order], [weights[i] for i in order]))
         digests.append(outer.digest())
+        if states is not None:
+            states.append(([p.clone() for p in outer.params], {i: {k: v.clone() for k, v in st.items()}
+                                                             for i, st in opt0.state_dict()["state"].items()}))
     return torch.cat([p.reshape(-1) for p in outer.params]), digests
 
 

@@ -100,6 +100,7 @@ def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None, local=None) ->
     _install_signal_handlers(stop, repeat_s=1.0 if local is not None else 0.0)
     if local is not None:
         local.set_threads(cfg.train.threads)
+        local.sharded = cfg.local.sharding == "fsdp"
         local.connect()
     elif cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -127,6 +128,11 @@ class _Peer:
         self.local, self.leader = local, None
         self.world = local.world if local is not None else 1
         self.device = local.device if local is not None else cfg.train.resolved_device()
+        #: local.sharding = "fsdp": ``model`` (what DiLoCo syncs, validates and checkpoints) is a full copy on
+        #: our CPU and the inner steps train our shard (``train_model``, ``train_opt``; :mod:`p2pdiloco.local.shard`)
+        self.sharded = local is not None and local.sharded
+        self.eval_device = "cpu" if self.sharded else self.device
+        self.shards = None
         self.node = SwarmNode(cfg.swarm.initial_peers, host_maddrs=cfg.swarm.host_maddrs,
                               announce_maddrs=cfg.swarm.announce_maddrs, identity_path=cfg.swarm.identity_path,
                               bootstrap_timeout=cfg.swarm.bootstrap_timeout, reachability=cfg.swarm.reachability)
@@ -171,7 +177,7 @@ class _Peer:
         cfg, me = self.cfg, self.me
         # Same seed on every peer: everyone starts from the same global parameters without a download.
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg.model).to(self.device)
+        self.model = build_model(cfg.model).to(self.eval_device)
         self.corpus = load_corpus(cfg.data)
         ckpt_path = find_checkpoint(self.run_dir)
         ckpt = load_checkpoint(ckpt_path) if ckpt_path is not None else None
@@ -180,6 +186,15 @@ class _Peer:
         self.stream = local_stream(cfg, self.corpus, self.shard, 0, self.world)
         self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner.lr,
                                            weight_decay=cfg.inner.weight_decay, betas=(cfg.inner.beta1, cfg.inner.beta2))
+        self.train_model, self.train_opt = self.model, self.inner_opt
+        if self.sharded:  # our shard; self.inner_opt only carries a resumed state to the workers' shards
+            from ..local.shard import Shards, build_sharded
+
+            self.train_model = build_sharded(cfg, self.device)
+            self.shards = Shards(self.local, self.train_model)
+            self.train_opt = torch.optim.AdamW(self.train_model.parameters(), lr=cfg.inner.lr,
+                                               weight_decay=cfg.inner.weight_decay,
+                                               betas=(cfg.inner.beta1, cfg.inner.beta2))
         self.diloco = diloco = DiLoCo(self.model, cfg, self.swarm)
         StateServer(self.node, cfg.swarm.run_id, diloco.snapshot)
         logger.info(f"[{me}] peer {self.node.peer_id_str} joined run {cfg.swarm.run_id} (fingerprint "
@@ -313,7 +328,7 @@ class _Peer:
     def val_loss(self) -> float:
         cfg = self.cfg
         return evaluate(self.model, self.corpus.val, batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
-                        max_batches=cfg.train.eval_batches, device=self.device)
+                        max_batches=cfg.train.eval_batches, device=self.eval_device)
 
     # ---- join_run, announce ------------------------------------------------------------------------------
     def join_run(self) -> None:
@@ -369,11 +384,16 @@ class _Peer:
             return
         from ..local.group import LocalLeader
 
-        self.leader = LocalLeader(self.local, self.model, self.diloco)
+        self.leader = LocalLeader(self.local, self.model, self.diloco, self.shards, self.train_opt)
         self.leader.brief(dict(run_dir=self.run_dir, me=self.me, peer=self.node.peer_id_str, shard=self.shard,
                                batches_drawn=self.stream.batches_drawn), self.inner_opt)
+        held = self.shards.local_numel() if self.shards is not None else count_parameters(self.model)
         logger.info(f"[{self.me}] {self.world} local workers train this replica (data sub-shards "
-                    f"{self.stream.shard}..{self.stream.shard + self.world - 1} of {self.stream.num_shards})")
+                    f"{self.stream.shard}..{self.stream.shard + self.world - 1} of {self.stream.num_shards}; "
+                    f"{self.cfg.local.sharding}: {held:,} of {count_parameters(self.model):,} parameter elements "
+                    "on this worker)")
+        self.metrics.write("local_shard", rank=0, world=self.world, sharding=self.cfg.local.sharding, param_numel=held,
+                           params=count_parameters(self.model))
 
     def _tell_workers(self, final: bool = False) -> None:
         """After each inner step (and at the start and the end): tell the local workers whether to go on
@@ -395,6 +415,7 @@ class _Peer:
         self.last_check = time.time()
         diloco.on_sync = self.on_sync
         self.model.train()
+        self.train_model.train()
         diloco.start_clock()
         self.go = self._keep_going()
         self._tell_workers()  # local workers: the parameters and global copies to start from
@@ -436,11 +457,11 @@ class _Peer:
     def _inner_step(self) -> Tuple[float, int]:
         """One AdamW step on the next batch of our shard; returns (loss, batch size). With local workers,
         the machine's step: gradients and loss averaged over the workers, the batch their sum."""
-        value, batch = inner_step(self.cfg, self.model, self.inner_opt, self.stream, self.diloco.lr_step,
+        value, batch = inner_step(self.cfg, self.train_model, self.train_opt, self.stream, self.diloco.lr_step,
                                   self.device, local=self.local)
         if self.leader is not None:
             batch *= self.world
-            self.leader.mark()  # a parameter changed after this is DiLoCo's doing: the workers need it
+            self.leader.after_step()  # a parameter changed after this is DiLoCo's doing: the workers need it
         self.losses.append(value)
         self.samples += batch
         self.steps += 1
@@ -529,8 +550,14 @@ class _Peer:
             self._save_checkpoint()
 
     def _save_checkpoint(self) -> None:
+        opt = self.inner_opt
+        if self.sharded:  # the workers gathered the full optimiser state to us after this step (or not)
+            opt = self.leader.optimizer_state() if self.leader is not None else None
+            if opt is None:
+                logger.debug(f"[{self.me}] no checkpoint at step {self.diloco.inner_step}: optimiser state not gathered")
+                return
         with self.diloco.state_lock:  # not while a background sync writes a global copy
-            snap = _snapshot(self.model, self.inner_opt, self.diloco, self.stream, local_workers=self.world)
+            snap = _snapshot(self.model, opt, self.diloco, self.stream, local_workers=self.world)
         save_checkpoint(self.run_dir, snap)
 
     # ---- finish, close -------------------------------------------------------------------------------------
@@ -621,7 +648,8 @@ def _wait_for_peers(swarm, cfg: RunConfig, me: str) -> None:
 
 
 def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream, local_workers: int = 1) -> Dict[str, Any]:
-    return {"format": 1, "local_workers": local_workers, "model": model.state_dict(), "inner_opt": inner_opt.state_dict(),
+    opt_state = inner_opt if isinstance(inner_opt, dict) else inner_opt.state_dict()  # a dict: gathered shards
+    return {"format": 1, "local_workers": local_workers, "model": model.state_dict(), "inner_opt": opt_state,
             "outer": [o.state_dict() for o in diloco.outer], "inner_step": diloco.inner_step,
             "samples_since": list(diloco.samples_since), "stream": stream.state_dict(),
             "torch_rng": torch.get_rng_state(), "reducers": [r.state_dict() for r in diloco.reducers],

@@ -10,8 +10,16 @@ The protocol, after rank 0's brief at the start (:meth:`LocalLeader.brief`: run 
 stream position, inner optimiser state), is one message per inner step (:meth:`LocalLeader.tell`)::
 
     control (int64): go, final, lr step of the next inner step, schedule position, synced step,
-                     changed flag per model parameter, changed flag per fragment, outer steps per fragment
+                     changed flag per model parameter, changed flag per fragment, outer steps per fragment,
+                     gather flag per fragment, gather-the-optimiser flag (both: ``local.sharding = "fsdp"``)
     then the changed parameters (from rank 0's model), then each changed fragment's θ‖momentum (fp32)
+
+Sharded (``local.sharding = "fsdp"``, :mod:`.shard`) the changed parameters are scattered (each
+worker receives its shard), the changed fragments' global copies are not sent (a worker holds no
+full fragment), only their digests (int64 each); the gather flags say which fragments' parameters
+(and whether the optimiser state) every worker gathers to rank 0's CPU after its next inner step,
+or at once after a message that says stop (rank 0's DiLoCo then applies what is in flight), and the
+final message is followed by a gather of the optimiser state (the last checkpoint).
 
 A parameter has changed when rank 0's DiLoCo wrote it since rank 0's inner step (a sync result merged
 into the model in ``tau`` mode, the restart of an inner phase in ``delay``/``eager``, a downloaded
@@ -68,6 +76,8 @@ class LocalGroup:
         #: this worker's device: ``cuda:<rank>`` when the run trains on CUDA, else the CPU
         self.device = f"cuda:{rank}" if device.startswith("cuda") else device
         self.broken = False
+        #: ``local.sharding = "fsdp"``: parameters, gradients and optimiser state in shards (:mod:`.shard`)
+        self.sharded = False
 
     @classmethod
     def from_env(cls, device: str) -> Optional["LocalGroup"]:
@@ -129,13 +139,14 @@ class LocalGroup:
     def average_gradients(self, params: Sequence[torch.Tensor], loss: float) -> float:
         """Replace every gradient by its mean over the local workers (a missing one counts as zeros);
         returns the mean of ``loss``. The sum is one all-reduce per bucket, then a division by K: every
-        worker gets the same bits, so every worker's AdamW step is the same."""
+        worker gets the same bits, so every worker's AdamW step is the same. Sharded (FSDP), the backward
+        pass already reduce-scattered the mean gradient of each shard: only the loss is averaged."""
         import torch.distributed as dist
 
-        for p in params:
+        for p in params if not self.sharded else ():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for bucket in _buckets([p.grad for p in params]):
+        for bucket in _buckets([p.grad for p in params]) if not self.sharded else ():
             flat = torch.cat([g.reshape(-1) for g in bucket])
             self._call("averaged gradients", dist.all_reduce, flat)
             flat.div_(self.world)
@@ -208,23 +219,58 @@ def _event(rank: int, ctl: Control, outer_steps: List[int], fragments: Dict[int,
 class LocalLeader:
     """Rank 0's side of the protocol, around its model and DiLoCo."""
 
-    def __init__(self, group: LocalGroup, model: torch.nn.Module, diloco):
-        self.group, self.diloco = group, diloco
+    def __init__(self, group: LocalGroup, model: torch.nn.Module, diloco, shards=None, train_opt=None):
+        """``model``: what DiLoCo syncs (the replica's full parameters; sharded, rank 0's CPU mirror).
+        ``shards`` (a :class:`.shard.Shards`) and ``train_opt``: this worker's shard and its optimiser,
+        with ``local.sharding = "fsdp"``."""
+        self.group, self.diloco, self.shards, self.train_opt = group, diloco, shards, train_opt
+        self.model = model
         self.params = list(model.parameters())
         self._versions: List[Optional[int]] = [None] * len(self.params)   # after our last inner step
         self._outer_keys: List[Optional[Tuple[int, int]]] = [None] * diloco.num_fragments  # as last sent
         self._frag_digests = [""] * diloco.num_fragments
+        index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+        self.frag_params = [[index[n] for n in names] for names in diloco.layout.names]
+        self._gather: List[int] = []          # fragments to gather after our next inner step (sharded)
+        self._gather_opt = False
+        #: sharded: the full inner optimiser state, gathered after this step (None: not gathered this step)
+        self.opt_state: Optional[Dict[str, Any]] = None
 
     def brief(self, info: Dict[str, Any], inner_opt: torch.optim.Optimizer) -> None:
         """The start: ``info`` (run folder, data shard, stream position...) and the inner optimiser's
         state (resumed from a checkpoint, or empty)."""
         skeleton, tensors = _split_state(inner_opt.state_dict())
         self.group.broadcast_object({**info, "opt": skeleton}, "sent the start")
-        self.group.broadcast(tensors, "sent the inner optimiser state")
+        if self.shards is None:
+            self.group.broadcast(tensors, "sent the inner optimiser state")
+            return
+        # sharded: every worker's shard of the parameters and of the optimiser state, then the full
+        # state is no longer needed here (the checkpoint gathers it again)
+        self.shards.broadcast_buffers(list(self.model.buffers()))
+        self.shards.scatter(range(len(self.params)), self.params)
+        self.shards.load_optimizer(self.train_opt, skeleton, tensors)
+        inner_opt.state.clear()
+        self.mark()
 
     def mark(self) -> None:
         """Right after our inner step: from here on, a parameter whose version moves was changed by DiLoCo."""
         self._versions = [p._version for p in self.params]
+
+    def after_step(self) -> None:
+        """Right after our inner step. Sharded: first the parameters DiLoCo needs at this step into our
+        CPU mirror (and the optimiser state when a checkpoint may follow), as announced by the last
+        message; every worker gathers with us."""
+        if self.shards is not None:
+            self.opt_state = None
+            self.shards.gather([i for p in self._gather for i in self.frag_params[p]], self.params)
+            if self._gather_opt:
+                self.opt_state = self.shards.gather_optimizer(self.train_opt)
+        self.mark()
+
+    def optimizer_state(self) -> Dict[str, Any]:
+        """The inner optimiser's state for a checkpoint (unsharded); None when sharded and not gathered
+        since our last inner step."""
+        return self.opt_state
 
     def tell(self, go: bool, lr_step: int, final: bool = False) -> Control:
         """Send this step's message and what changed; returns it with its event (None: nothing sent and
@@ -238,29 +284,62 @@ class LocalLeader:
                      for p, (o, s) in enumerate(zip(d.outer, send)) if s}
             step, synced = d.inner_step, d.synced_step
         ctl = Control(go=go, final=final, lr_step=lr_step, step=step, synced_step=synced)
-        msg = [int(go), int(final), lr_step, step, synced, *map(int, changed), *map(int, send), *(k[1] for k in keys)]
+        gather, gather_opt = self._plan(go, final)
+        msg = [int(go), int(final), lr_step, step, synced, *map(int, changed), *map(int, send), *(k[1] for k in keys),
+               *(int(p in gather) for p in range(len(keys))), int(gather_opt)]
         self.group.broadcast([torch.tensor(msg, dtype=torch.int64)], "sent a step's message")
-        if any(changed):
-            self.group.broadcast([p for p, c in zip(self.params, changed) if c], "sent the parameters")
         for p, flat in flats.items():
-            self.group.broadcast([flat], "sent a global copy")
             self._frag_digests[p] = digest_of([flat])
+        if self.shards is None:
+            if any(changed):
+                self.group.broadcast([p for p, c in zip(self.params, changed) if c], "sent the parameters")
+            for flat in flats.values():
+                self.group.broadcast([flat], "sent a global copy")
+        else:
+            self.shards.scatter([i for i, c in enumerate(changed) if c], self.params)
+            if flats:
+                self.group.broadcast([_digests_to_tensor([self._frag_digests[p] for p in flats])], "sent the digests")
+            self._gather, self._gather_opt = sorted(gather), gather_opt
+            if not go and not final:  # DiLoCo's finish() reads and writes the model next: gather it now
+                self.shards.gather([i for p in self._gather for i in self.frag_params[p]], self.params)
+            if final:  # the last checkpoint
+                self.opt_state = self.shards.gather_optimizer(self.train_opt)
         self._outer_keys = keys
         self.mark()
         if any(changed) or flats or final:  # the final message always: every worker logs its end state
+            if self.shards is not None:  # each worker's own shard
+                model_digest: Optional[str] = self.shards.digest()
+            else:
+                model_digest = digest_of(self.params) if any(changed) or final else None
             ctl.event = _event(0, ctl, [k[1] for k in keys], {p: self._frag_digests[p] for p in flats},
-                               self._frag_digests, digest_of(self.params) if any(changed) or final else None)
+                               self._frag_digests, model_digest)
         return ctl
+
+    def _plan(self, go: bool, final: bool) -> Tuple[set, bool]:
+        """Sharded: the fragments every worker gathers to our mirror after the next inner step (all of
+        them, now, before DiLoCo's finish), and whether the optimiser state too (:func:`.shard.touched`)."""
+        if self.shards is None or final:
+            return set(), False
+        if not go:
+            return set(range(self.diloco.num_fragments)), False
+        from .shard import touched
+
+        return touched(self.diloco, self.diloco.inner_step + 1)
 
 
 class LocalFollower:
     """Rank 1..K-1's side: receives the messages into its own model."""
 
-    def __init__(self, group: LocalGroup, model: torch.nn.Module, numels: List[int]):
-        self.group = group
+    def __init__(self, group: LocalGroup, model: torch.nn.Module, numels: List[int], shards=None,
+                 frag_params: Optional[List[List[int]]] = None):
+        """``shards`` and ``frag_params`` (each fragment's parameter indices): ``local.sharding = "fsdp"``."""
+        self.group, self.shards, self.frag_params = group, shards, frag_params
         self.params = list(model.parameters())
         self.numels = numels  # per fragment: θ and momentum are 2 × numel fp32 values
         self._frag_digests = [""] * len(numels)
+        self.opt: Optional[torch.optim.Optimizer] = None
+        self._gather: List[int] = []
+        self._gather_opt = False
 
     @property
     def digest(self) -> str:
@@ -270,29 +349,70 @@ class LocalFollower:
     def brief(self, inner_opt: torch.optim.Optimizer) -> Dict[str, Any]:
         info = self.group.broadcast_object(None, "waited for the start")
         skeleton = info.pop("opt")
+        self.opt = inner_opt
+        if self.shards is not None:
+            self.shards.broadcast_buffers()
+            self.shards.scatter(range(len(self.params)))
+            self.shards.load_optimizer(inner_opt, skeleton)
+            return info
         state, tensors = _build_state(skeleton, self.params)
         self.group.broadcast(tensors, "received the inner optimiser state")
         inner_opt.load_state_dict(state)
         return info
 
+    def after_step(self) -> None:
+        """Right after our inner step (sharded): the gathers rank 0's last message announced."""
+        if self.shards is not None:
+            self.shards.gather([i for p in self._gather for i in self.frag_params[p]])
+            if self._gather_opt:
+                self.shards.gather_optimizer(self.opt)
+
     def recv(self) -> Control:
         n, P = len(self.params), len(self.numels)
-        msg = torch.zeros(5 + n + 2 * P, dtype=torch.int64)
+        msg = torch.zeros(5 + n + 3 * P + 1, dtype=torch.int64)
         self.group.broadcast([msg], "waited for rank 0")
         vals = msg.tolist()
         ctl = Control(go=bool(vals[0]), final=bool(vals[1]), lr_step=vals[2], step=vals[3], synced_step=vals[4])
-        changed, send, steps = vals[5: 5 + n], vals[5 + n: 5 + n + P], vals[5 + n + P:]
-        if any(changed):
-            self.group.broadcast([p.data for p, c in zip(self.params, changed) if c], "received the parameters")
+        changed, send = vals[5: 5 + n], vals[5 + n: 5 + n + P]
+        steps, gather = vals[5 + n + P: 5 + n + 2 * P], vals[5 + n + 2 * P: 5 + n + 3 * P]
+        sent = [p for p in range(P) if send[p]]
         got = {}
-        for p in [p for p in range(P) if send[p]]:
-            flat = torch.empty(2 * self.numels[p], dtype=torch.float32)
-            self.group.broadcast([flat], "received a global copy")
-            got[p] = self._frag_digests[p] = digest_of([flat])
+        if self.shards is None:
+            if any(changed):
+                self.group.broadcast([p.data for p, c in zip(self.params, changed) if c], "received the parameters")
+            for p in sent:
+                flat = torch.empty(2 * self.numels[p], dtype=torch.float32)
+                self.group.broadcast([flat], "received a global copy")
+                got[p] = self._frag_digests[p] = digest_of([flat])
+        else:
+            self.shards.scatter([i for i, c in enumerate(changed) if c])
+            if sent:
+                box = torch.zeros(len(sent), dtype=torch.int64)
+                self.group.broadcast([box], "received the digests")
+                for p, d in zip(sent, _tensor_to_digests(box)):
+                    got[p] = self._frag_digests[p] = d
+            self._gather, self._gather_opt = [p for p in range(P) if gather[p]], bool(vals[-1])
+            if not ctl.go and not ctl.final:
+                self.after_step()
+                self._gather_opt = False
+            if ctl.final:
+                self.shards.gather_optimizer(self.opt)
         if any(changed) or got or ctl.final:
-            ctl.event = _event(self.group.rank, ctl, steps, got, self._frag_digests,
-                               digest_of(self.params) if any(changed) or ctl.final else None)
+            if self.shards is not None:
+                model_digest: Optional[str] = self.shards.digest()
+            else:
+                model_digest = digest_of(self.params) if any(changed) or ctl.final else None
+            ctl.event = _event(self.group.rank, ctl, steps, got, self._frag_digests, model_digest)
         return ctl
+
+
+def _digests_to_tensor(digests: Sequence[str]) -> torch.Tensor:
+    """16-hex-digit digests as int64 values (shifted into the signed range)."""
+    return torch.tensor([int(d, 16) - (1 << 63) for d in digests], dtype=torch.int64)
+
+
+def _tensor_to_digests(t: torch.Tensor) -> List[str]:
+    return [format(v + (1 << 63), "016x") for v in t.tolist()]
 
 
 # ---- the inner optimiser's state as (picklable skeleton, tensors) -------------------------------------

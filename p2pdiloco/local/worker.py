@@ -47,16 +47,26 @@ def run_worker(cfg: RunConfig, group: LocalGroup) -> Dict[str, Any]:
     for s in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the machine stops, and tells us
         signal.signal(s, signal.SIG_IGN)
     group.set_threads(cfg.train.threads)
+    group.sharded = cfg.local.sharding == "fsdp"
     group.connect()
     name = f"local worker {group.rank}/{group.world}"
-    torch.manual_seed(cfg.train.seed)  # the run's θ, as on every peer (rank 0 sends its own anyway)
-    model = build_model(cfg.model).to(group.device)
+    shards = None
+    if group.sharded:  # only our shard of each parameter, filled by rank 0's brief
+        from .shard import Shards, build_sharded
+
+        model = build_sharded(cfg, group.device)
+        shards = Shards(group, model)
+    else:
+        torch.manual_seed(cfg.train.seed)  # the run's θ, as on every peer (rank 0 sends its own anyway)
+        model = build_model(cfg.model).to(group.device)
     corpus = load_corpus(cfg.data)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
                             betas=(cfg.inner.beta1, cfg.inner.beta2))
     layout = split_fragments(model, cfg.streaming.fragments, cfg.streaming.pattern)
     named = dict(model.named_parameters())
-    follower = LocalFollower(group, model, [sum(named[n].numel() for n in names) for names in layout.names])
+    index = {n: i for i, n in enumerate(named)}
+    follower = LocalFollower(group, model, [sum(named[n].numel() for n in names) for names in layout.names],
+                             shards=shards, frag_params=[[index[n] for n in names] for names in layout.names])
     info = follower.brief(opt)
     stream = local_stream(cfg, corpus, info["shard"], group.rank, group.world)
     for _ in range(info["batches_drawn"]):  # the position rank 0 resumed at: every worker draws one batch a step
@@ -64,14 +74,16 @@ def run_worker(cfg: RunConfig, group: LocalGroup) -> Dict[str, Any]:
     metrics = MetricsWriter(os.path.join(info["run_dir"], f"worker{group.rank}.jsonl"))
     t0, steps = time.time(), 0
     try:
+        held = shards.local_numel() if shards is not None else sum(p.numel() for p in model.parameters())
         metrics.write("start", rank=group.rank, world=group.world, shard=stream.shard, num_shards=stream.num_shards,
-                      device=str(group.device), peer=info["peer"])
+                      device=str(group.device), peer=info["peer"], sharding=cfg.local.sharding, param_numel=held)
         logger.info(f"[{info['me']}/{group.rank}] {name}: data sub-shard {stream.shard}/{stream.num_shards}, "
-                    f"{group.device}")
+                    f"{group.device}, {held:,} parameter elements ({cfg.local.sharding})")
         model.train()
         ctl = _receive(follower, metrics, info["me"])
         while ctl.go:
             inner_step(cfg, model, opt, stream, ctl.lr_step, group.device, local=group)
+            follower.after_step()
             steps += 1
             ctl = _receive(follower, metrics, info["me"])
         ctl = _receive(follower, metrics, info["me"])  # the final message, after rank 0's last syncs
