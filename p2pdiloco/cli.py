@@ -209,7 +209,8 @@ def _local_workers(args: argparse.Namespace, cfg):
         check_local_workers(args.local_workers, device)
         if args.local_workers == 1:
             return None
-        return launch([sys.executable, "-m", "p2pdiloco.cli", *args.argv], args.local_workers)
+        return launch([sys.executable, "-m", "p2pdiloco.cli", *args.argv], args.local_workers,
+                      heartbeat_timeout=cfg.local.heartbeat_timeout)
     watch_parent(local.rank)
     if local.rank == 0:
         return local

@@ -287,6 +287,39 @@ def test_local_workers_in_a_swarm_and_a_dead_one(procs, tmp_path):
     assert digests == [by[k]["a"]["digest"] for k in range(1, QUICK + 1)]  # bitwise the reference's state
 
 
+@pytest.mark.timeout(150)
+def test_a_stopped_local_worker_is_caught_by_its_heartbeat(procs, tmp_path):
+    """A local worker that is alive but silent (SIGSTOP: no collective notices it before its 2-hour
+    timeout) is caught by the launcher's heartbeat check within local.heartbeat_timeout: named in one
+    ``error:`` line, killed, and the machine's peer leaves cleanly (exit status 1), nothing left."""
+    timeout = 4.0
+    a = _join(procs, None, "a", tmp_path / "a", "swarm.run_id=lw-hung", f"local.heartbeat_timeout={timeout}", workers=2)
+    pids = _worker_pids(procs, "a", 2)
+    w1 = tmp_path / "a" / "worker1.jsonl"
+    deadline = time.time() + 90
+    while not (w1.exists() and any(r["event"] == "local_sync" for r in read_metrics(str(w1)))):
+        assert a.poll() is None and time.time() < deadline, procs.err("a")[-3000:]
+        time.sleep(0.2)
+    time.sleep(2 * timeout)  # training, beating: no false alarm meanwhile
+    assert a.poll() is None, procs.err("a")[-3000:]
+    machine = [pids[0], *[c.pid for c in psutil.Process(pids[0]).children(recursive=True)], pids[1]]
+    os.kill(pids[1], signal.SIGSTOP)
+    t0 = time.time()
+    assert psutil.Process(pids[1]).status() == psutil.STATUS_STOPPED  # the fault fired: worker 1 is frozen
+    code = procs.wait(a, 60)
+    took = time.time() - t0
+    print(f"\nthe launcher exited {took:.1f} s after local worker 1 was stopped (heartbeat timeout {timeout:g} s)")
+    err = procs.err("a")
+    assert code == 1 and timeout <= took <= timeout + 20, err[-3000:]
+    assert f"error: local worker 1 (pid {pids[1]}) sent no heartbeat for" in err and "stopped or frozen" in err
+    assert "another local worker of this machine stopped" in err  # rank 0 left through its collective's error
+    assert "did not end within" not in err and "Traceback" not in err  # rank 0 was not killed: it left
+    deadline = time.time() + 15
+    while left := [p for p in machine if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
+        assert time.time() < deadline, f"left behind: {left}"
+        time.sleep(0.2)
+
+
 #: the streaming scheme the project is moving its defaults to, pinned: 2 fragments, tau/alpha overlap, 4-bit
 STREAMING = ["compression.codec=e3m0", "streaming.fragments=2", "streaming.mode=tau", "streaming.tau=2",
              "streaming.alpha=0.5"]

@@ -17,6 +17,16 @@ The watchdog (what "a local worker that dies takes the machine's peer down clean
   leaves the swarm as any peer does (its goodbye record; syncs in flight are abandoned, so no outer
   step is half-applied: the swarm's group fails that round on every member, and our checkpoint is the
   last complete one); :data:`LEAVE_GRACE_S` seconds later anything left gets SIGKILL. Exit status 1.
+* worker r sends no heartbeat for ``local.heartbeat_timeout`` seconds (60 by default): it is alive but
+  stopped (SIGSTOP, a debugger) or frozen (holding the interpreter, stuck in the kernel), which no
+  collective notices until its 2-hour timeout. Each worker beats from a thread (:func:`watch_parent`,
+  one byte every :data:`HEARTBEAT_PERIOD_S` seconds on a pipe to the launcher), so a beat says the
+  process runs, not that it makes progress: worker 0 may legitimately wait minutes on the network
+  while the others wait for it. The launcher names the worker, SIGKILLs it (a stopped process can do
+  nothing else) and goes on as for a dead worker: worker 0 leaves the swarm (or, if worker 0 itself
+  was silent, the others end). Exit status 1. A worker's first beat may take
+  :data:`FIRST_BEAT_GRACE_S` seconds (its start). If the launcher itself was stopped too (Ctrl-Z
+  stops the whole process group), its clocks restart when it runs again.
 * SIGINT/SIGTERM to the launcher are passed on to worker 0 (which stops after its current step; a
   repeat within a second, e.g. the terminal's Ctrl-C reaching both, counts once).
 * the launcher itself killed: each worker watches its parent (:func:`watch_parent`) and leaves.
@@ -31,12 +41,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 from ..errors import ConfigError
 from .group import COLLECTIVE_TIMEOUT_S, ENV_PARENT, ENV_RANK, ENV_STORE, ENV_WORLD
 
-__all__ = ["launch", "watch_parent", "END_GRACE_S", "LEAVE_GRACE_S", "MAX_LOCAL_WORKERS"]
+__all__ = ["launch", "watch_parent", "END_GRACE_S", "LEAVE_GRACE_S", "MAX_LOCAL_WORKERS", "HEARTBEAT_PERIOD_S",
+           "FIRST_BEAT_GRACE_S", "ENV_HEARTBEAT"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +57,14 @@ END_GRACE_S = 10.0
 LEAVE_GRACE_S = 30.0
 MAX_LOCAL_WORKERS = 64
 POLL_S = 0.1
+#: a worker writes one byte to its heartbeat pipe this often (seconds)
+HEARTBEAT_PERIOD_S = 0.5
+#: how long a worker may take to its first beat (python, torch and the config loading)
+FIRST_BEAT_GRACE_S = 120.0
+#: a gap this long in the launcher's own polling means the launcher was stopped too (seconds)
+LAUNCHER_GAP_S = 2.0
+#: the write end of the worker's heartbeat pipe (a file descriptor number), set by the launcher
+ENV_HEARTBEAT = "P2PDILOCO_LOCAL_HEARTBEAT"
 
 
 def check_local_workers(k: int, device: str) -> None:
@@ -61,18 +80,25 @@ def check_local_workers(k: int, device: str) -> None:
                               f"device(s); use --local-workers {n} or fewer")
 
 
-def launch(argv: Sequence[str], k: int) -> int:
+def launch(argv: Sequence[str], k: int, heartbeat_timeout: float = 60.0) -> int:
     """Run ``argv`` (a ``python -m p2pdiloco.cli join ...`` command line) as K local workers; returns the
-    exit status (worker 0's, or 1 if another worker failed first)."""
+    exit status (worker 0's, or 1 if another worker failed or went silent first)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, k + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     procs: List[subprocess.Popen] = []
+    beats: List[int] = []  # read ends of the heartbeat pipes
     for r in range(k):
+        rfd, wfd = os.pipe()
+        os.set_blocking(rfd, False)
         env = dict(os.environ, **{ENV_RANK: str(r), ENV_WORLD: str(k), ENV_STORE: f"127.0.0.1:{store.port}",
-                                  ENV_PARENT: str(os.getpid())})
-        procs.append(subprocess.Popen(list(argv), env=env))
+                                  ENV_PARENT: str(os.getpid()), ENV_HEARTBEAT: str(wfd)})
+        try:
+            procs.append(subprocess.Popen(list(argv), env=env, pass_fds=(wfd,)))
+        finally:
+            os.close(wfd)
+        beats.append(rfd)
     logger.info("local workers: " + ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(procs)))
 
     def forward(signum, frame) -> None:
@@ -80,8 +106,10 @@ def launch(argv: Sequence[str], k: int) -> int:
             procs[0].send_signal(signum)
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _watch(procs)
+        return _watch(procs, _Heartbeats(beats, heartbeat_timeout))
     finally:
+        for fd in beats:
+            os.close(fd)
         for s, h in old.items():
             signal.signal(s, h)
         for p in procs:  # nothing outlives the launcher
@@ -91,13 +119,57 @@ def launch(argv: Sequence[str], k: int) -> int:
         del store
 
 
-def _watch(procs: List[subprocess.Popen]) -> int:
+class _Heartbeats:
+    """When each worker last beat (monotonic seconds), read from the pipes without blocking."""
+
+    def __init__(self, fds: List[int], timeout: float):
+        self.fds, self.timeout = fds, timeout
+        now = time.monotonic()
+        self.last = [now] * len(fds)
+        self.started = [False] * len(fds)
+        self._polled = now
+
+    def silent(self) -> List[Tuple[int, float]]:
+        """(rank, seconds without a beat) of the workers past their timeout."""
+        now = time.monotonic()
+        if now - self._polled > LAUNCHER_GAP_S:  # we were stopped too (Ctrl-Z): nobody could beat
+            self.last = [now] * len(self.fds)
+        self._polled = now
+        out = []
+        for r, fd in enumerate(self.fds):
+            try:
+                if os.read(fd, 4096):
+                    self.last[r], self.started[r] = now, True
+            except BlockingIOError:
+                pass
+            limit = self.timeout if self.started[r] else max(self.timeout, FIRST_BEAT_GRACE_S)
+            if now - self.last[r] > limit:
+                out.append((r, now - self.last[r]))
+        return out
+
+
+def _watch(procs: List[subprocess.Popen], beats: _Heartbeats) -> int:
     while True:
         time.sleep(POLL_S)
         codes = [p.poll() for p in procs]
         if codes[0] is not None:
             _reap(procs[1:], END_GRACE_S)
             return codes[0]
+        silent = [(r, t) for r, t in beats.silent() if codes[r] is None]
+        if silent:
+            r, quiet = silent[0]
+            print(f"error: local worker {r} (pid {procs[r].pid}) sent no heartbeat for {quiet:.0f} s "
+                  f"(local.heartbeat_timeout = {beats.timeout:g}): it is stopped or frozen; this machine's peer "
+                  "leaves the swarm (run the same command again to resume from its last checkpoint)",
+                  file=sys.stderr, flush=True)
+            procs[r].kill()  # all a stopped process can take; the others' next collective then fails
+            procs[r].wait()
+            if r:
+                procs[0].send_signal(signal.SIGTERM)
+                _reap(procs, LEAVE_GRACE_S)
+            else:
+                _reap(procs[1:], END_GRACE_S)
+            return 1
         failed = [(r, c) for r, c in enumerate(codes) if r and c not in (None, 0)]
         if failed:
             r, code = failed[0]
@@ -122,9 +194,10 @@ def _reap(procs: List[subprocess.Popen], grace: float) -> None:
 
 
 def watch_parent(rank: int) -> None:
-    """In a worker: leave when the launcher is gone (killed with SIGKILL, say). Worker 0 stops as on
-    SIGTERM (and is killed 30 s later if it could not); the others exit at once (worker 0's next
-    collective then fails and it leaves the swarm)."""
+    """In a worker: beat (the launcher's liveness check), and leave when the launcher is gone (killed with
+    SIGKILL, say). Worker 0 stops as on SIGTERM (and is killed 30 s later if it could not); the others
+    exit at once (worker 0's next collective then fails and it leaves the swarm)."""
+    _start_heartbeat()
     parent = int(os.environ.get(ENV_PARENT, "0"))
     if not parent:
         return
@@ -139,3 +212,23 @@ def watch_parent(rank: int) -> None:
         time.sleep(LEAVE_GRACE_S)
         os._exit(1)
     threading.Thread(target=watch, name="p2pdiloco-launcher-watch", daemon=True).start()
+
+
+def _start_heartbeat() -> None:
+    """One byte every HEARTBEAT_PERIOD_S seconds on the launcher's pipe, from a daemon thread, until the
+    launcher stops reading (gone: the parent watch ends us)."""
+    fd = int(os.environ.get(ENV_HEARTBEAT, "-1"))
+    if fd < 0:
+        return
+    os.set_blocking(fd, False)
+
+    def beat() -> None:
+        while True:
+            try:
+                os.write(fd, b".")
+            except BlockingIOError:  # the launcher is not reading just now: the pipe is full
+                pass
+            except OSError:  # the launcher is gone
+                return
+            time.sleep(HEARTBEAT_PERIOD_S)
+    threading.Thread(target=beat, name="p2pdiloco-heartbeat", daemon=True).start()
