@@ -46,7 +46,7 @@ from p2pdiloco.swarm.node import SwarmNode
 addr, run, payload = sys.argv[1:4]
 node = SwarmNode([addr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], bootstrap_timeout=30, client_mode=True)
 print(node.peer_id_str, flush=True)
-record = {"reach": "public", "fr": [3], "ff": [0], "ft": [time.time()], "fw": [payload]}
+record = {"reach": "public", "lw": 3, "fr": [3], "ff": [0], "ft": [time.time()], "fw": [payload]}
 while True:  # killed by the test's teardown
     node.store(f"{run}:progress", dict(record, t=time.time()), ttl=8, subkey=node.peer_id_str)
     time.sleep(1.5)
@@ -76,6 +76,13 @@ def test_history_fields_are_small_and_readable_by_older_peers():
     assert "fw" in records._check_data("progress", dict(rec, fw=["<b>"] * 3 + ["y" * 161]))
 
 
+def test_local_workers_of_a_record():
+    from p2pdiloco.dashboard.view import local_workers
+
+    assert [local_workers(v) for v in ({"lw": 8}, {}, {"lw": True}, {"lw": 0}, {"lw": "8"}, {"lw": 10**9})] == \
+        [8, 1, 1, 1, 1, 1]
+
+
 def test_view_rates_history_failures_and_no_nan():
     clock = [1000.0]
     reads = []
@@ -94,13 +101,16 @@ def test_view_rates_history_failures_and_no_nan():
          "synced_step": 0, "digest": "aa"}
     old = {"t": 1000.0, "samples": 0, "sent": 0, "recv": 0, "round": 2, "val_loss": float("nan"),
            "synced_step": 20, "digest": "bb"}  # a peer of the previous version: no history fields
-    read({"A": a, "B": old, "G": {"gone": True}})
+    read({"A": dict(a, lw=2), "B": old, "G": {"gone": True}})
+    # each peer's local workers (join --local-workers; issue 20): its lw, 1 without one (as status counts)
+    assert view.document()["local_workers"] == {"A": 2, "B": 1}
     read({"A": dict(a, t=1002.0, samples=40, sent=4000, recv=2000, round=1, vr=[0, 1], vl=[5.5, 4.0]),
           "B": dict(old, t=1002.0, samples=10, sent=1000, recv=1000, round=3, val_loss=4.5)})
     read({"A": dict(a, t=1004.0, samples=80, sent=8000, recv=4000, round=1, vr=[0, 1], vl=[5.5, 4.0],
                     fr=[2], ff=[0], ft=[1003.5], fw=["matchmaking timed out"], synced_step=20, digest="cc")})
     doc = json.loads(json.dumps(view.document(), allow_nan=False))  # valid JSON for the browser
     assert set(doc["peers"]) == {"A"}  # B left, G said goodbye
+    assert doc["local_workers"] == {"A": 1}  # A's latest record has no lw: one worker (as status counts)
     assert doc["val_loss"] == {"A": [[0, 5.5], [1, 4.0]], "B": [[3, 4.5]]}  # B's points stay after it left
     assert [r["peers"] for r in doc["rates"]] == [2, 2, 1]
     # A: 40 samples / 2 s; B: 10 / 2 s; tokens = samples * seq_len; B's rate is dropped once it left
@@ -322,7 +332,7 @@ def test_dashboard_in_a_browser(procs, tmp_path, chromium):
         dom = browser.dom(url)
         rows = _rows(dom)
         if set(ids) <= set(rows) and _loss_points(dom) >= 2 and liar in rows and "&lt;script&gt;" in dom \
-                and all(_cells(dom, pid)[5].endswith("%") for pid in ids):
+                and all(_cells(dom, pid)[6].endswith("%") for pid in ids):
             break
         assert time.time() < deadline, (
             f"the page never showed both volunteers {ids}, the stranger {liar}, >= 2 loss points and the "
@@ -330,7 +340,9 @@ def test_dashboard_in_a_browser(procs, tmp_path, chromium):
             f"{'&lt;script&gt;' in dom}, a stranger's element {'<img' in dom}; {procs.err('dash')[-1500:]}")
     for pid in ids:  # issue 23: each peer's samples/s and its share of the last round (two equal peers: ~half)
         cells = _cells(dom, pid)
-        assert float(cells[4]) > 0 and 20 <= int(cells[5].rstrip("%")) <= 80, cells
+        assert float(cells[5]) > 0 and 20 <= int(cells[6].rstrip("%")) <= 80, cells
+        assert cells[2] == "1", cells  # one local worker each (no lw in their records' place: 1)
+    assert _cells(dom, liar)[2] == "3"  # the stranger's record says 3 local workers (issue 20)
     browser.screenshot(url, str(tmp_path / "dashboard.png"))
     with open(tmp_path / "dashboard.png", "rb") as f:
         png = f.read()

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-__all__ = ["SwarmView", "digest_agreement", "json_safe", "live_records"]
+__all__ = ["SwarmView", "digest_agreement", "json_safe", "live_records", "local_workers"]
 
 #: bounds on what the view keeps (records come from strangers: a flood of peers must not grow memory)
 MAX_PEERS = 512
@@ -40,6 +40,13 @@ RATE_WINDOW = 10.0
 def live_records(records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """The live peers of a read of ``<run>:progress``: those that did not say goodbye (as ``status``)."""
     return {pid: v for pid, v in records.items() if not v.get("gone")}
+
+
+def local_workers(v: Dict[str, Any]) -> int:
+    """The local workers training a peer's replica (``lw``, join --local-workers; issue 20), as
+    ``status`` counts them: 1 for a record without a valid ``lw`` (an older peer, a stranger's junk)."""
+    lw = v.get("lw")
+    return lw if isinstance(lw, int) and not isinstance(lw, bool) and 0 < lw <= 4096 else 1
 
 
 def _num(v: Any) -> Optional[float]:
@@ -208,7 +215,8 @@ class SwarmView:
                    "dht": {"ok": self._error is None, "error": self._error, "reads": self._reads,
                            "last_read": self._last_read},
                    "seq_len": self._seq_len}
-        doc.update(peers=peers, val_loss=val, rates=rates, digests=digest_agreement(peers), failures=failures)
+        doc.update(peers=peers, val_loss=val, rates=rates, digests=digest_agreement(peers), failures=failures,
+                   local_workers={pid: local_workers(v) for pid, v in peers.items()})
         return json_safe(doc)
 
 

@@ -226,7 +226,8 @@
       rc.appendChild(el("span", {class: "badge " + (reach === "public" || reach === "private" ? reach : "")}, reach));
       tr.appendChild(rc);
       const lastSync = isNum(v.last_sync) ? fmtAgo(doc.time - v.last_sync) : "never";
-      for (const [text, cls] of [[isNum(v.round) ? v.round : "–", "num"], [isNum(v.step) ? v.step : "–", "num"],
+      const workers = doc.local_workers && isNum(doc.local_workers[pid]) ? doc.local_workers[pid] : 1;
+      for (const [text, cls] of [[workers, "num"], [isNum(v.round) ? v.round : "–", "num"], [isNum(v.step) ? v.step : "–", "num"],
                                  [fmtNum(v.rate, 1), "num"], [fmtShare(v.share), "num"], [fmtCount(v.samples), "num"],
                                  [fmtBytes(v.sent), "num"], [fmtBytes(v.recv), "num"], [lastSync, "num"],
                                  [fmtNum(v.loss, 3), "num"], [fmtNum(v.val_loss, 3), "num"]]) {
