@@ -149,3 +149,159 @@ def test_shard_of_is_fsdp2s_cut():
     t = torch.arange(10.0).reshape(5, 2)
     assert shard_of(t, 0, 2).tolist() == [[0, 1], [2, 3], [4, 5]] and shard_of(t, 1, 2).tolist() == [[6, 7], [8, 9]]
     assert shard_of(torch.arange(3.0), 3, 4).numel() == 0
+
+
+#: the overlap modes checked in one process pair: 2 fragments, 4-bit, gradient clipping off (the only
+#: step whose summation order differs between a sharded and a whole gradient), 2.5 rounds (finish()
+#: applies what is still in flight)
+MODES = {"tau": ["streaming.mode=tau", "streaming.tau=2", "streaming.alpha=0.5"],
+         "delay": ["streaming.mode=delay"], "eager": ["streaming.mode=eager"]}
+STEPS = 25
+
+
+def _mode_cfg(mode):
+    return load_config(TINY, [*PINNED, "compression.codec=e3m0", "streaming.fragments=2", "inner.grad_clip=0",
+                              *MODES[mode]])
+
+
+def _fsdp_rank(rank: int, port: int, out: str, modes) -> None:
+    """One local worker of test_overlap_modes_through_the_shards (a spawned process): rank 0 runs a
+    solo DiLoCo over its CPU mirror as the peer's loop does, rank 1 follows."""
+    import json
+    import os
+
+    from p2pdiloco.data import load_corpus
+    from p2pdiloco.diloco.core import DiLoCo
+    from p2pdiloco.diloco.loop import inner_step
+    from p2pdiloco.local.group import LocalFollower, LocalGroup, LocalLeader
+    from p2pdiloco.local.shard import Shards, build_sharded
+    from p2pdiloco.local.worker import local_stream
+    from p2pdiloco.model import build_model
+
+    torch.set_num_threads(1)
+    os.environ.update(P2PDILOCO_LOCAL_RANK=str(rank), P2PDILOCO_LOCAL_WORLD="2",
+                      P2PDILOCO_LOCAL_STORE=f"127.0.0.1:{port}")
+    group = LocalGroup.from_env("cpu")
+    group.sharded = True
+    group.connect()
+    result = {}
+    for mode in modes:
+        cfg = _mode_cfg(mode)
+        corpus = load_corpus(cfg.data)
+        stream = local_stream(cfg, corpus, 0, rank, 2)
+        model = build_sharded(cfg, "cpu")
+        shards = Shards(group, model)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
+                                betas=(cfg.inner.beta1, cfg.inner.beta2))
+        if rank == 0:
+            torch.manual_seed(cfg.train.seed)
+            mirror = build_model(cfg.model)
+            holder = torch.optim.AdamW(mirror.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
+                                       betas=(cfg.inner.beta1, cfg.inner.beta2))  # its param_groups reach every shard
+            diloco = DiLoCo(mirror, cfg, None)
+            leader = LocalLeader(group, mirror, diloco, shards, opt)
+            leader.brief({}, holder)
+            leader.tell(True, diloco.lr_step)
+            for i in range(STEPS):
+                inner_step(cfg, model, opt, stream, diloco.lr_step, "cpu", local=group)
+                leader.after_step()
+                diloco.after_inner_step(2 * cfg.inner.batch_size)
+                leader.tell(i < STEPS - 1, diloco.lr_step)
+            diloco.finish()
+            ctl = leader.tell(False, diloco.lr_step, final=True)
+            result[mode] = dict(digest=diloco.digest(), model=digest_of(list(mirror.parameters())),
+                                shard=ctl.event["model_digest"],
+                                opt=digest_of([t for s in leader.opt_state["state"].values() for k, t in sorted(s.items())]))
+            diloco.close()
+        else:
+            index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+            from p2pdiloco.diloco.fragments import split_fragments
+
+            layout = split_fragments(model, cfg.streaming.fragments, cfg.streaming.pattern)
+            named = dict(model.named_parameters())
+            follower = LocalFollower(group, model, [sum(named[n].numel() for n in names) for names in layout.names],
+                                     shards=shards, frag_params=[[index[n] for n in names] for names in layout.names])
+            follower.brief(opt)
+            ctl = follower.recv()
+            while ctl.go:
+                inner_step(cfg, model, opt, stream, ctl.lr_step, "cpu", local=group)
+                follower.after_step()
+                ctl = follower.recv()
+            ctl = follower.recv()
+            result[mode] = dict(digest=follower.digest, shard=ctl.event["model_digest"])
+    with open(out, "w") as f:
+        json.dump(result, f)
+    group.close()
+
+
+def _overlap_reference(mode):
+    """The same schedule in one process: one replica taking the summed batch (the mean of the halves'
+    gradients), a solo DiLoCo over its model."""
+    from p2pdiloco.data import load_corpus
+    from p2pdiloco.diloco.core import DiLoCo
+    from p2pdiloco.diloco.loop import _inner_lr, inner_setup
+    from p2pdiloco.local.worker import local_stream
+
+    torch.set_num_threads(1)
+    cfg = _mode_cfg(mode)
+    corpus = load_corpus(cfg.data)
+    model, opt, _ = inner_setup(cfg, corpus, 0)
+    halves = [local_stream(cfg, corpus, 0, r, 2) for r in range(2)]
+    diloco = DiLoCo(model, cfg, None)
+    for _ in range(STEPS):
+        for g in opt.param_groups:
+            g["lr"] = _inner_lr(cfg, diloco.lr_step)
+        grads = []
+        for s in halves:
+            x, y = s.next_batch("cpu")
+            opt.zero_grad(set_to_none=True)
+            model(x, y)[1].backward()
+            grads.append([p.grad for p in model.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads):
+            p.grad = torch.add(g0, g1).div_(2)
+        opt.step()
+        diloco.after_inner_step(2 * cfg.inner.batch_size)
+    diloco.finish()
+    diloco.close()
+    params = list(model.parameters())
+    opt_state = opt.state_dict()["state"]
+    return dict(digest=diloco.digest(), model=digest_of(params),
+                shards=[digest_of([shard_of(p, r, 2) for p in params]) for r in range(2)],
+                opt=digest_of([t for s in opt_state.values() for k, t in sorted(s.items())]))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("modes", [pytest.param(["tau"], id="tau"),
+                                   pytest.param(["delay", "eager"], id="delay-eager", marks=pytest.mark.slow)])
+def test_overlap_modes_through_the_shards(tmp_path, modes):
+    """tau (tau 2, alpha 0.5: the merge reads the model; the default suite), delay and eager (the restart
+    writes it; slow), each 2.5 rounds of 2 fragments: two spawned fsdp workers (gloo) whose rank 0 runs
+    DiLoCo over its CPU mirror, refreshed from the shards only at the steps DiLoCo touches it, against one
+    process taking the summed batch. Bitwise: the global state, the mirror, each worker's shard and the
+    gathered optimiser state. (Gathering fewer fragments at a landing, say, fails it.)"""
+    import json
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    ps = [ctx.Process(target=_fsdp_rank, args=(r, store.port, str(tmp_path / f"r{r}.json"), modes)) for r in range(2)]
+    for p in ps:
+        p.start()
+    try:
+        for p in ps:
+            p.join(150)
+            assert p.exitcode == 0
+    finally:
+        for p in ps:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2))
+    assert sorted(r0) == sorted(r1) == sorted(modes)
+    for mode in modes:
+        want = _overlap_reference(mode)
+        assert r0[mode]["digest"] == r1[mode]["digest"] == want["digest"], mode
+        assert r0[mode]["model"] == want["model"] and r0[mode]["opt"] == want["opt"], mode
+        assert [r0[mode]["shard"], r1[mode]["shard"]] == want["shards"], mode
