@@ -49,9 +49,14 @@ RUNS: Dict[str, tuple] = {
 }
 
 
+#: in the default suite: three kernel builds each, fp32 with tau (the default mode) and low-rank 4-bit with eager;
+#: the other two (~25 s each) in make test-slow
+DEFAULT_RUNS = ("fp32-tau", "lowrank-eager")
+
+
 @pytest.mark.skipif(len(CAPS) < 2, reason=f"this CPU offers one ATen kernel build only ({CAPS})")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", [pytest.param(r, marks=[] if r in DEFAULT_RUNS else [pytest.mark.slow]) for r in RUNS])
 def test_peers_on_different_kernels_stay_bitwise_identical(procs, tmp_path, run):
     settings, wanted = RUNS[run]
     caps = [c if c in CAPS else CAPS[i % len(CAPS)] for i, c in enumerate(wanted)]

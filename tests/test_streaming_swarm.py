@@ -25,7 +25,10 @@ BASE = [f"inner.sync_every={H}", f"streaming.fragments={P}", f"train.max_outer_s
 @pytest.mark.timeout(240)
 # eager's "fresh_heuristic" estimate differs from "paper" only in the training loop's arithmetic, which
 # test_streaming.py checks against the reference in one process; the swarm run covers "fresh"
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "eager-heuristic"])
+# the default suite runs delay here (~35 s each); tau (the default scheme's mode) and eager also run in
+# swarms in the default suite (test_exactness_hw.py, test_scheme.py, test_bench.py), and here in make test-slow
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=[] if m == "delay" else [pytest.mark.slow])
+                                  for m in MODES if m != "eager-heuristic"])
 def test_streaming_swarm_matches_reference(procs, tmp_path, mode):
     settings = BASE + MODES[mode] + [f"swarm.run_id=stream-{mode}"]
     addr = procs.bootstrap()
