@@ -291,9 +291,12 @@ def test_local_workers_in_a_swarm_and_a_dead_one(procs, tmp_path):
 def test_a_stopped_local_worker_is_caught_by_its_heartbeat(procs, tmp_path):
     """A local worker that is alive but silent (SIGSTOP: no collective notices it before its 2-hour
     timeout) is caught by the launcher's heartbeat check within local.heartbeat_timeout: named in one
-    ``error:`` line, killed, and the machine's peer leaves cleanly (exit status 1), nothing left."""
+    ``error:`` line, killed, and the machine's peer leaves cleanly (exit status 1), nothing left. The
+    peer shards its replica (local.sharding=fsdp): rank 0 meets the killed worker inside one of FSDP's
+    own collectives (its forward's gather, its backward's reduce-scatter), said in one line too."""
     timeout = 4.0
-    a = _join(procs, None, "a", tmp_path / "a", "swarm.run_id=lw-hung", f"local.heartbeat_timeout={timeout}", workers=2)
+    a = _join(procs, None, "a", tmp_path / "a", "swarm.run_id=lw-hung", f"local.heartbeat_timeout={timeout}",
+              "local.sharding=fsdp", workers=2)
     pids = _worker_pids(procs, "a", 2)
     w1 = tmp_path / "a" / "worker1.jsonl"
     deadline = time.time() + 90

@@ -48,13 +48,17 @@ def inner_step(cfg: RunConfig, model, opt, stream: BatchStream, step: int, devic
     for group in opt.param_groups:
         group["lr"] = _inner_lr(cfg, step)
     x, y = stream.next_batch(device)
-    _, loss = model(x, y)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    value = loss.item()
-    if local is not None:
-        value = local.average_gradients(list(model.parameters()), value)
-    return _finish_step(cfg, model, opt, value), x.shape[0]
+    if local is None:
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        return _finish_step(cfg, model, opt, loss.item()), x.shape[0]
+    with local.guard("took an inner step"):  # sharded, torch's own collectives run in here
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        value = local.average_gradients(list(model.parameters()), loss.item())
+        return _finish_step(cfg, model, opt, value), x.shape[0]
 
 
 def _finish_step(cfg: RunConfig, model, opt, loss: float) -> float:

@@ -32,6 +32,7 @@ it received, which is the swarm's.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import logging
@@ -122,6 +123,22 @@ class LocalGroup:
             except Exception:  # noqa: BLE001 - leaving anyway
                 pass
 
+    @contextlib.contextmanager
+    def guard(self, what: str):
+        """Around code whose collectives torch issues itself (sharded: FSDP's gathers in the forward,
+        its reduce-scatters in the backward, the gradient norm): a failed collective is
+        :class:`LocalWorkerLost`, as in :meth:`_call`. Only errors that come from the backend (a
+        ``DistError``, or gloo's/nccl's words): an out-of-memory or a bug stays what it is."""
+        try:
+            yield
+        except RuntimeError as e:
+            import torch.distributed as dist
+
+            text = str(e)
+            if not isinstance(e, dist.DistError) and not any(w in text for w in _BACKEND_WORDS):
+                raise
+            self._call(what, _reraise, e)
+
     def _call(self, what: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -179,6 +196,15 @@ class LocalGroup:
         box = [obj]
         self._call(what, dist.broadcast_object_list, box, 0)
         return box[0]
+
+
+#: words of gloo's and nccl's errors (a closed or reset connection, a timeout), which torch raises as a
+#: plain RuntimeError from inside autograd
+_BACKEND_WORDS = ("gloo", "nccl", "NCCL", "Connection", "connection", "timed out", "Timed out", "Socket")
+
+
+def _reraise(e: BaseException) -> None:
+    raise e
 
 
 def _buckets(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
