@@ -105,7 +105,7 @@ def test_demo_runs_the_default_scheme_and_says_what_it_saved(tmp_path):
     """`p2pdiloco demo` (what the README's first command runs): the volunteers get no scheme --set, run the
     default scheme (their run_config.json), and the summary names it and the bytes saved against fp32."""
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "demo", "--peers", "2", "--outer-steps", "2",
+    proc = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "demo", "--peers", "2", "--outer-steps", "1",
                            "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     want = describe_scheme(load_config(TINY_CPU))
