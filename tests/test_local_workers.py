@@ -330,12 +330,14 @@ STREAMING = ["compression.codec=e3m0", "streaming.fragments=2", "streaming.mode=
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_worker_peer_joins_a_streaming_run_and_stops_on_ctrl_c(procs, tmp_path):
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
+def test_two_worker_peer_joins_a_streaming_run_and_stops_on_ctrl_c(procs, tmp_path, sharding):
     """A 2-worker peer joins a run in progress (its state download reaches both workers), trains with
     2 fragments, tau/alpha overlap and 4-bit pseudo-gradients, and stops on a Ctrl-C to its process
-    group (the terminal's): exit 0 for the launcher and both workers, the final state on both."""
+    group (the terminal's): exit 0 for the launcher and both workers, the final state on both. With
+    fsdp, each worker's ``model_digest`` is of its own shard (compared as such: present, and differing)."""
     addr = procs.bootstrap()
-    settings = [*STREAMING, "swarm.run_id=lw-stream", "swarm.progress_period=2"]
+    settings = [*STREAMING, "swarm.run_id=lw-stream", "swarm.progress_period=2", f"local.sharding={sharding}"]
     b = _join(procs, addr, "b", tmp_path / "b", *settings, "data.shard=1")
     deadline = time.time() + 120
     while len(_syncs(tmp_path / "b" / "metrics.jsonl")) < 4:  # two outer steps before the 2-worker peer comes
@@ -358,10 +360,16 @@ def test_two_worker_peer_joins_a_streaming_run_and_stops_on_ctrl_c(procs, tmp_pa
     # joined from the swarm's verified state (and, as a one-process joiner may, adopted it once more at its
     # first sync when that round's group had formed without it): every adopted state reached worker 1
     caught = [r for r in ra if r["event"] == "catch_up"]
-    keys = ("step", "synced_step", "outer_steps", "fragments", "digest", "model_digest", "final")
+    keys = ("step", "synced_step", "outer_steps", "fragments", "digest", "final")
+    if sharding == "replicate":
+        keys += ("model_digest",)
+    else:
+        assert all(a["model_digest"] != b["model_digest"] for a, b in zip(
+            *([r for r in rs if r["event"] == "local_sync"] for rs in (ra, w1))))
     ev0, ev1 = ([{k: r[k] for k in keys} for r in rs if r["event"] == "local_sync"] for rs in (ra, w1))
     assert caught and ev0 == ev1 and ev1[0]["digest"] == caught[0]["digest"] and ev1[-1]["final"]
-    assert all(any(e["digest"] == c["digest"] and e["model_digest"] for e in ev1) for c in caught)
+    raw1 = [r for r in w1 if r["event"] == "local_sync"]
+    assert all(any(e["digest"] == c["digest"] and e["model_digest"] for e in raw1) for c in caught)
     theirs = {(r["fragment"], r["outer_step"]): r["digest"] for r in rb if r["event"] == "sync" and r["ok"]}
     ours = [r for r in ra if r["event"] == "sync" and r["ok"]]
     assert len(ours) >= 4 and all(theirs[(r["fragment"], r["outer_step"])] == r["digest"] for r in ours)
