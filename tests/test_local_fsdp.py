@@ -305,3 +305,24 @@ def test_overlap_modes_through_the_shards(tmp_path, modes):
         assert r0[mode]["digest"] == r1[mode]["digest"] == want["digest"], mode
         assert r0[mode]["model"] == want["model"] and r0[mode]["opt"] == want["opt"], mode
         assert [r0[mode]["shard"], r1[mode]["shard"]] == want["shards"], mode
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_equals_replicate_for_a_hugging_face_model(procs, tmp_path):
+    """A Llama (transformers; rotary buffers, tied embedding) trained by a lone 2-worker peer, sharded and
+    replicated: with gradient clipping off (the one step whose summation order differs) the global state
+    after the round is the same bits, and the sharded workers hold half the elements each."""
+    hf = ["model.kind=hf", "model.hf_config=llama", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+          "model.hf_kv_heads=2", "model.seq_len=64", "inner.grad_clip=0", "data.shard=0", "train.max_outer_steps=1"]
+    digests = {}
+    for sharding in ("replicate", "fsdp"):
+        p = _join(procs, None, sharding, tmp_path / sharding, *hf, f"local.sharding={sharding}",
+                  f"swarm.run_id=lw-hf-{sharding}", workers=2)
+        assert procs.wait(p, 200) == 0, procs.err(sharding)[-3000:]
+        rs = read_metrics(str(tmp_path / sharding / "metrics.jsonl"))
+        (shard,) = [r for r in rs if r["event"] == "local_shard"]
+        held = shard["param_numel"] / shard["params"]
+        assert held == (1.0 if sharding == "replicate" else 0.5), shard
+        digests[sharding] = [r["digest"] for r in rs if r["event"] == "sync"]
+    assert digests["replicate"] == digests["fsdp"] and len(digests["fsdp"]) == 1

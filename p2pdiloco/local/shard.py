@@ -48,6 +48,7 @@ def build_sharded(cfg, device: str) -> nn.Module:
 
     with torch.device("meta"):
         model = build_model(cfg.model)
+    _tie_hf(model)
     for m in list(model.modules()):  # one FSDP unit per decoder layer: gathered for its forward only
         if isinstance(m, nn.ModuleList):
             for child in m:
@@ -55,6 +56,17 @@ def build_sharded(cfg, device: str) -> nn.Module:
     fully_shard(model)
     model.to_empty(device=device)
     return model
+
+
+def _tie_hf(model: nn.Module) -> None:
+    """A Hugging Face model built on ``meta`` skips ``tie_weights()``: tie the LM head to the embedding
+    as the CPU build does, so both have the same parameters in the same order."""
+    lm = getattr(model, "lm", None)
+    if lm is None or not getattr(lm.config, "tie_word_embeddings", False):
+        return
+    out, inp = lm.get_output_embeddings(), lm.get_input_embeddings()
+    if out is not None and inp is not None and out.weight is not inp.weight:
+        out.weight = inp.weight
 
 
 def touched(diloco, t: int) -> Tuple[Set[int], bool]:
