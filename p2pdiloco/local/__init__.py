@@ -9,4 +9,9 @@ gloo on CPU, nccl on CUDA) and every worker applies the same AdamW step. After e
 0 tells the others whether to go on and sends them whatever its DiLoCo changed: the model's
 parameters when a sync result reached them, the global copy (θ and momentum) of each fragment whose
 outer step landed (:mod:`.group`), so every worker logs the swarm's digest.
+
+``local.sharding = "fsdp"`` (:mod:`.shard`): the workers hold the replica in shards (torch FSDP2)
+for a model that does not fit one device; rank 0 keeps the full parameters DiLoCo needs on its CPU.
+The launcher also watches each worker's heartbeat (:mod:`.launch`): a stopped or frozen worker takes
+the machine's peer down as a dead one does.
 """
