@@ -325,6 +325,39 @@ def test_a_stopped_local_worker_is_caught_by_its_heartbeat(procs, tmp_path):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_stopped_rank_0_is_caught_by_its_heartbeat(procs, tmp_path):
+    """Worker 0 (the swarm member) SIGSTOPped: the launcher names it and kills it (a stopped process can
+    say no goodbye), worker 1 ends at its next collective, exit status 1, nothing left (rank 0's DHT
+    process and daemon included)."""
+    timeout = 4.0
+    a = _join(procs, None, "a", tmp_path / "a", "swarm.run_id=lw-hung0", f"local.heartbeat_timeout={timeout}",
+              workers=2)
+    pids = _worker_pids(procs, "a", 2)
+    w1 = tmp_path / "a" / "worker1.jsonl"
+    deadline = time.time() + 90
+    while not (w1.exists() and any(r["event"] == "local_sync" for r in read_metrics(str(w1)))):
+        assert a.poll() is None and time.time() < deadline, procs.err("a")[-3000:]
+        time.sleep(0.2)
+    machine = [pids[0], *[c.pid for c in psutil.Process(pids[0]).children(recursive=True)], pids[1]]
+    os.kill(pids[0], signal.SIGSTOP)
+    t0 = time.time()
+    while psutil.Process(pids[0]).status() != psutil.STATUS_STOPPED:  # the fault fired
+        assert time.time() < t0 + 2, psutil.Process(pids[0]).status()
+        time.sleep(0.01)
+    code = procs.wait(a, 60)
+    took = time.time() - t0
+    err = procs.err("a")
+    assert code == 1 and timeout <= took <= timeout + 20, err[-3000:]
+    assert f"error: local worker 0 (pid {pids[0]}) sent no heartbeat for" in err and "without a goodbye" in err
+    assert "Traceback" not in err
+    deadline = time.time() + 15
+    while left := [p for p in machine if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
+        assert time.time() < deadline, f"left behind: {left}"
+        time.sleep(0.2)
+
+
 #: the streaming scheme the project is moving its defaults to, pinned: 2 fragments, tau/alpha overlap, 4-bit
 STREAMING = ["compression.codec=e3m0", "streaming.fragments=2", "streaming.mode=tau", "streaming.tau=2",
              "streaming.alpha=0.5"]

@@ -158,10 +158,12 @@ def _watch(procs: List[subprocess.Popen], beats: _Heartbeats) -> int:
         silent = [(r, t) for r, t in beats.silent() if codes[r] is None]
         if silent:
             r, quiet = silent[0]
+            fate = ("this machine's peer leaves the swarm" if r else
+                    "it is the swarm member: it is killed without a goodbye (the swarm drops it when its record "
+                    "expires) and the other local workers end")
             print(f"error: local worker {r} (pid {procs[r].pid}) sent no heartbeat for {quiet:.0f} s "
-                  f"(local.heartbeat_timeout = {beats.timeout:g}): it is stopped or frozen; this machine's peer "
-                  "leaves the swarm (run the same command again to resume from its last checkpoint)",
-                  file=sys.stderr, flush=True)
+                  f"(local.heartbeat_timeout = {beats.timeout:g}): it is stopped or frozen; {fate} "
+                  "(run the same command again to resume from its last checkpoint)", file=sys.stderr, flush=True)
             procs[r].kill()  # all a stopped process can take; the others' next collective then fails
             procs[r].wait()
             if r:
