@@ -138,8 +138,9 @@ class StreamingConfig:
     mode: str = "tau"
     #: mode "tau": inner steps between sending a fragment's pseudo-gradient and applying its average
     tau: int = 4
-    #: mode "tau": weight of the local progress when the average is merged in (0 = take the average)
-    alpha: float = 0.5
+    #: mode "tau": weight of the local progress when the average is merged in (0 = take the average:
+    #: measured better than 0.5 over the long horizon, docs/benchmark.md "The default scheme")
+    alpha: float = 0.0
     #: start group formation at least this many inner steps before a sync, in the background, so it is
     #: off the critical path (capped at H/P - 1; 0 = form the group at the sync step, with
     #: prepare_seconds = 0 too). Not part of the fingerprint.
@@ -403,8 +404,8 @@ _SECTIONS = {
 #: "The default scheme".
 SCHEMES: Dict[str, Dict[str, Any]] = {
     # the mission's scheme: Streaming DiLoCo, 4 fragments, each average applied tau steps after it was
-    # sent (merged with alpha), 4-bit E3M0 pseudo-gradients
-    "streaming": {"streaming.fragments": 4, "streaming.mode": "tau", "streaming.tau": 4, "streaming.alpha": 0.5,
+    # sent (taken whole: alpha 0), 4-bit E3M0 pseudo-gradients
+    "streaming": {"streaming.fragments": 4, "streaming.mode": "tau", "streaming.tau": 4, "streaming.alpha": 0.0,
                   "compression.codec": "e3m0", "compression.lowrank": False, "outer.lr": 0.7},
     # the original DiLoCo: one fragment, blocking, fp32 pseudo-gradients
     "diloco": {"streaming.fragments": 1, "streaming.mode": "tau", "streaming.tau": 0, "streaming.alpha": 0.0,

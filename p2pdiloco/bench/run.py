@@ -90,8 +90,7 @@ MODES: Dict[str, Tuple[str, ...]] = {
     "streaming4-tau8-e3m0": ("streaming.fragments=4", "streaming.tau=8", "streaming.alpha=0.5", "compression.codec=e3m0"),
     "streaming4-eager-fp32": ("streaming.fragments=4", "streaming.mode=eager"),
     # issue 18: the default scheme with low-rank factors (rank 1/8 of each matrix, embeddings whole) in 4-bit NF4
-    "streaming4-tau4-nf4-lowrank": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5",
-                                    "compression.codec=nf4", "compression.lowrank=true",
+    "streaming4-tau4-nf4-lowrank": ("scheme=streaming", "compression.codec=nf4", "compression.lowrank=true",
                                     "compression.rank_fraction=0.125", "compression.adaptive=false",
                                     "compression.dense_params=emb"),
     "streaming4-eager-nf4": ("streaming.fragments=4", "streaming.mode=eager", "compression.codec=nf4"),
