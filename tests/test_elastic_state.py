@@ -231,15 +231,11 @@ def _fake_matchmaker(records, announce=False, **kwargs):
             raise AssertionError("announced itself")
         records.setdefault(key, {})[subkey] = value
 
-    async def astore_near(key, value, ttl):
-        await astore(key, value, ttl, "me")
-        return 1
-
     async def connect(peer, addrs):  # every link the warm step opens is up at once
         pass
 
     node = SimpleNamespace(peer_id_str="me", short_id="me", traffic=None, add_handler=lambda *a: None,
-                           aget_subkeys=aget_subkeys, astore=astore, astore_near=astore_near, gate=SimpleNamespace(banned=lambda pid: False),
+                           aget_subkeys=aget_subkeys, astore=astore, gate=SimpleNamespace(banned=lambda pid: False),
                            p2p=SimpleNamespace(_client=SimpleNamespace(connect=connect)))
     return Matchmaker(node, "t", **{"matchmaking_timeout": 5, **kwargs})
 

@@ -140,12 +140,8 @@ def _fake(me, records, reach):
     async def astore(key, value, ttl, subkey):
         records.setdefault(key, {})[subkey] = value
 
-    async def astore_near(key, value, ttl):
-        await astore(key, value, ttl, me)
-        return 1
-
     node = SimpleNamespace(peer_id_str=me, short_id=me, traffic=None, add_handler=lambda *a: None,
-                           aget_subkeys=aget_subkeys, astore=astore, astore_near=astore_near, reachability=reach,
+                           aget_subkeys=aget_subkeys, astore=astore, reachability=reach,
                            gate=SimpleNamespace(banned=lambda pid: False))
     return Matchmaker(node, "t", matchmaking_timeout=5, join_grace=0.2)
 

@@ -400,8 +400,8 @@ class Matchmaker:
                      slot=self._slot(frag, round_), key=self._key(frag, round_), t_enter=t_enter, start=start,
                      hard_deadline=start + self.matchmaking_timeout)
         a.deadline = a.hard_deadline
-        self._background(self.node.astore_near(a.key, {"t": time.time(), "reach": self._my_reach()},
-                                               ttl=self.matchmaking_timeout * 3), "ready record")
+        self._background(self.node.astore(a.key, {"t": time.time(), "reach": self._my_reach()},
+                                          ttl=self.matchmaking_timeout * 3, subkey=me), "ready record")
         if sync_step is not None:
             self._evaluate(a, live)  # read just now
         # Nothing is decided by the early request: when the poll picks another leader, we hang up and the
@@ -671,8 +671,8 @@ class Matchmaker:
             proposal.final.set_result(group)  # the members first: the all-reduce can start
         # One group per (fragment, round): announce it so a late peer knows it missed the round (until
         # the record is out, a late peer asking us to admit it gets the "closed" refusal instead)
-        self._background(self.node.astore_near(self._group_key(frag, round_), {"members": list(members), "base": base},
-                                               ttl=self.matchmaking_timeout * 10), "group record")
+        self._background(self.node.astore(self._group_key(frag, round_), {"members": list(members), "base": base},
+                                          ttl=self.matchmaking_timeout * 10, subkey=me), "group record")
         missing = expected_joiners - set(slot.joiners)
         if missing:
             logger.info(f"[{self.node.short_id}] group for fragment {frag} round {round_} formed without "
