@@ -223,7 +223,7 @@ def _fake_matchmaker(records, announce=False, **kwargs):
 
     from p2pdiloco.swarm.matchmaking import Matchmaker
 
-    async def aget_subkeys(key, local=False):
+    async def aget_subkeys(key):
         return dict(records.get(key, {}))
 
     async def astore(key, value, ttl, subkey):
@@ -460,9 +460,9 @@ def test_a_follower_asks_the_presumable_leader_at_once_instead_of_waiting_for_th
     mm = _fake_matchmaker(records, announce=True)
     get = mm.node.aget_subkeys
 
-    async def counted(key, local=False):
+    async def counted(key):
         reads.append(key)
-        return await get(key, local)
+        return await get(key)
 
     mm.node.aget_subkeys = counted
     asked = []
@@ -494,9 +494,9 @@ def test_a_join_request_counts_as_the_joiners_ready_record_and_the_leader_closes
     mm = _fake_matchmaker(records, announce=True)
     get = mm.node.aget_subkeys
 
-    async def counted(key, local=False):
+    async def counted(key):
         reads.append(key)
-        return await get(key, local)
+        return await get(key)
 
     mm.node.aget_subkeys = counted
 

@@ -284,10 +284,9 @@ class Matchmaker:
         """Who leads: public peers before private ones, then the smallest id."""
         return self._private(peer), peer
 
-    async def _ready_read(self, key: str, local: bool = True) -> Set[str]:
-        """The (unbanned) peers with a ready record under ``key``; notes their reachability. ``local``: from
-        our own DHT storage when we hold the key (:meth:`SwarmNode.aget_subkeys`)."""
-        return self._unbanned(self._note_reach(await self.node.aget_subkeys(key, local=local)))
+    async def _ready_read(self, key: str) -> Set[str]:
+        """The (unbanned) peers with a ready record under ``key``; notes their reachability."""
+        return self._unbanned(self._note_reach(await self.node.aget_subkeys(key)))
 
     def live_of(self, records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         """The live peers among a read of the progress records (no goodbye, not banned); every read
@@ -391,7 +390,7 @@ class Matchmaker:
         me = self.node.peer_id_str
         t_enter = time.monotonic()
         live, groups = await asyncio.gather(self._live_peers(check=True) if sync_step is not None else _nothing(),
-                                            self.node.aget_subkeys(self._group_key(frag, round_), local=True))
+                                            self.node.aget_subkeys(self._group_key(frag, round_)))
         if sync_step is not None:
             self._check_not_behind(live, frag, round_, sync_step)
         self._raise_if_missed(groups, frag, round_, expected)
@@ -433,7 +432,7 @@ class Matchmaker:
             reeval = a.sync_step is not None and time.monotonic() - a.last_eval >= self.reevaluate_period
             reads = asyncio.ensure_future(asyncio.gather(
                 self._ready_read(a.key), self._live_peers(check=True) if reeval else _nothing(),
-                self.node.aget_subkeys(self._group_key(a.frag, a.round), local=True)))
+                self.node.aget_subkeys(self._group_key(a.frag, a.round))))
             while not reads.done() and not (a.early is not None and a.early.done()):
                 a.ready |= self._unbanned(slot.arrivals)
                 if len(a.ready) >= a.expected:
@@ -472,8 +471,8 @@ class Matchmaker:
         a.absent = self._unbanned(self._companions) - set(a.peers) - a.ready - {a.me}
         if a.ready == {a.me} and (len(a.peers) > 1 or a.absent):
             await asyncio.sleep(min(1.0, self.join_grace))
-            a.ready |= await self._ready_read(a.key, local=False)  # the network's view, not only ours
-            self._check_not_behind(await self._live_peers(local=False), a.frag, a.round, a.sync_step)
+            a.ready |= await self._ready_read(a.key)
+            self._check_not_behind(await self._live_peers(), a.frag, a.round, a.sync_step)
             await self._check_not_missed(a.frag, a.round, a.expected)
 
     async def _settle(self, a: "_Attempt") -> Group:
@@ -805,11 +804,10 @@ class Matchmaker:
             return None
         return tuple(members), owners
 
-    async def _live_peers(self, check: bool = False, local: bool = True) -> Dict[str, Dict[str, Any]]:
+    async def _live_peers(self, check: bool = False) -> Dict[str, Dict[str, Any]]:
         """The live peers' progress records; with ``check``, raise RoundMissed when the caller's
-        :attr:`give_way` hook says a rival history outnumbers ours (we are to adopt its state).
-        ``local``: from our own DHT storage when we hold the key (:meth:`SwarmNode.aget_subkeys`)."""
-        live = self.live_of(await self.node.aget_subkeys(f"{self.run_id}:progress", local=local))
+        :attr:`give_way` hook says a rival history outnumbers ours (we are to adopt its state)."""
+        live = self.live_of(await self.node.aget_subkeys(f"{self.run_id}:progress"))
         self._live_count = len(set(live) | {self.node.peer_id_str})
         if check and self.give_way is not None and (why := self.give_way(live)):
             raise RoundMissed(why)

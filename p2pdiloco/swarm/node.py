@@ -369,16 +369,7 @@ class SwarmNode:
         """``{peer id: record}`` of every valid, owner-signed record under ``key`` (newest per owner)."""
         return self.records.decode(key, self.dht.get(key, latest=True))
 
-    async def aget_subkeys(self, key: str, local: bool = False) -> Dict[str, Dict[str, Any]]:
-        """:meth:`get_subkeys` from the event loop. With ``local``, from our own DHT storage when we are one
-        of the key's nearest nodes (every writer's store reaches us: no byte on the wire), else over the
-        network as without it. Matchmaking polls its keys every ~0.1 s while it waits: over the network
-        each poll asked every node for the whole dictionary (signed records of ~1 KB), ~150 KB per sync
-        and peer with 4 peers (issue 18's long benchmark)."""
-        if local:
-            ours, found = await self.dht.run_coroutine(partial(_read_near, key), return_future=True)
-            if ours:
-                return self.records.decode(key, found)
+    async def aget_subkeys(self, key: str) -> Dict[str, Dict[str, Any]]:
         return self.records.decode(key, await self.dht.get(key, latest=True, return_future=True))
 
     # ---- the background records' cheap path (see _store_near above) ---------------------------------
