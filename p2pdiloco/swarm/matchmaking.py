@@ -2,10 +2,7 @@
 
 1. A peer ready to sync fragment ``f`` of round ``r`` stores a *ready* record under
    ``<run>:mm:<f>:<r>`` (subkey: its peer id) and polls that key until as many peers are ready as
-   the caller expects (the live peers at this round) or ``matchmaking_timeout`` passes. Records go
-   straight to the key's nearest known nodes, and a poll reads the node's own DHT storage when it is
-   one of them (every full node of a swarm of up to 5 DHT nodes): waiting costs no bytes. The last
-   looks before a group closes or a peer syncs alone read the network (``SwarmNode.aget_subkeys``).
+   the caller expects (the live peers at this round) or ``matchmaking_timeout`` passes.
 2. The ready peer with the smallest id is the *leader*. Every other peer sends it a ``join``
    request. The leader admits joiners until everyone it saw ready has joined (or a short grace
    period ends), then finalizes: ``members`` = itself + admitted peers, sorted, and replies to every
