@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from conftest import TINY, cli_argv
+from local_support import run_two_ranks
 from p2pdiloco.checkpoint import find_checkpoint, load_checkpoint
 from p2pdiloco.config import load_config
 from p2pdiloco.local.group import digest_of
@@ -279,26 +280,7 @@ def test_overlap_modes_through_the_shards(tmp_path, modes):
     DiLoCo over its CPU mirror, refreshed from the shards only at the steps DiLoCo touches it, against one
     process taking the summed batch. Bitwise: the global state, the mirror, each worker's shard and the
     gathered optimiser state. (Gathering fewer fragments at a landing, say, fails it.)"""
-    import json
-    import multiprocessing as mp
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    ps = [ctx.Process(target=_fsdp_rank, args=(r, store.port, str(tmp_path / f"r{r}.json"), modes)) for r in range(2)]
-    for p in ps:
-        p.start()
-    try:
-        for p in ps:
-            p.join(150)
-            assert p.exitcode == 0
-    finally:
-        for p in ps:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2))
+    r0, r1 = run_two_ranks(_fsdp_rank, tmp_path, modes, timeout=150)
     assert sorted(r0) == sorted(r1) == sorted(modes)
     for mode in modes:
         want = _overlap_reference(mode)

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from conftest import TINY, cli_argv
+from local_support import run_two_ranks
 from p2pdiloco.checkpoint import find_checkpoint, load_checkpoint
 from p2pdiloco.compression.robust import weighted_mean
 from p2pdiloco.config import load_config
@@ -525,25 +526,7 @@ def test_protocol_between_two_processes(tmp_path):
     """The brief and two messages between two real processes (gloo): worker 1 ends with rank 0's inner
     optimiser state, parameters and global copies (it started from other ones), and both log the same
     events: the start (everything), then the one parameter and the one fragment that changed."""
-    import multiprocessing as mp
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    ps = [ctx.Process(target=_protocol_rank, args=(r, store.port, str(tmp_path / f"r{r}.json"))) for r in range(2)]
-    for p in ps:
-        p.start()
-    try:
-        for p in ps:
-            p.join(90)
-            assert p.exitcode == 0
-    finally:
-        for p in ps:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2))
+    r0, r1 = run_two_ranks(_protocol_rank, tmp_path, timeout=90)
     assert r1["info"] == {"run_dir": "x"} and r1["go"] == [True, False] and r1["final"] and r1["lr_step"] == 7
     assert r0["opt"] == r1["opt"] and r0["model"] == r1["model"] and r0["digest"] == r1["digest"]
     drop_rank = [{k: v for k, v in e.items() if k != "rank"} for e in r0["events"]]
