@@ -29,7 +29,8 @@ from p2pdiloco.config import load_config
 from p2pdiloco.local.group import digest_of
 from p2pdiloco.local.shard import shard_of
 from p2pdiloco.metrics import read_metrics
-from test_local_workers import BATCH, H, PINNED, QUICK, STREAMING, _join, _reference, _syncs, _worker_pids
+from test_local_workers import (H, PINNED, QUICK, STREAMING, _first_rounds_together, _join, _reference,
+                                _syncs, _worker_pids)
 
 FSDP = ["local.sharding=fsdp"]
 
@@ -56,12 +57,7 @@ def test_fsdp_peer_in_a_swarm_matches_the_reference(procs, tmp_path):
     assert mine["param_numel"] + start1["param_numel"] == total
     assert 0.45 * total <= mine["param_numel"] <= 0.55 * total and 0.45 * total <= start1["param_numel"] <= 0.55 * total
 
-    by = {k: {w: [r for r in rs if r["event"] == "sync" and r["outer_step"] == k][0] for w, rs in (("a", ra), ("b", rb))}
-          for k in range(1, QUICK + 1)}
-    for k, r in by.items():
-        assert r["a"]["ok"] and r["b"]["ok"] and r["a"]["group_size"] == r["b"]["group_size"] == 2, k
-        assert r["a"]["digest"] == r["b"]["digest"], k
-        assert r["a"]["samples"] == 2 * H * BATCH and r["a"]["round_samples"] == 3 * H * BATCH, k
+    by = _first_rounds_together(ra, rb)
 
     # both workers log the same global state; each its own shard of the model
     keys = ("step", "synced_step", "outer_steps", "fragments", "digest", "final")

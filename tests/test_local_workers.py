@@ -139,6 +139,29 @@ def _reference(cfg, peer_ids, one_forward=False, rounds=ROUNDS, sharded=False, s
     return torch.cat([p.reshape(-1) for p in outer.params]), digests
 
 
+def _until_worker1_synced(procs, a, run_dir) -> dict:
+    """The launcher's worker pids, once worker 1 has logged its first local_sync (the peer trains)."""
+    pids = _worker_pids(procs, "a", 2)
+    w1 = run_dir / "worker1.jsonl"
+    deadline = time.time() + 90
+    while not (w1.exists() and any(r["event"] == "local_sync" for r in read_metrics(str(w1)))):
+        assert a.poll() is None and time.time() < deadline, procs.err("a")[-3000:]
+        time.sleep(0.2)
+    return pids
+
+
+def _first_rounds_together(ra, rb) -> dict:
+    """The first QUICK rounds of peers a (2 workers) and b (1): one group of both, equal digests, a's
+    weight its two workers' samples; returns {outer step: {"a": sync, "b": sync}}."""
+    by = {k: {w: [r for r in rs if r["event"] == "sync" and r["outer_step"] == k][0] for w, rs in (("a", ra), ("b", rb))}
+          for k in range(1, QUICK + 1)}
+    for k, r in by.items():
+        assert r["a"]["ok"] and r["b"]["ok"] and r["a"]["group_size"] == r["b"]["group_size"] == 2, k
+        assert r["a"]["digest"] == r["b"]["digest"], k
+        assert r["a"]["samples"] == 2 * H * BATCH and r["a"]["round_samples"] == 3 * H * BATCH, k
+    return by
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_worker_peer_finishes_and_resumes_with_one(procs, tmp_path):
@@ -270,12 +293,7 @@ def test_local_workers_in_a_swarm_and_a_dead_one(procs, tmp_path):
     # the first QUICK rounds: one group of both, equal digests, both local workers logging them
     ra, rb = read_metrics(str(tmp_path / "a" / "metrics.jsonl")), read_metrics(str(tmp_path / "b" / "metrics.jsonl"))
     w1 = read_metrics(str(tmp_path / "a" / "worker1.jsonl"))
-    by = {k: {w: [r for r in rs if r["event"] == "sync" and r["outer_step"] == k][0] for w, rs in (("a", ra), ("b", rb))}
-          for k in range(1, QUICK + 1)}
-    for k, r in by.items():
-        assert r["a"]["ok"] and r["b"]["ok"] and r["a"]["group_size"] == r["b"]["group_size"] == 2, k
-        assert r["a"]["digest"] == r["b"]["digest"], k
-        assert r["a"]["samples"] == 2 * H * BATCH and r["a"]["round_samples"] == 3 * H * BATCH, k
+    by = _first_rounds_together(ra, rb)
     keys = ("step", "synced_step", "outer_steps", "fragments", "digest", "model_digest")
     ev0, ev1 = ([{k: r[k] for k in keys} for r in rs if r["event"] == "local_sync" and r["synced_step"] <= QUICK * H]
                 for rs in (ra, w1))
@@ -298,12 +316,7 @@ def test_a_stopped_local_worker_is_caught_by_its_heartbeat(procs, tmp_path):
     timeout = 4.0
     a = _join(procs, None, "a", tmp_path / "a", "swarm.run_id=lw-hung", f"local.heartbeat_timeout={timeout}",
               "local.sharding=fsdp", workers=2)
-    pids = _worker_pids(procs, "a", 2)
-    w1 = tmp_path / "a" / "worker1.jsonl"
-    deadline = time.time() + 90
-    while not (w1.exists() and any(r["event"] == "local_sync" for r in read_metrics(str(w1)))):
-        assert a.poll() is None and time.time() < deadline, procs.err("a")[-3000:]
-        time.sleep(0.2)
+    pids = _until_worker1_synced(procs, a, tmp_path / "a")
     time.sleep(1.5 * timeout)  # training, beating: no false alarm meanwhile
     assert a.poll() is None, procs.err("a")[-3000:]
     machine = [pids[0], *[c.pid for c in psutil.Process(pids[0]).children(recursive=True)], pids[1]]
@@ -335,12 +348,7 @@ def test_a_stopped_rank_0_is_caught_by_its_heartbeat(procs, tmp_path):
     timeout = 4.0
     a = _join(procs, None, "a", tmp_path / "a", "swarm.run_id=lw-hung0", f"local.heartbeat_timeout={timeout}",
               workers=2)
-    pids = _worker_pids(procs, "a", 2)
-    w1 = tmp_path / "a" / "worker1.jsonl"
-    deadline = time.time() + 90
-    while not (w1.exists() and any(r["event"] == "local_sync" for r in read_metrics(str(w1)))):
-        assert a.poll() is None and time.time() < deadline, procs.err("a")[-3000:]
-        time.sleep(0.2)
+    pids = _until_worker1_synced(procs, a, tmp_path / "a")
     machine = [pids[0], *[c.pid for c in psutil.Process(pids[0]).children(recursive=True)], pids[1]]
     os.kill(pids[0], signal.SIGSTOP)
     t0 = time.time()
