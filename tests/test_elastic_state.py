@@ -135,6 +135,39 @@ def test_donors_that_moved_on_lead_to_a_new_target_without_refetching(donors):
 
 
 @pytest.mark.timeout(60)
+def test_records_lagging_behind_donors_that_moved_on_are_waited_for(donors):
+    """The donors moved on, but their records still claim the old sync for a few reads (a DHT store and
+    read lag behind a fast sync: a 2-worker joiner in CI burnt every re-pick on the old target within a
+    second and stopped). The re-pick waits for a newer claim instead of asking for the old one again."""
+    joiner, ds = donors
+    newer = make_state(20, 2)
+    for d in ds:
+        d.snap = newer
+    reads = []
+    answers = [claims(ds[:2], 10, 1)] * 5 + [claims(ds[:2], 20, 2)]
+
+    def records():
+        reads.append(time.monotonic())
+        return answers[min(len(reads), len(answers)) - 1]
+
+    got = download_state(joiner, "t", records, NUMELS, timeout=5, max_targets=2, record_wait=10)
+    assert len(reads) == 6  # the lag fired: four reads still showed the sync the donors had moved past
+    assert got.step == 20 and got.payload == newer[1] and got.targets == 2
+    assert sum(d.calls for d in ds) == 2  # the newer fragments that came back were kept, not fetched again
+
+
+@pytest.mark.timeout(60)
+def test_donors_that_moved_on_without_a_newer_record_fail_with_a_clear_reason(donors):
+    joiner, ds = donors
+    for d in ds:
+        d.snap = make_state(20, 2)
+    t0 = time.monotonic()
+    with pytest.raises(SyncFailed, match=r"moved past step 10 \(they serve step 20\) but no record claimed a newer"):
+        download_state(joiner, "t", claims(ds[:2], 10, 1), NUMELS, timeout=5, record_wait=1.5)
+    assert 1.5 <= time.monotonic() - t0 < 8
+
+
+@pytest.mark.timeout(60)
 def test_a_tampered_copy_of_a_newer_sync_is_rejected_not_stashed(donors):
     """A donor that moved on sends fragments of its newer sync; they are checked against the digest it
     claims for that sync when they arrive, so a tampered copy is reported (and never reused)."""

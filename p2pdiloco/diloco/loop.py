@@ -294,7 +294,10 @@ class _Peer:
                                      min_step=diloco.synced_step if min_step is None else min_step,
                                      on_target=self._announce_target,
                                      # a rival lineage (peers given) was already judged by majority
-                                     companions=() if peers else swarm.matchmaker.companions)
+                                     companions=() if peers else swarm.matchmaker.companions,
+                                     # donors publish their record right after a sync; a failed store
+                                     # is retried within a progress period
+                                     record_wait=swarm.progress_period + 5.0)
             except SyncFailed as e:
                 metrics.write("catch_up_failed", step=diloco.inner_step, error=str(e),
                               seconds=round(time.time() - t_try, 3))

@@ -21,7 +21,9 @@ Joiner side (:func:`download_state`):
      fragment, so a fragment can be checked on its own). A donor that sends a wrong fragment
      (tampered, stale), a malformed reply, or nothing in time (stalled) is dropped and its fragments
      go to the next donor. If the donors moved on to a newer sync meanwhile, the target is picked
-     again (at most ``max_targets`` times).
+     again (at most ``max_targets`` times), from records newer than the one they moved past: a
+     donor's record lags its state by a DHT store and read, so the re-pick waits for it (up to
+     ``record_wait`` seconds) instead of picking the old target again at once.
   4. If no donor is left, :class:`SyncFailed` is raised naming every donor and why it was
      rejected: the caller stops rather than train on unverified state.
 
@@ -65,6 +67,9 @@ def state_digest(payload: bytes, frag_numels: Sequence[int]) -> str:
         out.append(fragment_digest(payload[off: off + size]))
         off += size
     return "-".join(out)
+
+
+RECORD_POLL_S = 0.5  # how often the records are re-read while waiting for a newer claim
 
 
 def _frag_offsets(numels: Sequence[int]) -> List[Tuple[int, int]]:
@@ -449,7 +454,7 @@ def dialable_first(donors: List[str], peers: Peers) -> List[str]:
 def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], frag_numels: Sequence[int],
                    timeout: float, min_step: int = 0, *, on_target: Optional[Callable[[int], None]] = None,
                    max_targets: int = 4, hedge_after: Optional[float] = None,
-                   companions: Iterable[str] = ()) -> Optional[Download]:
+                   companions: Iterable[str] = (), record_wait: float = 10.0) -> Optional[Download]:
     """Fetch and verify the swarm's state newer than ``min_step``; None if there is none to catch up to.
 
     :param peers: the live peers' progress records, or a callable returning fresh ones (needed to
@@ -458,6 +463,8 @@ def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], 
     :param hedge_after: after this many seconds without an answer a fragment is also asked of
         another donor (default: a third of ``timeout``, at least 2 s).
     :param companions: the members of our last successful group (see :func:`pick_target`).
+    :param record_wait: after the donors moved past the target, how long to wait for records that
+        claim their newer sync (they publish it right after the sync; the read may lag).
     :param on_target: called with the target step once it is chosen, before anything is fetched
         (the joiner announces itself then, so the next round's group waits for it).
     :raises SyncFailed: nobody delivered a verified copy; the message names each donor and why.
@@ -468,15 +475,26 @@ def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], 
     result = Download(meta={}, payload=b"", step=0, digest="")
     bad: Dict[str, str] = {}  # donors that failed us once are not asked again in this download
     stash = _Stash()
+    passed: Optional[int] = None  # the step of a target the donors moved past
     for attempt in range(1, max_targets + 1):
-        target = pick_target(get_peers(), node.peer_id_str, min_step, num_frags=len(frag_numels),
-                             companions=companions)
+        floor = min_step if passed is None else max(min_step, passed)
+        deadline = time.monotonic() + (record_wait if passed is not None else 0.0)
+        while True:
+            view = get_peers()
+            target = pick_target(view, node.peer_id_str, floor, num_frags=len(frag_numels), companions=companions)
+            if target is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(RECORD_POLL_S)
         if target is None:
+            if passed is not None:
+                newer = f" (they serve step {stash.key[0]})" if stash.key is not None else ""
+                raise SyncFailed(f"the donors moved past step {passed}{newer} but no record claimed a newer sync "
+                                 f"within {record_wait:.0f} s; not training on unverified state")
             if result.rejected:
                 break
             return None
         step, digest, donors = target
-        donors = dialable_first(donors, get_peers())
+        donors = dialable_first(donors, view)
         result.step, result.digest, result.targets, result.donors = step, digest, attempt, {}
         if on_target is not None:
             on_target(step)
@@ -485,7 +503,9 @@ def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], 
             payload = node.call(_download_target(node, run_id, step, digest, donors, frag_numels, timeout, hedge,
                                                  result, bad, stash), timeout=overall)
         except _Moved:
-            logger.info(f"[{node.short_id}] the swarm moved past step {step} during the download; picking again")
+            logger.info(f"[{node.short_id}] the swarm moved past step {step} during the download; picking again "
+                        "from newer records")
+            passed = step
             continue
         if payload is None:
             break
