@@ -79,6 +79,49 @@ def test_background_reads_are_local_and_complete(nodes):
     assert peers[1].read_near(other) == {}
 
 
+@pytest.mark.timeout(120)
+def test_a_peer_waiting_for_its_group_backs_off_its_polls(nodes):
+    """A peer waiting for a late one polls the round's records less and less often (each poll asks
+    several nodes for every signed record of the round: at a steady 0.1 s that was ~100 KB per sync
+    and peer in issue 18's long benchmark), and the group still forms with everyone once the late
+    peer comes: its join request wakes the leader at once."""
+    import threading
+
+    from p2pdiloco.swarm.matchmaking import Matchmaker
+
+    peers = nodes[1:4]
+    run = f"quietmm{next(_runs)}"
+    mms = [Matchmaker(n, run, matchmaking_timeout=30) for n in peers]
+    reads = {n.peer_id_str: 0 for n in peers}
+    lock = threading.Lock()
+    saved = []
+    for n in peers:
+        def counting_get(*a, _get=n.dht.get, _pid=n.peer_id_str, **k):
+            with lock:
+                reads[_pid] += 1
+            return _get(*a, **k)
+
+        saved.append((n, n.dht.get))
+        n.dht.get = counting_get
+    late = 4.0
+    try:
+        futs = [n.submit(m.form_group(0, 1, 3)) for n, m in zip(peers[:2], mms[:2])]
+        time.sleep(late)  # the first two wait for the third meanwhile
+        with lock:
+            waiting = [reads[n.peer_id_str] for n in peers[:2]]
+        futs.append(peers[2].submit(mms[2].form_group(0, 1, 3)))
+        groups = [f.result(60) for f in futs]
+    finally:
+        for n, get in saved:
+            n.dht.get = get
+    assert len({g.members for g in groups}) == 1 and len(groups[0].members) == 3, groups
+    # two reads per poll (ready and group records) and one on entering. Polling every 0.1 s (and a round
+    # trip of a few ms here), each waiting peer read ~70 times in these 4 s; backing off (0.1, 0.2, 0.4,
+    # then every POLL_MAX_S = 0.8 s) about 17 times
+    print(f"\nnetwork reads of each of the two waiting peers in {late:.0f} s: {waiting}")
+    assert all(2 <= w <= 24 for w in waiting), waiting
+
+
 # ---- on the emulated WAN ------------------------------------------------------------------------------
 _missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or bool(_missing),

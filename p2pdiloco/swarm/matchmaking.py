@@ -2,7 +2,9 @@
 
 1. A peer ready to sync fragment ``f`` of round ``r`` stores a *ready* record under
    ``<run>:mm:<f>:<r>`` (subkey: its peer id) and polls that key until as many peers are ready as
-   the caller expects (the live peers at this round) or ``matchmaking_timeout`` passes.
+   the caller expects (the live peers at this round) or ``matchmaking_timeout`` passes. The polls
+   back off (``POLL_MIN_S`` doubling to ``POLL_MAX_S``) while they find nobody new: a join request
+   (item 9) or the leader's answer ends the pause at once.
 2. The ready peer with the smallest id is the *leader*. Every other peer sends it a ``join``
    request. The leader admits joiners until everyone it saw ready has joined (or a short grace
    period ends), then finalizes: ``members`` = itself + admitted peers, sorted, and replies to every
@@ -99,6 +101,11 @@ __all__ = ["Matchmaker", "expected_peers"]
 #: how long a join request waits out a failed first dial to a leader that is live by its records
 #: (seconds): a cold address or libp2p's dial backoff (dialing.py) must not split a round in two
 JOIN_DIAL_WAIT = 3.0
+#: the pause between two polls of a round's records (seconds): POLL_MIN_S after a poll that found a new
+#: ready peer, doubling with each poll that found none, up to POLL_MAX_S (a poll reads two keys from
+#: several nodes, each answer carrying every signed record of the round: ~100 KB per sync and peer
+#: at a steady 0.1 s with 4 peers)
+POLL_MIN_S, POLL_MAX_S = 0.1, 0.8
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +161,7 @@ class _Attempt:
     last_eval: float = -1e9
     presumed: str = ""
     early: Optional[asyncio.Future] = None  # our request to the presumable leader, while it is open
+    quiet_polls: int = 0                    # polls in a row that found no new ready peer (the backoff)
 
     def __post_init__(self) -> None:
         self.ready.add(self.me)
@@ -428,7 +436,7 @@ class Matchmaker:
             # the three reads of one poll run side by side: each waits a round trip or more on a WAN
             reeval = a.sync_step is not None and time.monotonic() - a.last_eval >= self.reevaluate_period
             reads = asyncio.ensure_future(asyncio.gather(
-                self._ready_read(a.key), self._live_peers(check=True) if reeval else _nothing(),
+                self._ready_read(a.key), self._live_peers(check=True, local=True) if reeval else _nothing(),
                 self.node.aget_subkeys(self._group_key(a.frag, a.round))))
             while not reads.done() and not (a.early is not None and a.early.done()):
                 a.ready |= self._unbanned(slot.arrivals)
@@ -449,13 +457,19 @@ class Matchmaker:
             if not reads.done():
                 return None  # enough peers asked us to lead
             got_ready, got_live, got_groups = reads.result()
+            before = (len(a.ready), a.expected)
             a.ready |= got_ready | self._unbanned(slot.arrivals)
             if reeval:
                 self._evaluate(a, got_live)
             self._raise_if_missed(got_groups, a.frag, a.round, a.expected)
-            if len(a.ready) >= a.expected or time.monotonic() >= a.deadline:
+            now = time.monotonic()
+            if len(a.ready) >= a.expected or now >= a.deadline:
                 return None
-            await self._nap(0.1, slot, a.early)
+            # back off while the reads bring nothing new: join requests and the early answer wake us at
+            # once anyway, and each read asks several nodes for every signed record of the round
+            a.quiet_polls = 0 if (len(a.ready), a.expected) != before else a.quiet_polls + 1
+            await self._nap(min(POLL_MAX_S, POLL_MIN_S * 2 ** min(a.quiet_polls, 8), max(0.02, a.deadline - now)),
+                            slot, a.early)
 
     async def _last_look(self, a: "_Attempt") -> None:
         """The partners of our last group whose record we cannot see at all count as unseen: crashed, or
@@ -801,10 +815,14 @@ class Matchmaker:
             return None
         return tuple(members), owners
 
-    async def _live_peers(self, check: bool = False) -> Dict[str, Dict[str, Any]]:
+    async def _live_peers(self, check: bool = False, local: bool = False) -> Dict[str, Dict[str, Any]]:
         """The live peers' progress records; with ``check``, raise RoundMissed when the caller's
-        :attr:`give_way` hook says a rival history outnumbers ours (we are to adopt its state)."""
-        live = self.live_of(await self.node.aget_subkeys(f"{self.run_id}:progress"))
+        :attr:`give_way` hook says a rival history outnumbers ours (we are to adopt its state).
+        ``local``: from our own DHT storage when we hold the key (the polls' re-evaluations; progress
+        records are pushed to every node next to the key), else, and always on entering and on the
+        last look, over the network."""
+        key = f"{self.run_id}:progress"
+        live = self.live_of(await (self.node.aread_near(key) if local else self.node.aget_subkeys(key)))
         self._live_count = len(set(live) | {self.node.peer_id_str})
         if check and self.give_way is not None and (why := self.give_way(live)):
             raise RoundMissed(why)
