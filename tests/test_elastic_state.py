@@ -270,11 +270,6 @@ def _fake_matchmaker(records, announce=False, **kwargs):
     node = SimpleNamespace(peer_id_str="me", short_id="me", traffic=None, add_handler=lambda *a: None,
                            aget_subkeys=aget_subkeys, astore=astore, gate=SimpleNamespace(banned=lambda pid: False),
                            p2p=SimpleNamespace(_client=SimpleNamespace(connect=connect)))
-
-    async def aread_near(key):  # our own storage: the one fake DHT
-        return await node.aget_subkeys(key)
-
-    node.aread_near = aread_near
     return Matchmaker(node, "t", **{"matchmaking_timeout": 5, **kwargs})
 
 

@@ -141,7 +141,7 @@ def _fake(me, records, reach):
         records.setdefault(key, {})[subkey] = value
 
     node = SimpleNamespace(peer_id_str=me, short_id=me, traffic=None, add_handler=lambda *a: None,
-                           aget_subkeys=aget_subkeys, aread_near=aget_subkeys, astore=astore, reachability=reach,
+                           aget_subkeys=aget_subkeys, astore=astore, reachability=reach,
                            gate=SimpleNamespace(banned=lambda pid: False))
     return Matchmaker(node, "t", matchmaking_timeout=5, join_grace=0.2)
 

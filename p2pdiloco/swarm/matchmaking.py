@@ -436,7 +436,7 @@ class Matchmaker:
             # the three reads of one poll run side by side: each waits a round trip or more on a WAN
             reeval = a.sync_step is not None and time.monotonic() - a.last_eval >= self.reevaluate_period
             reads = asyncio.ensure_future(asyncio.gather(
-                self._ready_read(a.key), self._live_peers(check=True, local=True) if reeval else _nothing(),
+                self._ready_read(a.key), self._live_peers(check=True) if reeval else _nothing(),
                 self.node.aget_subkeys(self._group_key(a.frag, a.round))))
             while not reads.done() and not (a.early is not None and a.early.done()):
                 a.ready |= self._unbanned(slot.arrivals)
@@ -815,14 +815,13 @@ class Matchmaker:
             return None
         return tuple(members), owners
 
-    async def _live_peers(self, check: bool = False, local: bool = False) -> Dict[str, Dict[str, Any]]:
+    async def _live_peers(self, check: bool = False) -> Dict[str, Dict[str, Any]]:
         """The live peers' progress records; with ``check``, raise RoundMissed when the caller's
         :attr:`give_way` hook says a rival history outnumbers ours (we are to adopt its state).
-        ``local``: from our own DHT storage when we hold the key (the polls' re-evaluations; progress
-        records are pushed to every node next to the key), else, and always on entering and on the
-        last look, over the network."""
-        key = f"{self.run_id}:progress"
-        live = self.live_of(await (self.node.aread_near(key) if local else self.node.aget_subkeys(key)))
+        Over the network: right after a partition heals, our own storage can still lack the records
+        of peers whose stores skipped us while we were cut off (their routing tables dropped us), and
+        a view without them would stop us waiting for them."""
+        live = self.live_of(await self.node.aget_subkeys(f"{self.run_id}:progress"))
         self._live_count = len(set(live) | {self.node.peer_id_str})
         if check and self.give_way is not None and (why := self.give_way(live)):
             raise RoundMissed(why)

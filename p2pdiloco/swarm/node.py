@@ -394,15 +394,6 @@ class SwarmNode:
             found = self.dht.get(key, latest=True, beam_size=READ_BEAM)
         return self.records.decode(key, found)
 
-    async def aread_near(self, key: str) -> Dict[str, Dict[str, Any]]:
-        """:meth:`aget_subkeys` of a key written with :meth:`astore_near` (progress records), from our own
-        storage when we are one of its nearest nodes (every writer pushes to us: no byte on the wire),
-        else over the network."""
-        ours, found = await self.dht.run_coroutine(partial(_read_near, key), return_future=True)
-        if not ours:
-            return await self.aget_subkeys(key)
-        return self.records.decode(key, found)
-
     def lookup_near(self, key: str) -> concurrent.futures.Future:
         """Refresh the routing table around ``key`` in the background (:func:`_lookup_near`)."""
         return self.dht.run_coroutine(partial(_lookup_near, key, self._initial_ids), return_future=True)
