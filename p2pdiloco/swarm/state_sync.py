@@ -50,6 +50,9 @@ __all__ = ["StateServer", "Download", "download_state", "state_digest", "fragmen
 
 logger = logging.getLogger(__name__)
 
+#: how often the records are re-read while waiting for a claim newer than the target the donors moved past
+RECORD_POLL_S = 0.5
+
 Snapshot = Tuple[Dict[str, Any], bytes]
 Peers = Dict[str, Dict[str, Any]]
 
@@ -67,9 +70,6 @@ def state_digest(payload: bytes, frag_numels: Sequence[int]) -> str:
         out.append(fragment_digest(payload[off: off + size]))
         off += size
     return "-".join(out)
-
-
-RECORD_POLL_S = 0.5  # how often the records are re-read while waiting for a newer claim
 
 
 def _frag_offsets(numels: Sequence[int]) -> List[Tuple[int, int]]:
