@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import p2pdiloco
+from p2pdiloco.diloco import core as core_module
 from p2pdiloco.diloco.clock import SwarmClock
 from p2pdiloco.diloco.fragments import Schedule
 
@@ -109,6 +110,45 @@ def test_a_fragment_without_samples_is_not_sent():
     assert [(r.step, r.ok, r.missed) for r in reports] == [(4, True, False), (8, False, True)]
     assert "not a member" in reports[1].error
     assert reports[0].samples == 85 and diloco.local_steps == 2 and diloco.lr_step == 2
+
+
+def test_settle_moves_the_clock_and_what_it_remembers():
+    """A blocking sync of point 20 ended: the clock reads 20 whether it was behind (sent early) or ahead,
+    and a record made before the sync compares with the settled history (no second pull)."""
+    for before in (16.0, 21.5):
+        clock = SwarmClock(H, N)
+        clock.start(0.0)
+        clock.observe(int(before * clock.unit), 1.0, compute_seconds=1.0)
+        clock.settle(20)
+        assert clock.pos == 20.0
+        assert clock.align([("peer", 20.0, 1.0)], now=2.0) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("steps,at,settled", [
+    # steps of one position each; the seventh one's lookahead reaches point 8: sent early at 7
+    ([10] * 7, 8, 8.0),
+    # a step carries the clock to 8.5: sent at 8 (its samples are the round's), then reads 8
+    ([10] * 6 + [25], 8, 8.0),
+    # a step carries the clock past position 9: the sync of 8 on the way, the clock stays at 9.5
+    ([10] * 6 + [35], 9, 9.5),
+], ids=["sent early: the clock reads the send point after the sync",
+        "a step that ended past the point: the clock reads the point",
+        "a step that carried the clock a whole position past the point: no going back"])
+def test_a_blocking_sync_sets_the_clock(monkeypatch, steps, at, settled):
+    cfg = p2pdiloco.load_config(None, ["scheme=diloco"])  # one fragment, blocking
+    cfg.inner.sync_every, cfg.inner.round_samples = 8, 80     # 10 samples per position
+    torch.manual_seed(0)
+    diloco = p2pdiloco.DiLoCo(torch.nn.Linear(4, 2), cfg)
+    now = [100.0]
+    monkeypatch.setattr(core_module.time, "time", lambda: now[0])
+    diloco.start_clock()
+    reports = []
+    for samples in steps:
+        now[0] += 1.0                                       # every step one second of computing
+        reports += diloco.after_inner_step(samples)
+    assert [(r.step, r.ok) for r in reports] == [(8, True)]
+    assert diloco.inner_step == at
+    assert diloco.clock.pos == pytest.approx(settled)
 
 
 # (case, weights, round_samples, dropped): the owner (index 0) screens weights (compression/robust.py)

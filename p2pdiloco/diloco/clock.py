@@ -32,6 +32,10 @@ average stays weighted by the samples each member contributed, as hivemind's ``O
   ``1 / (round_samples / batch_size)`` of the swarm's rate) is not a member of that round: it reports
   the round as missed and catches up from the swarm's verified state, like any peer that missed a
   round. It still contributes to every round in which it finished a step.
+* **A blocking sync sets the clock.** When a sync nobody trained through (``tau = 0``) ends, every
+  member of its group waited for it and finished it at about the same moment: each sets its clock to
+  the round's send point. Members that sent early (a slow peer, by up to one of its long steps) or
+  whose clocks had drifted apart start the next round in agreement, without waiting for records.
 
 ``H`` stays in the run's fingerprint as the schedule's granularity (fragments stagger by ``H / P``
 positions, tau counts positions); the budget ``N`` is in the fingerprint too; a peer's batch size and
@@ -141,6 +145,15 @@ class SwarmClock:
         while (s := next_send(target)) <= limit:
             target = s
         return target
+
+    def settle(self, position: float) -> None:
+        """A blocking sync of the send point ``position`` just ended: every member of its group waited for
+        it and finished it together, so every member's clock reads ``position`` now (see the module
+        docstring). Moves either way, our remembered positions with it."""
+        move = float(position) - self.pos
+        if move:
+            self.pos += move
+            self._history = deque((t, p + move) for t, p in self._history)
 
     def jump_to(self, position: float) -> None:
         """A downloaded state put us at ``position``: never behind it."""

@@ -218,6 +218,7 @@ class DiLoCo:
 
     def _advance_to(self, target: int) -> List[SyncReport]:
         reports: List[SyncReport] = []
+        blocking_at = None  # the position of the last blocking sync that ended here
         while self.inner_step < target:
             self.inner_step += 1
             t = self.inner_step
@@ -226,7 +227,13 @@ class DiLoCo:
             if self.mode == "tau":
                 for job in [j for j in self._inflight if j.due_step <= t]:
                     reports.append(self._resolve(job))
+                    if job.ok and job.due_step == job.send_step:
+                        blocking_at = t
             self._prepare(t)
+        if self.clock is not None and blocking_at == target:
+            # swarm clock: the members of a blocking sync finished it together, at its send point (clock.py);
+            # not when this step carried the clock past it (it is past it then)
+            self.clock.settle(target)
         return reports
 
     def start_clock(self) -> None:

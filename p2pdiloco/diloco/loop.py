@@ -31,6 +31,9 @@ __all__ = ["run_peer", "inner_step", "inner_setup"]
 
 logger = logging.getLogger(__name__)
 
+#: seconds of training after which a peer publishes its first measured speed (once, early)
+FIRST_RATE_AFTER = 1.0
+
 
 def _inner_lr(cfg: RunConfig, step: int) -> float:
     """Linear warm-up over inner.warmup_steps, then constant."""
@@ -149,6 +152,7 @@ class _Peer:
         self.val = self.val0 = float("nan")
         self.syncs = self.failed = self.samples = self.steps = 0
         self.t_start = time.time()
+        self._rate_published = False  # our first measured speed published (_publish_first_rate)
 
     # ---- connect -------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -435,6 +439,7 @@ class _Peer:
             self._after_syncs(diloco.after_inner_step(batch))
             self._check_against_swarm()
             self._update_progress()
+            self._publish_first_rate()
             self.bar.update(diloco, loss, self.val, *self.node.traffic.snapshot())
             self.go = self._keep_going()
             self._tell_workers()
@@ -460,6 +465,17 @@ class _Peer:
         if diloco.clock is not None:
             fields.update(sps=diloco.clock.speed(), rate=diloco.clock.rate(), pos=diloco.clock.pos, pt=now)
         self.swarm.update_progress(**fields)
+
+    def _publish_first_rate(self) -> None:
+        """Once, as soon as our speed is measured (``FIRST_RATE_AFTER`` seconds of training): publish the
+        record at once instead of at the next ``progress_period``. Until a peer's first measured rate
+        arrives the others count it as fast as themselves (:meth:`DiLoCo._clock_target`), which in the first
+        round sends a slow peer late and the fast ones early, and matchmaking derives its waits from the
+        published speeds too."""
+        if self._rate_published or time.time() - self.t_start < FIRST_RATE_AFTER:
+            return
+        self._rate_published = True
+        self.swarm.publish_progress()
 
     def _inner_step(self) -> Tuple[float, int]:
         """One AdamW step on the next batch of our shard; returns (loss, batch size). With local workers,
