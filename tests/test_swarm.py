@@ -71,6 +71,24 @@ def reference_diloco(cfg, shards_in_member_order, outer_steps):
     return global_model
 
 
+# (case, other peers' claim ages in seconds (None: a claim without ``since``), within 15 s?)
+CLAIMS = [
+    ("no other claim: nobody to start with", [], False),
+    ("every claim made seconds ago: peers starting together", [1.0, 3.0], True),
+    ("one claim older than the window: a run that was there before us", [1.0, 20.0], False),
+    ("a claim without its time counts as old", [1.0, None], False),
+]
+
+
+@pytest.mark.parametrize("case,ages,recent", CLAIMS, ids=[c[0] for c in CLAIMS])
+def test_only_recent_claims(case, ages, recent):
+    from p2pdiloco.swarm.swarm import Swarm
+
+    swarm = Swarm.__new__(Swarm)  # the rule only reads the claims' times
+    swarm._claimed_since = [None if a is None else time.time() - a for a in ages]
+    assert swarm.only_recent_claims(15.0) is recent
+
+
 @pytest.mark.timeout(240)
 def test_three_volunteers_match_reference(procs, tmp_path):
     addr = procs.bootstrap()
@@ -102,6 +120,10 @@ def test_three_volunteers_match_reference(procs, tmp_path):
 
     for p in peers:
         assert procs.wait(p, 180) == 0, procs.err(p.name)[-3000:]
+    # peers that start together tell each other from a run in progress: none waited out join_run's
+    # deadline for progress records (a period + 5 s) before starting the run afresh
+    for i in range(3):
+        assert "has no live peer" not in procs.err(f"p{i}"), procs.err(f"p{i}")[-2000:]
 
     starts, syncs = {}, {}
     for i in range(3):

@@ -358,6 +358,12 @@ class _Peer:
                      if isinstance(v.get("synced_step"), int) and v["synced_step"] > diloco.synced_step]
             if not ahead and (peers or not swarm.run_existed):
                 return  # a fresh run (or we are level with it): nothing to fetch
+            if not peers and swarm.only_recent_claims(swarm.progress_period + 5.0):
+                # every other claimant started within that window and none has a progress record: peers
+                # starting together (a record of a peer that trained would show within one period)
+                logger.info(f"[{self.me}] run {self.cfg.swarm.run_id!r}: the other peers that claimed it started "
+                            "with us; starting it afresh together")
+                return
             if time.time() >= deadline:
                 if ahead:
                     logger.warning(f"[{self.me}] the run is in progress but its peers do not agree on one state "

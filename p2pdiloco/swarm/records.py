@@ -173,6 +173,9 @@ class FingerprintRecord(_Open):
 
     fp: constr(strict=True, min_length=1, max_length=128)
     fields: Dict[constr(strict=True, max_length=128), Any] = {}
+    #: when (unix s) the claimant first claimed it: peers that start together tell each other apart from a
+    #: run in progress (Swarm.only_recent_claims)
+    since: Optional[Number] = None
 
     @root_validator(skip_on_failure=True, allow_reuse=True)
     def _fields_are_scalars(cls, values):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -74,6 +75,7 @@ class Swarm:
         self._dirty = False  # a publish was put off because too many stores were in flight
         #: other peers' fingerprint records were found when we joined: the run exists (or did, within FINGERPRINT_TTL)
         self.run_existed = False
+        self._claimed_since: List[Any] = []  # when each of those claims was first made (their ``since``)
         self._stop = threading.Event()
         self._publisher: Optional[threading.Thread] = None
         self._reader: Optional[threading.Thread] = None
@@ -88,7 +90,7 @@ class Swarm:
         record per peer). The run's fingerprint is the one most peers claim; ours wins ties, so one
         peer publishing a bogus fingerprint cannot lock anyone out (records.run_fingerprint)."""
         key = f"{self.run_id}:fingerprint"
-        mine = {"fp": fp, "fields": fields}
+        mine = {"fp": fp, "fields": fields, "since": time.time()}
         try:  # before our first direct store (SwarmNode.store_near): meet the progress key's nearest nodes
             self.node.lookup_near(f"{self.run_id}:progress").result(timeout=10)
         except Exception as e:
@@ -100,6 +102,7 @@ class Swarm:
             claims = self.node.get_subkeys(key)
         claims.pop(self.peer_id, None)
         self.run_existed = bool(claims)
+        self._claimed_since = [v.get("since") for v in claims.values()]
         existing = run_fingerprint(claims, mine)
         if existing.get("fp") != fp:
             theirs = existing.get("fields") if isinstance(existing.get("fields"), dict) else {}
@@ -112,6 +115,14 @@ class Swarm:
         self._fingerprint = mine
         self.node.store(key, mine, ttl=FINGERPRINT_TTL, subkey=self.peer_id)
         self._fingerprint_stored = time.monotonic()
+
+    def only_recent_claims(self, window: float) -> bool:
+        """Every other peer's fingerprint claim found when we joined was first made less than ``window``
+        seconds ago (by its ``since``; a claim without one counts as old): they are peers starting
+        together with us, not a run in progress (``join_run``)."""
+        now = time.time()
+        return bool(self._claimed_since) and all(
+            isinstance(t, (int, float)) and math.isfinite(t) and now - t < window for t in self._claimed_since)
 
     # ---- progress -----------------------------------------------------------------------------------
     def update_progress(self, **fields: Any) -> None:
