@@ -236,9 +236,6 @@ class CompressionConfig:
     #: comma-separated substrings: parameters whose names contain one are sent whole with ``codec``, not
     #: as low-rank factors (e.g. "emb" for the embeddings)
     dense_params: str = ""
-    #: fixed ranks (``adaptive = false``): each round, this many of each matrix's warm-start columns (the
-    #: weakest) are replaced by fresh random ones, so the basis keeps exploring (0: pure warm start)
-    basis_refresh: int = 0
 
     def validate(self) -> None:
         from .compression import get_codec
@@ -261,9 +258,6 @@ class CompressionConfig:
             raise ConfigError(f"compression.power_iterations ({self.power_iterations!r}) must be an integer >= 1")
         if not 0.0 <= self.feedback_decay <= 1.0:
             raise ConfigError(f"compression.feedback_decay ({self.feedback_decay!r}) must be in [0, 1]")
-        if isinstance(self.basis_refresh, bool) or not isinstance(self.basis_refresh, int) or self.basis_refresh < 0:
-            raise ConfigError(f"compression.basis_refresh ({self.basis_refresh!r}) must be an integer >= 0 "
-                              "(columns of each matrix's basis replaced each round; 0: none)")
 
 
 @dataclass

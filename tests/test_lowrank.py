@@ -281,12 +281,9 @@ def test_new_config_validation():
         LowRankConfig(feedback_decay=-0.1).validate()
     from p2pdiloco.config import load_config
 
-    with pytest.raises(ConfigError, match="basis_refresh"):
-        LowRankConfig(basis_refresh=-1).validate()
     for bad, key in [("compression.rank_fraction=-1", "rank_fraction"),
                      ("compression.power_iterations=0", "power_iterations"),
-                     ("compression.feedback_decay=2", "feedback_decay"),
-                     ("compression.basis_refresh=-1", "basis_refresh")]:
+                     ("compression.feedback_decay=2", "feedback_decay")]:
         with pytest.raises(ConfigError, match=key):
             load_config(None, [bad])
 
@@ -361,36 +358,6 @@ def test_feedback_decay_scales_the_residual():
     _round([full], [x])
     _round([half], [x])
     assert torch.equal(half.residual(0), full.residual(0) * 0.5)
-
-
-def test_basis_refresh_replaces_the_weakest_warm_columns_alike_on_every_peer():
-    """Fixed rank 4 over two peers: without refresh the next basis is the averaged Q (unit columns); with
-    ``basis_refresh = 2`` its two strongest columns (largest norm: most captured energy) stay, in order,
-    and two fresh columns replace the others, the same on both peers and new every round."""
-    gen = torch.Generator().manual_seed(5)
-    inputs = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(2)]
-    plain = [LowRankCompressor(SHAPES, LowRankConfig(rank=4, adaptive=False)) for _ in range(2)]
-    fresh = [LowRankCompressor(SHAPES, LowRankConfig(rank=4, adaptive=False, basis_refresh=2)) for _ in range(2)]
-    for comps in (plain, fresh):
-        a1 = _mean([c.begin(x) for c, x in zip(comps, inputs)])
-        a2 = _mean([c.middle(a1) for c in comps])
-        [c.finish(a2) for c in comps]
-    q_plain, q_fresh = plain[0]._q[0], fresh[0]._q[0]
-    assert torch.equal(fresh[0]._q[0], fresh[1]._q[0])              # agreed everywhere
-    # both ran the same first round (the refresh only shapes the next basis): the kept columns are the
-    # plain basis's two columns of largest norm before normalization, i.e. of the averaged Q
-    cols, r = plain[0]._dims[0][1], 4
-    q_avg = a2[:cols * r].reshape(cols, r)
-    strongest = sorted(sorted(range(r), key=lambda c: -float(q_avg[:, c].norm()))[:2])
-    assert torch.equal(q_fresh[:, :2], q_plain[:, strongest])
-    for c in range(2, 4):                                            # the fresh ones are none of the old
-        assert min(float((q_fresh[:, c] - q_plain[:, k]).abs().max()) for k in range(r)) > 1e-3
-    assert torch.allclose(q_fresh.norm(dim=0), torch.ones(r), atol=1e-6)
-    before = q_fresh.clone()
-    a1 = _mean([c.begin(x) for c, x in zip(fresh, inputs)])
-    a2 = _mean([c.middle(a1) for c in fresh])
-    [c.finish(a2) for c in fresh]
-    assert not torch.equal(fresh[0]._q[0][:, 2:], before[:, 2:])      # fresh columns of the next round
 
 
 def test_state_dict_round_trip_with_fraction_dense_and_iterations():

@@ -96,10 +96,6 @@ applied update, the residual and the energy stats come from the last iteration. 
 
 ``feedback_decay`` (error feedback only) keeps that share of the residual.
 
-``basis_refresh = k`` (fixed ranks): after each round the ``k`` weakest columns of the averaged ``Q``
-(smallest norm, i.e. least captured energy) are dropped from the warm start and fresh seeded random
-columns take their place, so directions the warm start does not reach get a chance every round.
-
 Tensors that are 1-D, smaller than ``min_numel``, or whose factors would not be smaller than the
 matrix (``max_rank * (rows + cols) >= rows * cols``) are sent whole, averaged exactly by the first
 all-reduce. Warm start: the next round's ``Q`` is the averaged ``Q`` with unit-norm columns (a zero
@@ -138,9 +134,6 @@ class LowRankConfig:
     power_iterations: int = 1
     #: error feedback keeps ``feedback_decay`` times the residual (1: all of it)
     feedback_decay: float = 1.0
-    #: fixed ranks only: each round the weakest ``basis_refresh`` columns of each warm start are replaced
-    #: by fresh seeded random ones (never all: at least one warm column stays)
-    basis_refresh: int = 0
 
     def validate(self) -> "LowRankConfig":
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -159,8 +152,6 @@ class LowRankConfig:
             raise ConfigError(f"lowrank.power_iterations must be an integer >= 1, got {self.power_iterations!r}")
         if not 0.0 <= float(self.feedback_decay) <= 1.0:
             raise ConfigError(f"lowrank.feedback_decay must be in [0, 1], got {self.feedback_decay!r}")
-        if not isinstance(self.basis_refresh, int) or self.basis_refresh < 0:
-            raise ConfigError(f"lowrank.basis_refresh must be an integer >= 0, got {self.basis_refresh!r}")
         return self
 
     def max_rank(self, rows: int, cols: int) -> int:
@@ -338,19 +329,6 @@ class LowRankCompressor:
         self._pending_q[j] = None
         self._pending_rho[j] = None
 
-    def _warm_columns(self, q_avg: torch.Tensor, rank: int) -> torch.Tensor:
-        """Fixed ranks: the averaged ``Q``'s columns kept as the next warm start, in their order: all of
-        them, or with ``basis_refresh = k`` all but the ``k`` weakest (smallest norm: ``||M^T p_c||`` is
-        the energy column ``c`` captured; ties to the later column; at least one is kept).
-        :meth:`_complete_basis` appends fresh columns in their place. Agreed values only: the same
-        columns on every peer."""
-        drop = min(self.cfg.basis_refresh, rank - 1)
-        if drop <= 0:
-            return q_avg
-        norms = q_avg.double().norm(dim=0).tolist()
-        weakest = sorted(range(rank), key=lambda c: (norms[c] if math.isfinite(norms[c]) else -1.0, -c))[:drop]
-        return q_avg[:, [c for c in range(rank) if c not in set(weakest)]]
-
     def _complete_basis(self, j: int, q: torch.Tensor, rank: int) -> torch.Tensor:
         """Unit-norm columns of ``q``, bad (zero, non-finite) ones replaced and fresh ones appended up to ``rank``."""
         q = q.double()
@@ -492,7 +470,7 @@ class LowRankCompressor:
                 self._pending_q[j] = q_avg.float().clone()
                 self._pending_rho[j] = self._rho[j]
             else:
-                self._q[j] = self._complete_basis(j, self._warm_columns(q_avg, r), r)
+                self._q[j] = self._complete_basis(j, q_avg, r)
         for i, avg in zip(self._small, self._small_avg):
             results[i] = avg.reshape(self._shapes[i])
 
