@@ -31,8 +31,8 @@ __all__ = ["run_peer", "inner_step", "inner_setup"]
 
 logger = logging.getLogger(__name__)
 
-#: seconds of training after which a peer publishes its first measured speed (once, early)
-FIRST_RATE_AFTER = 1.0
+#: in its first progress_period of training (before its first sync) a peer publishes its record this often
+FIRST_RATE_PERIOD = 2.0
 
 
 def _inner_lr(cfg: RunConfig, step: int) -> float:
@@ -152,7 +152,7 @@ class _Peer:
         self.val = self.val0 = float("nan")
         self.syncs = self.failed = self.samples = self.steps = 0
         self.t_start = time.time()
-        self._rate_published = False  # our first measured speed published (_publish_first_rate)
+        self._rate_published = time.time()  # when our record was last published early (_publish_first_rate)
 
     # ---- connect -------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -427,7 +427,7 @@ class _Peer:
         (DiLoCo.after_inner_step), the catch-up a failed or missed round calls for, and now and then a
         check against the swarm's records (behind, or diverged)."""
         cfg, diloco = self.cfg, self.diloco
-        self.t_start = time.time()
+        self.t_start = self._rate_published = time.time()
         self.bar = _ProgressLine(cfg, self.me)
         self.last_check = time.time()
         diloco.on_sync = self.on_sync
@@ -473,14 +473,18 @@ class _Peer:
         self.swarm.update_progress(**fields)
 
     def _publish_first_rate(self) -> None:
-        """Once, as soon as our speed is measured (``FIRST_RATE_AFTER`` seconds of training): publish the
-        record at once instead of at the next ``progress_period``. Until a peer's first measured rate
-        arrives the others count it as fast as themselves (:meth:`DiLoCo._clock_target`), which in the first
-        round sends a slow peer late and the fast ones early, and matchmaking derives its waits from the
-        published speeds too."""
-        if self._rate_published or time.time() - self.t_start < FIRST_RATE_AFTER:
+        """During our first ``progress_period`` of training and before our first sync, publish our record
+        every ``FIRST_RATE_PERIOD`` seconds (the first time after that long) instead of waiting for the
+        period: a few more records, once. Until a peer's measured rate arrives the others count it as fast
+        as themselves (:meth:`DiLoCo._clock_target`), and a first rate measured over the first, slower steps
+        is off; in the first round that sent a slow peer late and the fast ones early, as their clocks agree
+        only through the records (``pos``, ``pt``). Matchmaking derives its waits from the published speeds
+        too. Afterwards the periodic publisher and every sync keep the records fresh."""
+        now = time.time()
+        if (self.syncs or now - self.t_start > self.swarm.progress_period
+                or now - self._rate_published < FIRST_RATE_PERIOD):
             return
-        self._rate_published = True
+        self._rate_published = now
         self.swarm.publish_progress()
 
     def _inner_step(self) -> Tuple[float, int]:
