@@ -102,6 +102,13 @@ class SwarmClock:
         while len(self._history) > 2 and now - self._history[1][0] > 3 * self.window:
             self._history.popleft()
 
+    def _shift(self, move: float) -> None:
+        """Move the clock by ``move`` positions, our remembered positions with it (so a record compared
+        later with our history sees the moved clock)."""
+        if move:
+            self.pos += move
+            self._history = deque((t, p + move) for t, p in self._history)
+
     def _pos_at(self, t: float) -> Optional[float]:
         """Our position at time ``t`` (linear between our step ends), None outside what we remember."""
         h = self._history
@@ -127,9 +134,7 @@ class SwarmClock:
         if not offsets:
             return 0.0
         move = statistics.median([0.0, *offsets])
-        if move:
-            self.pos += move
-            self._history = deque((t, p + move) for t, p in self._history)
+        self._shift(move)
         return move
 
     def lookahead(self) -> float:
@@ -150,17 +155,11 @@ class SwarmClock:
         """A blocking sync of the send point ``position`` just ended: every member of its group waited for
         it and finished it together, so every member's clock reads ``position`` now (see the module
         docstring). Moves either way, our remembered positions with it."""
-        move = float(position) - self.pos
-        if move:
-            self.pos += move
-            self._history = deque((t, p + move) for t, p in self._history)
+        self._shift(float(position) - self.pos)
 
     def jump_to(self, position: float) -> None:
         """A downloaded state put us at ``position``: never behind it."""
-        move = float(position) - self.pos
-        if move > 0:
-            self.pos += move
-            self._history = deque((t, p + move) for t, p in self._history)
+        self._shift(max(0.0, float(position) - self.pos))
 
     def state_dict(self) -> dict:
         return {"pos": self.pos, "step_seconds": self.step_seconds}

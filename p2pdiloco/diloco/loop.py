@@ -32,7 +32,7 @@ __all__ = ["run_peer", "inner_step", "inner_setup"]
 logger = logging.getLogger(__name__)
 
 #: in its first progress_period of training (before its first sync) a peer publishes its record this often
-FIRST_RATE_PERIOD = 2.0
+EARLY_PUBLISH_PERIOD = 2.0
 
 
 def _inner_lr(cfg: RunConfig, step: int) -> float:
@@ -152,7 +152,7 @@ class _Peer:
         self.val = self.val0 = float("nan")
         self.syncs = self.failed = self.samples = self.steps = 0
         self.t_start = time.time()
-        self._rate_published = time.time()  # when our record was last published early (_publish_first_rate)
+        self._published_early_at = time.time()  # when our record was last published early (_publish_early)
 
     # ---- connect -------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -351,16 +351,17 @@ class _Peer:
         # every live peer re-publishes its record each progress_period: one period (and a margin for the
         # store) shows them all; waiting a whole record lifetime (3 periods + 5 s) only delayed peers that
         # start together, each seeing the others' fingerprint claim but no progress record yet
-        deadline = time.time() + min(swarm.matchmaker.record_lifetime, swarm.progress_period + 5.0)
+        window = min(swarm.matchmaker.record_lifetime, swarm.progress_period + 5.0)
+        deadline = time.time() + window
         while not self.catch_up(wait=0, joining=True):
             peers = {pid: v for pid, v in swarm.live_peers().items() if pid != self.node.peer_id_str}
             ahead = [v for v in peers.values()
                      if isinstance(v.get("synced_step"), int) and v["synced_step"] > diloco.synced_step]
             if not ahead and (peers or not swarm.run_existed):
                 return  # a fresh run (or we are level with it): nothing to fetch
-            if not peers and swarm.only_recent_claims(swarm.progress_period + 5.0):
-                # every other claimant started within that window and none has a progress record: peers
-                # starting together (a record of a peer that trained would show within one period)
+            if not peers and swarm.only_recent_claims(window):
+                # every other claimant started within the window and none has a progress record: peers
+                # starting together (a record of a peer that trained would show within it)
                 logger.info(f"[{self.me}] run {self.cfg.swarm.run_id!r}: the other peers that claimed it started "
                             "with us; starting it afresh together")
                 return
@@ -427,7 +428,7 @@ class _Peer:
         (DiLoCo.after_inner_step), the catch-up a failed or missed round calls for, and now and then a
         check against the swarm's records (behind, or diverged)."""
         cfg, diloco = self.cfg, self.diloco
-        self.t_start = self._rate_published = time.time()
+        self.t_start = self._published_early_at = time.time()
         self.bar = _ProgressLine(cfg, self.me)
         self.last_check = time.time()
         diloco.on_sync = self.on_sync
@@ -445,7 +446,7 @@ class _Peer:
             self._after_syncs(diloco.after_inner_step(batch))
             self._check_against_swarm()
             self._update_progress()
-            self._publish_first_rate()
+            self._publish_early()
             self.bar.update(diloco, loss, self.val, *self.node.traffic.snapshot())
             self.go = self._keep_going()
             self._tell_workers()
@@ -472,9 +473,9 @@ class _Peer:
             fields.update(sps=diloco.clock.speed(), rate=diloco.clock.rate(), pos=diloco.clock.pos, pt=now)
         self.swarm.update_progress(**fields)
 
-    def _publish_first_rate(self) -> None:
+    def _publish_early(self) -> None:
         """During our first ``progress_period`` of training and before our first sync, publish our record
-        every ``FIRST_RATE_PERIOD`` seconds (the first time after that long) instead of waiting for the
+        every ``EARLY_PUBLISH_PERIOD`` seconds (the first time after that long) instead of waiting for the
         period: a few more records, once. Until a peer's measured rate arrives the others count it as fast
         as themselves (:meth:`DiLoCo._clock_target`), and a first rate measured over the first, slower steps
         is off; in the first round that sent a slow peer late and the fast ones early, as their clocks agree
@@ -482,9 +483,9 @@ class _Peer:
         too. Afterwards the periodic publisher and every sync keep the records fresh."""
         now = time.time()
         if (self.syncs or now - self.t_start > self.swarm.progress_period
-                or now - self._rate_published < FIRST_RATE_PERIOD):
+                or now - self._published_early_at < EARLY_PUBLISH_PERIOD):
             return
-        self._rate_published = now
+        self._published_early_at = now
         self.swarm.publish_progress()
 
     def _inner_step(self) -> Tuple[float, int]:
