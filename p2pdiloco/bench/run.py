@@ -59,10 +59,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, IO, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError, UserError
+from ..swarm.ledger import ENV as DHT_LEDGER_ENV
 from .hivemind_dp import read_iface_bytes
 from .wan import EmulatedWAN, Host, LinkSpec, _kill_group, cleanup_stale, require_root
 
 __all__ = ["MODES", "BASELINES", "MATRICES", "run_benchmark", "summarize_mode", "format_table", "main"]
+
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +372,9 @@ def _start_bootstrap(host: Host, mode_dir: str, files: List[IO[Any]], timeout: f
 
 
 def _child_env() -> Dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING", P2PDILOCO_LOG=os.environ.get("P2PDILOCO_LOG", "INFO"))
+    # the peers keep a ledger of their DHT RPCs for the byte breakdown (swarm/ledger.py)
+    return dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING", P2PDILOCO_LOG=os.environ.get("P2PDILOCO_LOG", "INFO"),
+                **{DHT_LEDGER_ENV: "1"})
 
 
 def _tail(path: str, n: int = 3000) -> str:
@@ -623,6 +627,13 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
     eval_seconds = sum(evals) / n if evals and len(evals) == n and None not in evals else 0.0
     # every replica should end with the same model: a spread means they diverged
     finals = [float(s["val_loss_end"]) for s in summaries if s and s.get("val_loss_end") is not None]
+    # the DHT RPCs the peers made, by RPC and record kind (swarm/ledger.py): [calls, request B, response B] per peer
+    ledgers = [s["dht_ledger"] for s in summaries if s and s.get("dht_ledger")]
+    dht_ledger = None
+    if ledgers:
+        dht_ledger = {k: [round(sum(lg.get(k, [0, 0, 0])[j] for lg in ledgers) / len(ledgers), 1) for j in range(3)]
+                      for k in sorted(set().union(*ledgers))}
+    syncs = [int(s.get("syncs") or 0) for s in summaries if s]
     return {
         "peers": n,
         "wall_seconds": round(wall, 2),
@@ -649,6 +660,8 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
         "eval_seconds": eval_seconds,  # validation time per peer, where the trainer reports it (the baseline)
         "curve": curve,
         "bytes_series": series,
+        "syncs_per_peer": sum(syncs) / len(syncs) if syncs else None,
+        "dht_ledger_per_peer": dht_ledger,
     }
 
 
@@ -701,7 +714,37 @@ def format_table(results: Dict[str, Any]) -> str:
                  "|---|" + "---|" * len(ws)]
         for name, peaks in windowed.items():
             rows.append(f"| {name} | " + " | ".join(f"{_fmt_bytes(peaks[w])}/s" if w in peaks else "-" for w in ws) + " |")
+    rows += format_breakdown(modes)
     return "\n".join(rows)
+
+
+def format_breakdown(modes: Dict[str, Any]) -> List[str]:
+    """Per mode with a DHT ledger: where the interface bytes went, per peer and per sync: the
+    all-reduce (our counter), each DHT RPC by record kind (requests + responses of the RPCs the peer
+    made, swarm/ledger.py), and the rest (stream framing, encryption, TCP/IP, matchmaking's and the
+    warm step's messages). Empty when no mode kept a ledger."""
+    rows: List[str] = []
+    for name, m in modes.items():
+        ledger = m.get("dht_ledger_per_peer") if m.get("status") == "ok" else None
+        if not ledger:
+            continue
+        syncs = max(float(m.get("syncs_per_peer") or 0), 1.0)
+        iface = float(m["bytes_sent_per_peer"] + m["bytes_received_per_peer"]) / 2
+        counted = float(m.get("counted_bytes_sent_per_peer") or 0)
+        rows += ["", f"**{name}**: bytes per peer (interface: mean of sent and received) over {syncs:.0f} syncs",
+                 "", "| part | calls/peer | bytes/peer | per sync | share of interface |", "|---|---|---|---|---|"]
+
+        def row(part: str, calls: str, b: float) -> None:
+            rows.append(f"| {part} | {calls} | {_fmt_bytes(b)} | {_fmt_bytes(b / syncs)} | {100 * b / max(iface, 1):.1f}% |")
+        row("interface (everything)", "-", iface)
+        row("all-reduce (counter)", "-", counted)
+        dht_total = 0.0
+        for key, (calls, req, resp) in sorted(ledger.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
+            row(f"DHT {key}", f"{calls:.0f}", req + resp)
+            dht_total += req + resp
+        row("DHT total", f"{sum(v[0] for v in ledger.values()):.0f}", dht_total)
+        row("rest (framing, encryption, TCP/IP, matchmaking messages)", "-", iface - counted - dht_total)
+    return rows
 
 
 def _save(fig, out: str, fname: str) -> str:

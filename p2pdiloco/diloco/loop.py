@@ -613,6 +613,9 @@ class _Peer:
                    "run_dir": self.run_dir, "streaming_mode": diloco.mode,
                    "network_wait_seconds": round(diloco.wait_seconds, 3),
                    "peak_bytes_per_s": round(diloco.meter.peak if diloco.meter else 0.0, 1)}
+        dht = self.node.dht_ledger()
+        if dht:
+            summary["dht_ledger"] = dht
         self.metrics.write("summary", **summary)
         return summary
 

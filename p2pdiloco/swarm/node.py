@@ -29,6 +29,7 @@ from ..addresses import parse_maddrs
 from ..errors import BootstrapUnreachable, UserError
 from ..identity import (discard_ephemeral, ephemeral_identity, load_signing_key, note_helpers, prepare_identity,
                         release_identity)
+from . import ledger
 from .lifeline import descendants, start_dht
 from .protocol import PeerGate, Traffic
 from .reachability import SETTINGS, detect, listen_ports, serve_reach
@@ -285,6 +286,8 @@ class SwarmNode:
                 if "already taken" in msg or "identity" in msg.lower():
                     raise UserError(f"identity {self.identity_path} is already used by a running peer") from None
                 raise UserError(f"the libp2p daemon failed to start: {msg.splitlines()[0][:300]}") from None
+        if ledger.enabled():  # benchmarks: count this node's DHT RPCs by record kind (ledger.py)
+            self.dht.run_coroutine(ledger.install)
         if not self.identity_path:
             discard_ephemeral(key_path)  # the daemon has read it; the key now lives only in memory
         else:  # a restart after a crash waits for these (or stops them) before it takes the identity over
@@ -409,6 +412,16 @@ class SwarmNode:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=3)
+
+    def dht_ledger(self) -> Dict[str, List[int]]:
+        """The DHT RPCs this node made, by kind (ledger.py); empty unless the ledger is enabled."""
+        if not ledger.enabled():
+            return {}
+        try:
+            return self.dht.run_coroutine(ledger.snapshot)
+        except Exception as e:  # a dead DHT process: the summary goes on without it
+            logger.debug(f"no DHT ledger: {e!r}")
+            return {}
 
     def shutdown(self) -> None:
         if self._closed:

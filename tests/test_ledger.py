@@ -1,0 +1,81 @@
+"""The DHT byte ledger (swarm/ledger.py) that the benchmark's byte breakdown reads.
+
+* A node with the ledger on counts the DHT RPCs it makes by RPC and record kind, with the protobuf
+  bytes each moved; a node without it counts nothing and changes nothing.
+* The benchmark averages the peers' ledgers per mode and lays them out as a breakdown of the
+  interface bytes (on fixtures).
+"""
+from __future__ import annotations
+
+import pytest
+
+from p2pdiloco.bench.run import format_breakdown, summarize_mode
+from p2pdiloco.swarm import ledger
+from p2pdiloco.swarm.node import SwarmNode
+
+LOOP = ["/ip4/127.0.0.1/tcp/0"]
+
+
+@pytest.mark.parametrize("key, kind", [
+    ("run:mm:0:12", "mm"), ("run:group:3:1", "group"), ("run:progress", "progress"),
+    ("run:fingerprint", "fingerprint"), ("run:short:progress", "progress"), ("run", "other"),
+    ("run:weird:thing", "other"), ("mm", "other"),
+])
+def test_kind_of(key, kind):
+    assert ledger.kind_of(key) == kind
+
+
+@pytest.mark.timeout(120)
+def test_a_node_with_the_ledger_counts_its_rpcs_by_kind(monkeypatch):
+    first = SwarmNode([], host_maddrs=LOOP)
+    nodes = [first]
+    try:
+        nodes.append(SwarmNode(first.visible_maddrs(), host_maddrs=LOOP))  # ledger off
+        monkeypatch.setenv(ledger.ENV, "1")
+        counted = SwarmNode(first.visible_maddrs(), host_maddrs=LOOP)
+        nodes.append(counted)
+        assert counted.dht_ledger() == {}  # nothing made yet
+        value = {"step": 7, "pad": "x" * 500}
+        assert counted.store_near("led:progress", value, ttl=30) >= 2
+        assert counted.read_near("led:progress")[counted.peer_id_str]["step"] == 7
+        counted.store("led:mm:0:3", {"ready": True}, ttl=30, subkey=counted.peer_id_str)
+        assert counted.peer_id_str in counted.get_subkeys("led:mm:0:3")
+        rows = counted.dht_ledger()
+        # our store went to the two other full nodes, each carrying the 500-byte value and its signature
+        calls, req, resp = rows["store:progress"]
+        assert calls == 2 and req > 2 * 500 and resp > 0
+        assert any(k.startswith("store:mm") for k in rows) and any(k.startswith("find:") for k in rows), rows
+        assert all(v[0] >= 1 and v[1] > 0 for v in rows.values()), rows
+        monkeypatch.delenv(ledger.ENV)
+        assert nodes[1].dht_ledger() == {}  # the ledger is off for it
+    finally:
+        for n in nodes:
+            n.shutdown()
+
+
+def _events(peer: int, ledger_rows):
+    return [
+        {"event": "start", "time": 100.0, "val_loss": 4.0},
+        {"event": "sync", "ok": True, "time": 110.0, "step": 20, "fragment": 0, "outer_step": 1, "val_loss": 3.0},
+        {"event": "summary", "time": 120.0, "val_loss_end": 3.0, "inner_steps": 20, "syncs": 4,
+         "bytes_sent": 1000 + peer, "failed_syncs": 0, **({"dht_ledger": ledger_rows} if ledger_rows else {})},
+    ]
+
+
+def test_the_benchmark_averages_ledgers_and_breaks_the_interface_bytes_down():
+    events = [_events(0, {"find:mm": [10, 400, 4000], "store:progress": [4, 3000, 40]}),
+              _events(1, {"find:mm": [20, 800, 8000]})]
+    samples = [(99.0, [(0, 0), (0, 0)]), (120.2, [(30000, 30000), (50000, 50000)])]
+    m = summarize_mode(events, samples, tokens_per_step=1024, baseline=False)
+    assert m["dht_ledger_per_peer"] == {"find:mm": [15.0, 600.0, 6000.0], "store:progress": [2.0, 1500.0, 20.0]}
+    assert m["syncs_per_peer"] == 4
+    m["status"] = "ok"
+    text = "\n".join(format_breakdown({"mode-a": m, "no-ledger": dict(m, dht_ledger_per_peer=None)}))
+    assert "mode-a" in text and "no-ledger" not in text
+    lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    # interface 40 KB per peer; DHT 6.6 KB + 1.52 KB; all-reduce 1000.5 B; the rest is the difference
+    assert "40.0 KB" in lines["interface (everything)"]
+    assert "6.6 KB" in lines["DHT find:mm"] and "16.5%" in lines["DHT find:mm"]
+    assert "8.1 KB" in lines["DHT total"]
+    assert "30.9 KB" in lines["rest (framing, encryption, TCP/IP, matchmaking messages)"]
+    assert format_breakdown({"no-ledger": dict(m, dht_ledger_per_peer=None)}) == []
