@@ -50,6 +50,10 @@ __all__ = [
 ]
 
 
+#: the inner lr schedules after the warm-up (InnerConfig.lr_schedule)
+LR_SCHEDULES = ("constant", "cosine")
+
+
 @dataclass
 class InnerConfig:
     """Local (inner) optimisation: AdamW on each peer; its state is never averaged (DiLoCo §1)."""
@@ -60,8 +64,14 @@ class InnerConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    #: linear warm-up of the inner learning rate, in inner steps; constant afterwards
+    #: linear warm-up of the inner learning rate, in inner steps; then ``lr_schedule``
     warmup_steps: int = 20
+    #: after the warm-up: ``"constant"`` (inner.lr for good: an open-ended swarm) or ``"cosine"``: from
+    #: inner.lr down to ``inner.lr * min_lr_ratio`` at inner step ``decay_steps`` (the run's planned length,
+    #: the papers' schedule), then flat. Counted in schedule positions (rounds of H steps only)
+    lr_schedule: str = "constant"
+    decay_steps: int = 0
+    min_lr_ratio: float = 0.1
     #: sequences per inner step on this peer (the sample weight of a peer is batch_size * steps)
     batch_size: int = 8
     #: gradient-norm clip (0 disables)
@@ -89,6 +99,17 @@ class InnerConfig:
                 raise ConfigError(f"inner.{b} ({getattr(self, b)}) must be in [0, 1)")
         if self.warmup_steps < 0 or self.grad_clip < 0:
             raise ConfigError("inner.warmup_steps and inner.grad_clip must be >= 0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"inner.lr_schedule ({self.lr_schedule!r}) must be one of {', '.join(LR_SCHEDULES)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"inner.min_lr_ratio ({self.min_lr_ratio}) must be in [0, 1]")
+        if self.lr_schedule == "cosine":
+            if not isinstance(self.decay_steps, int) or self.decay_steps <= self.warmup_steps:
+                raise ConfigError(f"inner.lr_schedule = cosine needs inner.decay_steps (the run's planned inner steps; "
+                                  f"now {self.decay_steps!r}) larger than inner.warmup_steps ({self.warmup_steps})")
+            if self.round_samples:
+                raise ConfigError("inner.lr_schedule = cosine counts schedule positions, which rounds by samples "
+                                  "(inner.round_samples > 0) do not share between peers: use the constant schedule there")
 
 
 @dataclass

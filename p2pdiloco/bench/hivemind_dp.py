@@ -169,6 +169,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
     from hivemind.compression import Float16Compression, NoCompression
 
     from ..data import BatchStream, evaluate, load_corpus
+    from ..diloco.loop import lr_factor
     from ..metrics import MetricsWriter
     from ..model import build_model, count_parameters
 
@@ -195,7 +196,6 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
         shard = cfg.data.shard_for(str(dht.peer_id))
         stream = BatchStream(corpus.train, shard=shard, num_shards=cfg.data.num_shards,
                              batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
-        warmup = cfg.inner.warmup_steps
         compression = Float16Compression() if args.grad_compression == "fp16" else NoCompression()
         partial = _count_partial_averages()  # before the averagers fork, so they inherit the handler
         opt = hivemind.Optimizer(
@@ -204,9 +204,8 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
             params=model.parameters(),
             optimizer=_ClippedAdamW(cfg.inner.grad_clip, lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
                                     betas=(cfg.inner.beta1, cfg.inner.beta2)),
-            # hivemind steps the scheduler once per epoch (= one global step here): same warm-up as ours
-            scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(
-                o, lambda e: min(1.0, (e + 1) / warmup) if warmup else 1.0),
+            # hivemind steps the scheduler once per epoch (= one global step here): same schedule as ours
+            scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: lr_factor(cfg.inner, e)),
             target_batch_size=args.peers * cfg.inner.batch_size,
             batch_size_per_step=cfg.inner.batch_size,
             use_local_updates=False,

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -35,10 +36,21 @@ logger = logging.getLogger(__name__)
 EARLY_PUBLISH_PERIOD = 2.0
 
 
+def lr_factor(inner: Any, step: int) -> float:
+    """The inner lr at ``step`` (steps taken before) over ``inner.lr``: linear warm-up over
+    ``warmup_steps``, then 1 (``constant``) or a half cosine from 1 down to ``min_lr_ratio`` at
+    ``decay_steps``, flat after it (``cosine``)."""
+    w = inner.warmup_steps
+    if w and step + 1 < w:
+        return (step + 1) / w
+    if inner.lr_schedule != "cosine":
+        return 1.0
+    done = min(1.0, max(0, step + 1 - w) / (inner.decay_steps - w))
+    return inner.min_lr_ratio + (1.0 - inner.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * done))
+
+
 def _inner_lr(cfg: RunConfig, step: int) -> float:
-    """Linear warm-up over inner.warmup_steps, then constant."""
-    w = cfg.inner.warmup_steps
-    return cfg.inner.lr * min(1.0, (step + 1) / w) if w else cfg.inner.lr
+    return cfg.inner.lr * lr_factor(cfg.inner, step)
 
 
 def inner_step(cfg: RunConfig, model, opt, stream: BatchStream, step: int, device="cpu",
