@@ -37,8 +37,12 @@ def identity(cfg: Any, peers: int) -> str:
     import hashlib
 
     d = cfg.to_dict()
+    inner = dict(d["inner"])
+    if inner.get("lr_schedule", "constant") == "constant":  # the cosine's keys change nothing then (older curves stay valid)
+        for k in ("lr_schedule", "decay_steps", "min_lr_ratio"):
+            inner.pop(k, None)
     blob = json.dumps({"model": d["model"], "data": {k: v for k, v in d["data"].items() if k not in ("shard", "num_shards")},
-                       "inner": d["inner"], "seed": cfg.train.seed, "eval_batches": cfg.train.eval_batches,
+                       "inner": inner, "seed": cfg.train.seed, "eval_batches": cfg.train.eval_batches,
                        "peers": peers}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -996,7 +996,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
         raise ConfigError(f"--peers ({args.peers}) must be at least 2")
     link = LinkSpec(args.rate, args.delay, args.jitter, args.loss).validate()
     user_sets = [*MATRIX_SETS.get(args.matrix, ()), *args.set]  # also with --modes: --matrix long --modes ...
-    base = load_config(args.config, [*BASE_SETS, *user_sets])
+    base = load_config(args.config, [*BASE_SETS, *user_sets], validate=False)
     H = base.inner.sync_every
     tokens_per_round = args.peers * base.inner.batch_size * base.model.seq_len * H
     if args.tokens:
@@ -1005,6 +1005,9 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
         steps = args.steps or MATRIX_ROUNDS.get(args.matrix, 2) * H
     if steps % H:
         raise ConfigError(f"--steps ({steps}) must be a multiple of inner.sync_every ({H})")
+    if base.inner.lr_schedule == "cosine" and not base.inner.decay_steps:
+        user_sets.append(f"inner.decay_steps={steps}")  # the cosine spans the budget, in every mode and the reference
+    base = load_config(args.config, [*BASE_SETS, *user_sets])
     params = _count_params(base)
     # an fp32 all-reduce moves ~2 * params * 4 bytes through each peer's link; allow 3x that plus slack
     est_allreduce = 2 * params * 4 * 8 / (link.rate_mbit * 1e6) + 4 * link.delay_ms / 1000 * 10
