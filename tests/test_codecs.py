@@ -268,3 +268,67 @@ def test_chunked_path_gives_identical_bytes(name, monkeypatch):
         monkeypatch.setattr(q4, "_CPU_CHUNK", 128)
         assert c.encode(x) == whole
         assert torch.equal(c.decode(whole, n), whole_dec)
+
+
+def _fused_or_torch(monkeypatch, fused_on: bool) -> None:
+    import p2pdiloco.compression.quant4 as q4
+
+    monkeypatch.setattr(q4, "_FUSED_MIN", 0 if fused_on else 1 << 62)
+
+
+@pytest.mark.parametrize("name", QUANT4)
+def test_fused_kernels_give_the_torch_paths_bytes_and_values(name, monkeypatch):
+    """The one-pass CPU kernels (compression/fused.py, numba) encode to the very bytes of the torch
+    path and decode to its very values: midpoints and bin edges hit exactly, ±0, subnormals, whole-zero
+    blocks, heavy tails, odd tails; and they are the path taken (counted)."""
+    from p2pdiloco.compression import fused
+
+    assert fused.kernels() is not None, "numba is a dependency: the fused kernels must compile here"
+    c = get_codec(name)
+    mids = c._midpoints
+    edges = ((torch.arange(0, 1026, dtype=torch.float64) - 0.5) / 512 - 1).float()
+    pts = torch.cat([mids, edges[(edges >= -1) & (edges <= 1)], torch.tensor([-1.0, 1.0, 0.0, -0.0])])
+    pts = torch.cat([pts, torch.nextafter(pts, torch.tensor(2.0)), torch.nextafter(pts, torch.tensor(-2.0))]).clamp(-1, 1)
+    # blocks of 63 points plus an exact 1.0, so that x / absmax is the point itself
+    blocks = torch.cat([F.pad(pts, (0, (-pts.numel()) % 63)).view(-1, 63), torch.ones(-(-pts.numel() // 63), 1)], 1)
+    tiny = torch.full((64,), 1e-40)  # subnormal block
+    tiny[::3] = -1e-41
+    inputs = [blocks.reshape(-1) * 3.0, torch.zeros(130), tiny] + [
+        _inputs(kind, n, seed=n) for kind in ("gauss", "student2", "cauchy") for n in (1, 63, 65, 1001, 20_001)]
+    calls = {"encode": 0, "decode": 0}
+    enc, dec = fused.encode_into, fused.decode_into
+    monkeypatch.setattr(fused, "encode_into", lambda *a: calls.__setitem__("encode", calls["encode"] + 1) or enc(*a))
+    monkeypatch.setattr(fused, "decode_into", lambda *a: calls.__setitem__("decode", calls["decode"] + 1) or dec(*a))
+    for x in inputs:
+        n = x.numel()
+        _fused_or_torch(monkeypatch, False)
+        want = c.encode(x)
+        want_dec = c.decode(want, n)
+        before = dict(calls)
+        _fused_or_torch(monkeypatch, True)
+        got = c.encode(x)
+        assert got == want, (name, n)
+        assert torch.equal(c.decode(got, n).view(torch.int32), want_dec.view(torch.int32))
+        out = torch.full((n,), float("nan"))
+        c.decode_into(got, out)
+        assert torch.equal(out.view(torch.int32), want_dec.view(torch.int32))
+        assert calls["encode"] == before["encode"] + 1 and calls["decode"] >= before["decode"] + 2
+
+
+@pytest.mark.parametrize("name", QUANT4)
+def test_fused_kernels_refuse_what_the_torch_path_refuses(name, monkeypatch):
+    _fused_or_torch(monkeypatch, True)
+    c = get_codec(name)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(300)
+        x[257] = bad
+        with pytest.raises(ValueError, match="non-finite"):
+            c.encode(x)
+    good = c.encode(torch.randn(300))
+    for scale in (-1.0, float("nan"), float("inf")):
+        blob = bytearray(good)
+        blob[4 * 2: 4 * 3] = torch.tensor([scale]).numpy().astype("<f4").tobytes()  # block 2's scale
+        with pytest.raises(WireError, match="scale"):
+            c.decode(bytes(blob), 300)
+        with pytest.raises(WireError, match="scale"):
+            c.decode_into(bytes(blob), torch.empty(300))

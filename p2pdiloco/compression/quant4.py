@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import WireError
+from . import fused
 from .base import Codec, register_codec
 
 __all__ = ["BLOCK_SIZE", "Blockwise4BitCodec", "E3M0Codec", "NF4Codec", "FP4Codec"]
@@ -54,6 +55,9 @@ _ROUNDING_SLACK = 2.0**-20
 _BINS = 512
 #: values per chunk on CPU (a multiple of BLOCK_SIZE)
 _CPU_CHUNK = 1 << 20
+#: vectors at least this long go through the fused CPU kernels when numba is there (fused.py); below it the
+#: torch path is as fast and a process that only codes small vectors never compiles them
+_FUSED_MIN = 1 << 14
 
 _E3M0_CODEBOOK = [0.0] + [2.0 ** (e - 7) for e in range(1, 8)] + [0.0] + [-(2.0 ** (e - 7)) for e in range(1, 8)]
 
@@ -133,6 +137,11 @@ class Blockwise4BitCodec(Codec):
         byte = torch.arange(256)
         self._pair_lut = torch.stack([cb[byte >> 4], cb[byte & 15]], dim=1).contiguous()
         self._bins = _bin_tables(self._midpoints, self._sorted_codes)
+        # the fused CPU kernels' tables (fused.py)
+        if self._bins is not None:
+            self._np_thresholds = self._bins[0].numpy().copy()
+            self._np_codes = self._bins[1].numpy().astype(np.int64)
+        self._np_codebook = cb.numpy().copy()
         self._device_cache: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- sizes -------------------------------------------------------------------------------
@@ -173,6 +182,10 @@ class Blockwise4BitCodec(Codec):
         """Return ``(scales fp32 [nblocks], packed uint8 [ceil(n/2)])`` on ``x``'s device."""
         x = x.detach().reshape(-1)
         n = x.numel()
+        if x.device.type == "cpu" and n >= _FUSED_MIN and self._bins is not None:
+            k = fused.kernels()
+            if k is not None:
+                return self._quantize_fused(k, x)
         step = _chunk(x.device, n)
         if step >= n:
             return self._quantize_chunk(x)
@@ -182,6 +195,17 @@ class Blockwise4BitCodec(Codec):
             s, p = self._quantize_chunk(x[start : start + step])
             scales[start // BLOCK_SIZE : start // BLOCK_SIZE + s.numel()] = s
             packed[start // 2 : start // 2 + p.numel()] = p
+        return scales, packed
+
+    def _quantize_fused(self, k, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`quantize` in one pass on CPU (fused.py): the same bytes as the torch path."""
+        n = x.numel()
+        xs = x.float().contiguous().numpy()
+        scales = torch.empty(-(-n // BLOCK_SIZE), dtype=torch.float32)
+        packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
+        if not fused.encode_into(k, xs, self._np_thresholds, self._np_codes, self._zero_code,
+                                 scales.numpy(), packed.numpy()):
+            raise ValueError(f"{self.name}: cannot encode non-finite values")
         return scales, packed
 
     def _quantize_chunk(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +239,14 @@ class Blockwise4BitCodec(Codec):
     # -- decode ------------------------------------------------------------------------------
     def dequantize(self, scales: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
         """Inverse of :meth:`quantize` (on the tensors' device); returns fp32 ``[numel]``."""
+        if packed.device.type == "cpu" and numel >= _FUSED_MIN:
+            k = fused.kernels()
+            if k is not None:
+                out = torch.empty(numel, dtype=torch.float32)
+                if fused.decode_into(k, scales.contiguous().numpy(), packed.contiguous().numpy(), self._np_codebook,
+                                     out.numpy()):
+                    return out
+                # a negative or non-finite scale: the torch path's result (callers validate scales first)
         step = _chunk(packed.device, numel)
         if step >= numel:
             return self._dequantize_chunk(scales, packed, numel)
@@ -251,6 +283,15 @@ class Blockwise4BitCodec(Codec):
         numel = out.numel()
         self.check_length(data, numel, sender)
         nb = numel // BLOCK_SIZE
+        k = fused.kernels() if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous() \
+            and numel >= _FUSED_MIN else None
+        if k is not None:
+            nb = -(-numel // BLOCK_SIZE)
+            scales = np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32)
+            packed = np.frombuffer(data, dtype=np.uint8, offset=4 * nb)
+            if not fused.decode_into(k, scales, packed, self._np_codebook, out.view(-1).numpy()):
+                raise WireError(f"{self.name} part has a negative or non-finite block scale", sender)
+            return
         if numel == 0 or numel % BLOCK_SIZE or out.device.type != "cpu" or numel > _CPU_CHUNK:
             out.copy_(self._decode(data, numel, sender))
             return

@@ -1,0 +1,123 @@
+"""One-pass CPU kernels for the 4-bit blockwise codecs (quant4.py), compiled by numba.
+
+The torch path of ``Blockwise4BitCodec`` encodes a chunk in about a dozen passes over memory (absmax,
+divide, bin index, threshold compare, code lookup, nibble packing) and decodes in three; on a CPU peer
+those passes, not the link, bounded a loopback all-reduce (docs/compression.md). These kernels do the
+same arithmetic value by value, one block at a time, in a single pass:
+
+* encode: a block's absmax (fp32), then each value divided by it in fp32 (the very division the torch
+  path does) and the code of the nearest codebook value, ties to the smaller one: the number of
+  midpoints strictly below the value, as ``torch.bucketize`` counts them. Two codes per byte, high
+  nibble first; an odd tail's low nibble is the code of 0.0, as the torch path pads.
+* decode: each code's codebook value times its block's scale, one fp32 multiply.
+
+No step rounds differently from the torch path (IEEE division and multiplication, exact comparisons,
+no fast-math, nothing an FMA could contract), so the bytes and the decoded values are bitwise those of
+the torch path on any CPU: tests/test_codecs.py compares both on random and adversarial input.
+
+numba compiles each kernel on its first call in a process (about a second) and keeps the machine code
+in its cache (``__pycache__`` next to this file, or ``NUMBA_CACHE_DIR``) for the next process. Without
+numba, or with ``P2PDILOCO_FUSED_CODECS=0``, the codecs use the torch path alone.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["ENV", "kernels", "encode_into", "decode_into"]
+
+ENV = "P2PDILOCO_FUSED_CODECS"
+
+_kernels: Any = None
+_tried = False
+
+
+def kernels() -> Optional[Any]:
+    """The compiled kernels (``encode``, ``decode``), or None when numba is missing or they are switched off."""
+    global _kernels, _tried
+    if _tried:
+        return _kernels
+    _tried = True
+    if os.environ.get(ENV, "1") in ("0", ""):
+        return None
+    try:
+        _kernels = _build()
+    except Exception:  # no numba (or it cannot compile here): the torch path does the work
+        _kernels = None
+    return _kernels
+
+
+def _build() -> Any:
+    import numba
+    from types import SimpleNamespace
+
+    @numba.njit(cache=True, nogil=True)
+    def encode(x, xbits, thresholds, codes, zero_code, scales, packed):  # pragma: no cover - compiled
+        """x float32[n] (xbits: the same memory as int32) -> scales float32[ceil(n/64)], packed
+        uint8[ceil(n/2)] with the bin encoder of quant4._bin_tables; returns False on a non-finite value."""
+        n = x.shape[0]
+        nb = (n + 63) // 64
+        one = np.float32(1.0)
+        bins = np.float32(512.0)
+        offset = np.float32(512.5)
+        top = thresholds.shape[0] - 1
+        codes_row = np.empty(64, dtype=np.int64)
+        cell_i = np.empty(1, dtype=np.int32)
+        cell_f = cell_i.view(np.float32)
+        for b in range(nb):
+            start = b * 64
+            end = min(start + 64, n)
+            # absmax as integers: for finite floats the order of |x|'s bits is the order of |x|
+            mbits = 0
+            for i in range(start, end):
+                mbits = max(mbits, xbits[i] & 0x7FFFFFFF)
+            if mbits >= 0x7F800000:  # inf or NaN
+                return False
+            cell_i[0] = mbits
+            m = cell_f[0]
+            scales[b] = m
+            safe = m if mbits != 0 else one
+            for i in range(start, end):
+                xn = x[i] / safe
+                k = np.int64(xn * bins + offset)
+                k = min(max(k, 0), top)
+                codes_row[i - start] = codes[2 * k + (1 if xn > thresholds[k] else 0)]
+            cnt = end - start
+            if cnt & 1:
+                codes_row[cnt] = zero_code  # the padding of an odd tail: the code of 0.0
+            for j in range(0, cnt, 2):
+                packed[(start + j) >> 1] = np.uint8((codes_row[j] << 4) | codes_row[j + 1])
+        return True
+
+    @numba.njit(cache=True, nogil=True)
+    def decode(scales, packed, codebook, out):  # pragma: no cover - compiled
+        """scales float32[nb], packed uint8[ceil(n/2)], codebook float32[16] -> out float32[n]; returns
+        False on a negative or non-finite scale (out then partly written)."""
+        n = out.shape[0]
+        nb = scales.shape[0]
+        for b in range(nb):
+            s = scales[b]
+            if not (s >= np.float32(0.0) and s <= np.float32(3.4028234663852886e38)):
+                return False
+            start = b * 64
+            end = min(start + 64, n)
+            for i in range(start, end):
+                byte = np.int64(packed[i >> 1])
+                code = (byte >> 4) if (i & 1) == 0 else (byte & 15)
+                out[i] = codebook[code] * s
+        return True
+
+    return SimpleNamespace(encode=encode, decode=decode)
+
+
+def encode_into(k: Any, x: np.ndarray, thresholds: np.ndarray, codes: np.ndarray, zero_code: int,
+                scales: np.ndarray, packed: np.ndarray) -> bool:
+    """Encode float32 ``x`` (contiguous) into ``scales`` and ``packed`` with the bin tables of
+    ``quant4._bin_tables``; False when ``x`` holds a non-finite value."""
+    return bool(k.encode(x, x.view(np.int32), thresholds, codes, np.int64(zero_code), scales, packed))
+
+
+def decode_into(k: Any, scales: np.ndarray, packed: np.ndarray, codebook: np.ndarray, out: np.ndarray) -> bool:
+    return bool(k.decode(scales, packed, codebook, out))
