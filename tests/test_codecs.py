@@ -278,8 +278,8 @@ def _fused_or_torch(monkeypatch, fused_on: bool) -> None:
 
 @pytest.mark.parametrize("name", QUANT4)
 def test_fused_kernels_give_the_torch_paths_bytes_and_values(name, monkeypatch):
-    """The one-pass CPU kernels (compression/fused.py, numba) encode to the very bytes of the torch
-    path and decode to its very values: midpoints and bin edges hit exactly, ±0, subnormals, whole-zero
+    """The one-pass CPU kernels (compression/fused.py, numba; E3M0 from the exponent bits, the others by
+    the bin tables) encode to the very bytes of the torch path and decode to its very values: midpoints and bin edges hit exactly, ±0, subnormals, whole-zero
     blocks, heavy tails, odd tails; and they are the path taken (counted)."""
     from p2pdiloco.compression import fused
 
@@ -296,8 +296,10 @@ def test_fused_kernels_give_the_torch_paths_bytes_and_values(name, monkeypatch):
     inputs = [blocks.reshape(-1) * 3.0, torch.zeros(130), tiny] + [
         _inputs(kind, n, seed=n) for kind in ("gauss", "student2", "cauchy") for n in (1, 63, 65, 1001, 20_001)]
     calls = {"encode": 0, "decode": 0}
-    enc, dec = fused.encode_into, fused.decode_into
+    enc, enc_e, dec = fused.encode_into, fused.encode_e3m0_into, fused.decode_into
     monkeypatch.setattr(fused, "encode_into", lambda *a: calls.__setitem__("encode", calls["encode"] + 1) or enc(*a))
+    monkeypatch.setattr(fused, "encode_e3m0_into",  # E3M0's own kernel: the code from the exponent bits
+                        lambda *a: calls.__setitem__("encode", calls["encode"] + 1) or enc_e(*a))
     monkeypatch.setattr(fused, "decode_into", lambda *a: calls.__setitem__("decode", calls["decode"] + 1) or dec(*a))
     for x in inputs:
         n = x.numel()

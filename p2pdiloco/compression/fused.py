@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["ENV", "kernels", "encode_into", "decode_into"]
+__all__ = ["ENV", "kernels", "encode_into", "encode_e3m0_into", "decode_into"]
 
 ENV = "P2PDILOCO_FUSED_CODECS"
 
@@ -92,6 +92,55 @@ def _build() -> Any:
         return True
 
     @numba.njit(cache=True, nogil=True)
+    def encode_e3m0(x, xbits, scales, packed, qbits):  # pragma: no cover - compiled
+        """E3M0 only: the code straight from the bits of x / absmax (no table), the same codes as the
+        bin encoder. For |q| in [2^E, 2^(E+1)) with E >= -6 the neighbours are 2^E and 2^(E+1) with the
+        midpoint at mantissa 0x400000; in [2^-7, 2^-6) they are 0 and 2^-6 with the midpoint at 2^-7
+        (mantissa 0); below 2^-7 the code is 0. A value on a midpoint goes to the smaller value: down
+        in magnitude when positive, up when negative. ``qbits``: int32 scratch of 64."""
+        n = x.shape[0]
+        nb = (n + 63) // 64
+        one = np.float32(1.0)
+        q = qbits.view(np.float32)
+        cell_i = np.empty(1, dtype=np.int32)
+        cell_f = cell_i.view(np.float32)
+        for b in range(nb):
+            start = b * 64
+            end = min(start + 64, n)
+            cnt = end - start
+            mbits = 0
+            for i in range(start, end):
+                mbits = max(mbits, xbits[i] & 0x7FFFFFFF)
+            if mbits >= 0x7F800000:  # inf or NaN
+                return False
+            cell_i[0] = mbits
+            m = cell_f[0]
+            scales[b] = m
+            safe = m if mbits != 0 else one
+            for j in range(cnt):
+                q[j] = x[start + j] / safe
+            if cnt & 1:
+                qbits[cnt] = 0  # the padding of an odd tail: 0.0, code 0
+            for j in range(0, cnt + (cnt & 1), 2):
+                pair = 0
+                for h in range(2):
+                    bits = qbits[j + h]
+                    neg = 1 if bits < 0 else 0
+                    mag = bits & 0x7FFFFFFF
+                    ex = (mag >> 23) - 127
+                    mant = mag & 0x7FFFFF
+                    if ex >= -6:
+                        e = ex + 7 + (1 if mant + neg > 0x400000 else 0)
+                    elif ex == -7:
+                        e = 1 if mant + neg > 0 else 0
+                    else:
+                        e = 0
+                    code = e + 8 * neg if e > 0 else 0
+                    pair = (pair << 4) | code
+                packed[(start + j) >> 1] = np.uint8(pair)
+        return True
+
+    @numba.njit(cache=True, nogil=True)
     def decode(scales, packed, codebook, out):  # pragma: no cover - compiled
         """scales float32[nb], packed uint8[ceil(n/2)], codebook float32[16] -> out float32[n]; returns
         False on a negative or non-finite scale (out then partly written)."""
@@ -109,7 +158,7 @@ def _build() -> Any:
                 out[i] = codebook[code] * s
         return True
 
-    return SimpleNamespace(encode=encode, decode=decode)
+    return SimpleNamespace(encode=encode, encode_e3m0=encode_e3m0, decode=decode)
 
 
 def encode_into(k: Any, x: np.ndarray, thresholds: np.ndarray, codes: np.ndarray, zero_code: int,
@@ -117,6 +166,11 @@ def encode_into(k: Any, x: np.ndarray, thresholds: np.ndarray, codes: np.ndarray
     """Encode float32 ``x`` (contiguous) into ``scales`` and ``packed`` with the bin tables of
     ``quant4._bin_tables``; False when ``x`` holds a non-finite value."""
     return bool(k.encode(x, x.view(np.int32), thresholds, codes, np.int64(zero_code), scales, packed))
+
+
+def encode_e3m0_into(k: Any, x: np.ndarray, scales: np.ndarray, packed: np.ndarray) -> bool:
+    """E3M0's encoder from the exponent bits (no table lookups); the same bytes as :func:`encode_into`."""
+    return bool(k.encode_e3m0(x, x.view(np.int32), scales, packed, np.empty(64, dtype=np.int32)))
 
 
 def decode_into(k: Any, scales: np.ndarray, packed: np.ndarray, codebook: np.ndarray, out: np.ndarray) -> bool:

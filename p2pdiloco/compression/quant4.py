@@ -203,8 +203,12 @@ class Blockwise4BitCodec(Codec):
         xs = x.float().contiguous().numpy()
         scales = torch.empty(-(-n // BLOCK_SIZE), dtype=torch.float32)
         packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
-        if not fused.encode_into(k, xs, self._np_thresholds, self._np_codes, self._zero_code,
-                                 scales.numpy(), packed.numpy()):
+        if self.name == "e3m0":
+            ok = fused.encode_e3m0_into(k, xs, scales.numpy(), packed.numpy())
+        else:
+            ok = fused.encode_into(k, xs, self._np_thresholds, self._np_codes, self._zero_code, scales.numpy(),
+                                   packed.numpy())
+        if not ok:
             raise ValueError(f"{self.name}: cannot encode non-finite values")
         return scales, packed
 
