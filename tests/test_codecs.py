@@ -334,3 +334,29 @@ def test_fused_kernels_refuse_what_the_torch_path_refuses(name, monkeypatch):
             c.decode(bytes(blob), 300)
         with pytest.raises(WireError, match="scale"):
             c.decode_into(bytes(blob), torch.empty(300))
+
+
+@pytest.mark.parametrize("name", QUANT4)
+def test_fused_kernels_in_slices_on_several_threads_give_the_same_bytes(name, monkeypatch):
+    """Long vectors are coded in block-aligned slices side by side (one per torch thread): the bytes
+    and values do not depend on how they were cut."""
+    from p2pdiloco.compression import fused
+
+    _fused_or_torch(monkeypatch, True)
+    monkeypatch.setattr(fused, "PARALLEL_MIN", 128)
+    threads = torch.get_num_threads()
+    c = get_codec(name)
+    try:
+        for n in (1001, 20_001, 64 * 37):
+            x = _inputs("student2", n, seed=n)
+            torch.set_num_threads(1)
+            assert fused._slices(n) == [(0, n)]
+            one = c.encode(x)
+            one_dec = c.decode(one, n)
+            torch.set_num_threads(3)
+            cuts = fused._slices(n)
+            assert len(cuts) == 3 and all(a % 64 == 0 for a, _ in cuts) and cuts[-1][1] == n
+            assert c.encode(x) == one
+            assert torch.equal(c.decode(one, n).view(torch.int32), one_dec.view(torch.int32))
+    finally:
+        torch.set_num_threads(threads)

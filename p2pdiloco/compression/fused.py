@@ -15,6 +15,9 @@ No step rounds differently from the torch path (IEEE division and multiplication
 no fast-math, nothing an FMA could contract), so the bytes and the decoded values are bitwise those of
 the torch path on any CPU: tests/test_codecs.py compares both on random and adversarial input.
 
+A vector of a million values or more is cut into block-aligned slices, one per torch intra-op thread,
+coded side by side (the kernels release the GIL), so the kernels use the cores the torch path would.
+
 numba compiles each kernel on its first call in a process (about a second) and keeps the machine code
 in its cache (``__pycache__`` next to this file, or ``NUMBA_CACHE_DIR``) for the next process. Without
 numba, or with ``P2PDILOCO_FUSED_CODECS=0``, the codecs use the torch path alone.
@@ -22,7 +25,9 @@ numba, or with ``P2PDILOCO_FUSED_CODECS=0``, the codecs use the torch path alone
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -161,17 +166,52 @@ def _build() -> Any:
     return SimpleNamespace(encode=encode, encode_e3m0=encode_e3m0, decode=decode)
 
 
+#: below this many values a vector is coded on the calling thread alone
+PARALLEL_MIN = 1 << 20
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+
+
+def _slices(n: int) -> List[Tuple[int, int]]:
+    """``[start, end)`` of the block-aligned slices a vector of ``n`` values is coded in: as many as
+    torch's intra-op threads (the kernels release the GIL), one below :data:`PARALLEL_MIN`."""
+    import torch
+
+    parts = max(1, min(torch.get_num_threads(), n // PARALLEL_MIN)) if n >= PARALLEL_MIN else 1
+    step = -(-n // parts)
+    step += -step % 64
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def _run(fn: Callable[[int, int], bool], n: int) -> bool:
+    """``fn`` over the slices of a vector of ``n`` values, side by side on a small thread pool."""
+    global _pool
+    slices = _slices(n)
+    if len(slices) == 1:
+        return fn(0, n)
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < len(slices):  # noqa: SLF001 - sized once per thread count
+            _pool = ThreadPoolExecutor(max_workers=len(slices), thread_name_prefix="p2pdiloco-codec")
+        pool = _pool
+    return all(f.result() for f in [pool.submit(fn, a, b) for a, b in slices])
+
+
 def encode_into(k: Any, x: np.ndarray, thresholds: np.ndarray, codes: np.ndarray, zero_code: int,
                 scales: np.ndarray, packed: np.ndarray) -> bool:
     """Encode float32 ``x`` (contiguous) into ``scales`` and ``packed`` with the bin tables of
     ``quant4._bin_tables``; False when ``x`` holds a non-finite value."""
-    return bool(k.encode(x, x.view(np.int32), thresholds, codes, np.int64(zero_code), scales, packed))
+    xb, zc = x.view(np.int32), np.int64(zero_code)
+    return _run(lambda a, b: bool(k.encode(x[a:b], xb[a:b], thresholds, codes, zc, scales[a // 64: -(-b // 64)],
+                                           packed[a // 2: (b + 1) // 2])), x.shape[0])
 
 
 def encode_e3m0_into(k: Any, x: np.ndarray, scales: np.ndarray, packed: np.ndarray) -> bool:
     """E3M0's encoder from the exponent bits (no table lookups); the same bytes as :func:`encode_into`."""
-    return bool(k.encode_e3m0(x, x.view(np.int32), scales, packed, np.empty(64, dtype=np.int32)))
+    xb = x.view(np.int32)
+    return _run(lambda a, b: bool(k.encode_e3m0(x[a:b], xb[a:b], scales[a // 64: -(-b // 64)], packed[a // 2: (b + 1) // 2],
+                                                np.empty(64, dtype=np.int32))), x.shape[0])
 
 
 def decode_into(k: Any, scales: np.ndarray, packed: np.ndarray, codebook: np.ndarray, out: np.ndarray) -> bool:
-    return bool(k.decode(scales, packed, codebook, out))
+    return _run(lambda a, b: bool(k.decode(scales[a // 64: -(-b // 64)], packed[a // 2: (b + 1) // 2], codebook,
+                                           out[a:b])), out.shape[0])
