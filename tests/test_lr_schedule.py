@@ -60,3 +60,15 @@ def test_misconfigured_schedules_are_refused(kw, words):
     with pytest.raises(ConfigError) as e:
         _inner(**kw)
     assert words in str(e.value)
+
+
+def test_the_benchmark_spans_a_cosine_over_its_budget():
+    from p2pdiloco.bench.run import budget_sets
+    from p2pdiloco.config import load_config
+
+    cos = load_config("peers/tiny-cpu.toml", ["inner.lr_schedule=cosine"], validate=False)
+    assert budget_sets(cos, 1800) == ["inner.decay_steps=1800"]
+    load_config("peers/tiny-cpu.toml", ["inner.lr_schedule=cosine", *budget_sets(cos, 1800)])  # valid then
+    given = load_config("peers/tiny-cpu.toml", ["inner.lr_schedule=cosine", "inner.decay_steps=900"])
+    assert budget_sets(given, 1800) == []
+    assert budget_sets(load_config("peers/tiny-cpu.toml"), 1800) == []

@@ -941,6 +941,14 @@ def dp_reference_mode(measured: Dict[str, Any], name: str, cfg: Any, plan: _Plan
 
 
 # ----------------------------------------------------------------------------- driver
+def budget_sets(cfg: Any, steps: int) -> List[str]:
+    """Settings that follow from the benchmark's budget of ``steps`` inner steps per peer: a cosine inner
+    lr schedule without ``inner.decay_steps`` spans the budget (in every mode and the in-process reference)."""
+    if cfg.inner.lr_schedule == "cosine" and not cfg.inner.decay_steps:
+        return [f"inner.decay_steps={steps}"]
+    return []
+
+
 def _loadavg() -> str:
     try:
         with open("/proc/loadavg") as f:
@@ -1005,8 +1013,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
         steps = args.steps or MATRIX_ROUNDS.get(args.matrix, 2) * H
     if steps % H:
         raise ConfigError(f"--steps ({steps}) must be a multiple of inner.sync_every ({H})")
-    if base.inner.lr_schedule == "cosine" and not base.inner.decay_steps:
-        user_sets.append(f"inner.decay_steps={steps}")  # the cosine spans the budget, in every mode and the reference
+    user_sets += budget_sets(base, steps)
     base = load_config(args.config, [*BASE_SETS, *user_sets])
     params = _count_params(base)
     # an fp32 all-reduce moves ~2 * params * 4 bytes through each peer's link; allow 3x that plus slack
