@@ -59,12 +59,26 @@ def _build() -> Any:
     from types import SimpleNamespace
 
     @numba.njit(cache=True, nogil=True)
+    def block_absmax(xbits, start, end, cell_i, cell_f):  # pragma: no cover - compiled
+        """(absmax, divisor) of the block ``[start, end)`` from the floats' bits (for finite floats the
+        order of |x|'s bits is the order of |x|); divisor 1 for an all-zero block; absmax -1 when the
+        block holds inf or NaN. ``cell_i``/``cell_f``: one int32 and its float32 view."""
+        mbits = 0
+        for i in range(start, end):
+            mbits = max(mbits, xbits[i] & 0x7FFFFFFF)
+        if mbits >= 0x7F800000:
+            return np.float32(-1.0), np.float32(1.0)
+        cell_i[0] = mbits
+        m = cell_f[0]
+        return m, (m if mbits != 0 else np.float32(1.0))
+
+    @numba.njit(cache=True, nogil=True)
     def encode(x, xbits, thresholds, codes, zero_code, scales, packed):  # pragma: no cover - compiled
         """x float32[n] (xbits: the same memory as int32) -> scales float32[ceil(n/64)], packed
         uint8[ceil(n/2)] with the bin encoder of quant4._bin_tables; returns False on a non-finite value."""
         n = x.shape[0]
         nb = (n + 63) // 64
-        one = np.float32(1.0)
+        zero = np.float32(0.0)
         bins = np.float32(512.0)
         offset = np.float32(512.5)
         top = thresholds.shape[0] - 1
@@ -74,16 +88,10 @@ def _build() -> Any:
         for b in range(nb):
             start = b * 64
             end = min(start + 64, n)
-            # absmax as integers: for finite floats the order of |x|'s bits is the order of |x|
-            mbits = 0
-            for i in range(start, end):
-                mbits = max(mbits, xbits[i] & 0x7FFFFFFF)
-            if mbits >= 0x7F800000:  # inf or NaN
+            m, safe = block_absmax(xbits, start, end, cell_i, cell_f)
+            if m < zero:  # inf or NaN
                 return False
-            cell_i[0] = mbits
-            m = cell_f[0]
             scales[b] = m
-            safe = m if mbits != 0 else one
             for i in range(start, end):
                 xn = x[i] / safe
                 k = np.int64(xn * bins + offset)
@@ -105,7 +113,7 @@ def _build() -> Any:
         in magnitude when positive, up when negative. ``qbits``: int32 scratch of 64."""
         n = x.shape[0]
         nb = (n + 63) // 64
-        one = np.float32(1.0)
+        zero = np.float32(0.0)
         q = qbits.view(np.float32)
         cell_i = np.empty(1, dtype=np.int32)
         cell_f = cell_i.view(np.float32)
@@ -113,15 +121,10 @@ def _build() -> Any:
             start = b * 64
             end = min(start + 64, n)
             cnt = end - start
-            mbits = 0
-            for i in range(start, end):
-                mbits = max(mbits, xbits[i] & 0x7FFFFFFF)
-            if mbits >= 0x7F800000:  # inf or NaN
+            m, safe = block_absmax(xbits, start, end, cell_i, cell_f)
+            if m < zero:  # inf or NaN
                 return False
-            cell_i[0] = mbits
-            m = cell_f[0]
             scales[b] = m
-            safe = m if mbits != 0 else one
             for j in range(cnt):
                 q[j] = x[start + j] / safe
             if cnt & 1:
