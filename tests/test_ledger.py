@@ -10,19 +10,19 @@ from __future__ import annotations
 import pytest
 
 from p2pdiloco.bench.run import format_breakdown, summarize_mode
-from p2pdiloco.swarm import ledger
+from p2pdiloco.swarm import ledger, records
 from p2pdiloco.swarm.node import SwarmNode
 
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
 
 
 @pytest.mark.parametrize("key, kind", [
-    ("run:mm:0:12", "mm"), ("run:group:3:1", "group"), ("run:progress", "progress"),
-    ("run:fingerprint", "fingerprint"), ("run:short:progress", "progress"), ("run", "other"),
-    ("run:weird:thing", "other"), ("mm", "other"),
+    ("run:mm:0:12", "ready"), ("run:group:3:1", "group"), ("run:progress", "progress"),
+    ("run:fingerprint", "fingerprint"), ("run:short:progress", "progress"), ("run", "generic"),
+    ("run:weird:thing", "generic"), ("mm", "generic"),
 ])
-def test_kind_of(key, kind):
-    assert ledger.kind_of(key) == kind
+def test_the_ledger_labels_keys_by_their_record_kind(key, kind):
+    assert records.kind_of(key) == kind
 
 
 @pytest.mark.timeout(120)
@@ -44,7 +44,7 @@ def test_a_node_with_the_ledger_counts_its_rpcs_by_kind(monkeypatch):
         # our store went to the two other full nodes, each carrying the 500-byte value and its signature
         calls, req, resp = rows["store:progress"]
         assert calls == 2 and req > 2 * 500 and resp > 0
-        assert any(k.startswith("store:mm") for k in rows) and any(k.startswith("find:") for k in rows), rows
+        assert any(k.startswith("store:ready") for k in rows) and any(k.startswith("find:") for k in rows), rows
         assert all(v[0] >= 1 and v[1] > 0 for v in rows.values()), rows
         monkeypatch.delenv(ledger.ENV)
         assert nodes[1].dht_ledger() == {}  # the ledger is off for it
@@ -63,11 +63,11 @@ def _events(peer: int, ledger_rows):
 
 
 def test_the_benchmark_averages_ledgers_and_breaks_the_interface_bytes_down():
-    events = [_events(0, {"find:mm": [10, 400, 4000], "store:progress": [4, 3000, 40]}),
-              _events(1, {"find:mm": [20, 800, 8000]})]
+    events = [_events(0, {"find:ready": [10, 400, 4000], "store:progress": [4, 3000, 40]}),
+              _events(1, {"find:ready": [20, 800, 8000]})]
     samples = [(99.0, [(0, 0), (0, 0)]), (120.2, [(30000, 30000), (50000, 50000)])]
     m = summarize_mode(events, samples, tokens_per_step=1024, baseline=False)
-    assert m["dht_ledger_per_peer"] == {"find:mm": [15.0, 600.0, 6000.0], "store:progress": [2.0, 1500.0, 20.0]}
+    assert m["dht_ledger_per_peer"] == {"find:ready": [15.0, 600.0, 6000.0], "store:progress": [2.0, 1500.0, 20.0]}
     assert m["syncs_per_peer"] == 4
     m["status"] = "ok"
     text = "\n".join(format_breakdown({"mode-a": m, "no-ledger": dict(m, dht_ledger_per_peer=None)}))
@@ -75,7 +75,7 @@ def test_the_benchmark_averages_ledgers_and_breaks_the_interface_bytes_down():
     lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
     # interface 40 KB per peer; DHT 6.6 KB + 1.52 KB; all-reduce 1000.5 B; the rest is the difference
     assert "40.0 KB" in lines["interface (everything)"]
-    assert "6.6 KB" in lines["DHT find:mm"] and "16.5%" in lines["DHT find:mm"]
+    assert "6.6 KB" in lines["DHT find:ready"] and "16.5%" in lines["DHT find:ready"]
     assert "8.1 KB" in lines["DHT total"]
     assert "30.9 KB" in lines["rest (framing, encryption, TCP/IP, matchmaking messages)"]
     assert format_breakdown({"no-ledger": dict(m, dht_ledger_per_peer=None)}) == []

@@ -65,7 +65,6 @@ from .wan import EmulatedWAN, Host, LinkSpec, _kill_group, cleanup_stale, requir
 
 __all__ = ["MODES", "BASELINES", "MATRICES", "run_benchmark", "summarize_mode", "format_table", "main"]
 
-
 logger = logging.getLogger(__name__)
 
 #: p2pdiloco modes: name -> ``--set`` overrides for ``p2pdiloco join``. A new mode is one line. Every mode

@@ -113,6 +113,8 @@ class Blockwise4BitCodec(Codec):
 
     codebook: list = []
     block_size = BLOCK_SIZE
+    #: the codebook is E3M0's (sign + exponent): the fused encoder takes codes from the exponent bits
+    exponent_codes = False
 
     def __init__(self) -> None:
         cb = torch.tensor(self.codebook, dtype=torch.float32)
@@ -203,7 +205,7 @@ class Blockwise4BitCodec(Codec):
         xs = x.float().contiguous().numpy()
         scales = torch.empty(-(-n // BLOCK_SIZE), dtype=torch.float32)
         packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
-        if self.name == "e3m0":
+        if self.exponent_codes:
             ok = fused.encode_e3m0_into(k, xs, scales.numpy(), packed.numpy())
         else:
             ok = fused.encode_into(k, xs, self._np_thresholds, self._np_codes, self._zero_code, scales.numpy(),
@@ -286,7 +288,6 @@ class Blockwise4BitCodec(Codec):
         """:meth:`decode` written straight into ``out`` (whole blocks multiply into place)."""
         numel = out.numel()
         self.check_length(data, numel, sender)
-        nb = numel // BLOCK_SIZE
         k = fused.kernels() if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous() \
             and numel >= _FUSED_MIN else None
         if k is not None:
@@ -296,6 +297,7 @@ class Blockwise4BitCodec(Codec):
             if not fused.decode_into(k, scales, packed, self._np_codebook, out.view(-1).numpy()):
                 raise WireError(f"{self.name} part has a negative or non-finite block scale", sender)
             return
+        nb = numel // BLOCK_SIZE
         if numel == 0 or numel % BLOCK_SIZE or out.device.type != "cpu" or numel > _CPU_CHUNK:
             out.copy_(self._decode(data, numel, sender))
             return
@@ -323,6 +325,7 @@ class E3M0Codec(Blockwise4BitCodec):
     codec_id = 2
     codebook = _E3M0_CODEBOOK
     relative_error_bound = _half_widest_gap(_E3M0_CODEBOOK) + _ROUNDING_SLACK
+    exponent_codes = True
 
 
 @register_codec

@@ -2,11 +2,12 @@
 
 ``bench.run`` sets ``P2PDILOCO_DHT_LEDGER=1`` in its peers' environment; :class:`~.node.SwarmNode` then
 calls :func:`install` in its DHT process, and the training loop's summary carries :func:`snapshot`.
-Every DHT RPC this node *makes* is counted under ``"<rpc>:<kind>"`` (``find:mm``, ``store:progress``,
+Every DHT RPC this node *makes* is counted under ``"<rpc>:<kind>"`` (``find:ready``, ``store:progress``,
 ``ping:-``...) as ``[calls, request bytes, response bytes]``, the bytes being the protobuf messages'
 serialized sizes: what the RPC moved on the libp2p stream, without the stream's own framing, the
-encryption and TCP/IP. The *kind* is the part of the key after the run id (``mm``, ``group``,
-``progress``, ``fingerprint``...), learned from the key names this process hashes into DHT ids.
+encryption and TCP/IP. The *kind* is the record kind of the key (:func:`.records.kind_of`: ``ready``,
+``group``, ``progress``, ``fingerprint``, ``generic``), learned from the key names this process hashes
+into DHT ids; ``node`` for an id no key name gave (a node lookup).
 Every DHT exchange starts at some node's client side, so over a swarm whose peers all keep a ledger
 the sum of requests and responses is every DHT byte the peers moved (the bootstrap peer's own calls
 aside).
@@ -20,25 +21,15 @@ import os
 from collections import defaultdict
 from typing import Any, Dict, List
 
-__all__ = ["ENV", "enabled", "install", "snapshot", "kind_of"]
+from .records import kind_of
+
+__all__ = ["ENV", "enabled", "install", "snapshot"]
 
 ENV = "P2PDILOCO_DHT_LEDGER"
-
-#: the record kinds of swarm keys (``<run id>:<kind>[:...]``)
-KINDS = ("mm", "group", "progress", "fingerprint", "claims", "goodbye")
 
 
 def enabled() -> bool:
     return os.environ.get(ENV, "") not in ("", "0")
-
-
-def kind_of(key: str) -> str:
-    """The record kind of a swarm key: its first part after the run id that names a kind, else ``other``."""
-    parts = key.split(":")
-    for part in parts[1:]:
-        if part in KINDS:
-            return part
-    return "other"
 
 
 class _Ledger:
