@@ -135,6 +135,34 @@ def test_donors_that_moved_on_lead_to_a_new_target_without_refetching(donors):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("late", [0, 1])
+def test_a_partial_stash_leaves_the_remaining_fragments_to_the_other_donor(donors, late):
+    """Both donors moved on, to different syncs: the stash keeps the newest one's fragment only. When
+    the re-picked target is that sync, the missing fragment is asked of the donor that has not
+    delivered yet, not of the first in the rotation again (seen in CI: one donor credited with all).
+    Run with either donor as the one a sync behind, so one run has it second in the joiner's rotation."""
+    joiner, ds = donors
+    newest, between = make_state(20, 2), make_state(15, 3)
+    ds[1 - late].snap = newest
+    served = []
+
+    def late_provides():
+        served.append(len(served))
+        return between if len(served) == 1 else newest  # at step 15 on the first call, then at 20
+
+    ds[late].server.provider = late_provides
+    answers = [claims(ds[:2], 10, 1), claims(ds[:2], 20, 2)]
+    try:
+        got = download_state(joiner, "t", lambda: answers.pop(0) if len(answers) > 1 else answers[0], NUMELS,
+                             timeout=5)
+    finally:
+        ds[late].server.provider = ds[late].provide
+    assert got.step == 20 and got.payload == newest[1] and got.targets == 2 and not got.rejected
+    assert served == [0, 1]  # the fault fired: the late donor's first answer was an older sync, not stashed
+    assert sorted(map(tuple, got.donors.values())) == [(0,), (1,)], got.donors
+
+
+@pytest.mark.timeout(60)
 def test_records_lagging_behind_donors_that_moved_on_are_waited_for(donors):
     """The donors moved on, but their records still claim the old sync for a few reads (a DHT store and
     read lag behind a fast sync: a 2-worker joiner in CI burnt every re-pick on the old target within a

@@ -338,7 +338,8 @@ async def _download_target(node, run_id: str, step: int, digest: str, donors: Li
     (``bad`` says why); raises _Moved when the donors moved on to a newer sync meanwhile.
 
     Scheduling: each pending fragment is asked of one donor (donors rotated by our id; one request
-    in flight per donor, fragments batched per donor). A fragment with no answer after
+    in flight per donor, fragments batched per donor, spread so that the donors that delivered
+    fewest, the stash's share included, are asked first). A fragment with no answer after
     ``hedge_after`` seconds is asked of one more donor too (a stalled donor costs ``hedge_after``,
     not ``timeout``); the first verified copy wins. A donor that fails once is not asked again.
     """
@@ -388,8 +389,10 @@ async def _download_target(node, run_id: str, step: int, digest: str, donors: Li
             free = [d for d in order if d not in bad and d not in moved and d not in busy and d not in asked[f]]
             if not free:
                 continue
-            # spread: prefer the free donor with the fewest fragments in this launch
-            donor = min(free, key=lambda d: (len(assign.get(d, [])), order.index(d)))
+            # spread: prefer the free donor with the fewest fragments, counting those it already
+            # delivered (a stash of a newer sync may hold one donor's share but not another's)
+            donor = min(free, key=lambda d: (len(assign.get(d, [])) + len(result.donors.get(d, [])),
+                                             order.index(d)))
             assign.setdefault(donor, []).append(f)
         for donor, frags in assign.items():
             for f in frags:
