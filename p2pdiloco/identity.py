@@ -2,8 +2,10 @@
 
 Rules (reliability.md row 15): a key file is created with mode 0600; an existing one readable or
 writable by group/others is refused; two processes cannot use one key file at the same time (an
-exclusive ``flock`` on ``<key>.lock`` held for the life of the process). hivemind's key format
-(a protobuf-wrapped RSA key) is reused so its daemon can load the file directly.
+exclusive ``flock`` on ``<key>.lock`` held for the life of the process). The file is libp2p's
+protobuf-wrapped private key, which the p2p daemon loads directly: new identities are **Ed25519**
+(short keys and signatures: every DHT record carries both); RSA files made by earlier versions or by
+hivemind keep working.
 
 The lock ends with its process, however it dies: the kernel drops a ``flock`` when the last file
 descriptor of it closes, and no fork keeps one (every forked child, e.g. hivemind's DHT process,
@@ -15,8 +17,8 @@ that crashed or was killed: the next process logs so and takes it over, after wa
 :mod:`p2pdiloco.swarm.lifeline`) and stopping any that did not. A pid is only trusted together with
 its start time, so a reused pid is never mistaken for the old holder.
 
-The same RSA key signs this peer's DHT records (:mod:`p2pdiloco.swarm.records`): a libp2p peer id
-is the hash of its public key, so anyone can check that a record was written by the peer it names.
+The same key signs this peer's DHT records (:mod:`p2pdiloco.swarm.records`): a libp2p peer id
+is derived from its public key, so anyone can check that a record was written by the peer it names.
 A peer started without an identity file gets an *ephemeral* key: written 0600 into a fresh 0700
 temporary directory for the daemon to read at start-up, then deleted (:func:`ephemeral_identity`).
 """
@@ -40,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from .errors import IdentityError
 
 __all__ = ["prepare_identity", "release_identity", "note_helpers", "ephemeral_identity", "discard_ephemeral",
-           "load_signing_key", "peer_id_of_public_key", "LEFTOVER_WAIT_S"]
+           "load_signing_key", "peer_id_of_public_key", "write_new_key", "LEFTOVER_WAIT_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +62,7 @@ def prepare_identity(path: str) -> str:
     os.makedirs(parent, exist_ok=True)
     _lock(path)
     if not os.path.exists(path):
-        from hivemind.p2p import P2P
-
-        old = os.umask(0o077)
-        try:
-            P2P.generate_identity(path)
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
+        write_new_key(path)
     if not os.path.isfile(path):
         raise IdentityError(f"identity {path} is not a regular file")
     mode = stat.S_IMODE(os.stat(path).st_mode)
@@ -260,16 +255,9 @@ def ephemeral_identity() -> str:
 
     Call :func:`discard_ephemeral` once the daemon has read it: the key then lives only in memory.
     """
-    from hivemind.p2p import P2P
-
     directory = tempfile.mkdtemp(prefix="p2pdiloco-id-")  # created 0700
     path = os.path.join(directory, "identity.key")
-    old = os.umask(0o077)
-    try:
-        P2P.generate_identity(path)
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
+    write_new_key(path)
     atexit.register(discard_ephemeral, path)  # also gone if start-up fails
     return path
 
@@ -279,40 +267,71 @@ def discard_ephemeral(path: str) -> None:
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
-def load_signing_key(path: str) -> Any:
-    """The RSA private key of an identity file, as hivemind's ``RSAPrivateKey`` (for record signing)."""
+def write_new_key(path: str) -> None:
+    """A new Ed25519 identity key at ``path``, mode 0600 (libp2p's protobuf: 32-byte seed, then the public key)."""
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
     from hivemind.proto import crypto_pb2
-    from hivemind.utils.crypto import RSAPrivateKey
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    seed = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                             serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    blob = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=seed + public).SerializeToString()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(blob)
+
+
+def load_signing_key(path: str) -> Any:
+    """The private key of an identity file (Ed25519 or RSA), as a
+    :class:`~p2pdiloco.swarm.signing.SigningKey` for record signing."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+    from hivemind.proto import crypto_pb2
+
+    from .swarm.signing import SigningKey
 
     try:
         with open(path, "rb") as f:
             pb = crypto_pb2.PrivateKey.FromString(f.read())
+        if pb.key_type == crypto_pb2.KeyType.Ed25519:
+            if len(pb.data) != 64:
+                raise ValueError("an Ed25519 key is 64 bytes")
+            key = ed25519.Ed25519PrivateKey.from_private_bytes(pb.data[:32])
+            if key.public_key().public_bytes(serialization.Encoding.Raw,
+                                             serialization.PublicFormat.Raw) != pb.data[32:]:
+                raise ValueError("the public half does not match the seed")
+            return SigningKey(key)
         if pb.key_type != crypto_pb2.KeyType.RSA:
-            raise ValueError("not an RSA key")
-        key = RSAPrivateKey.__new__(RSAPrivateKey)
-        key._private_key = serialization.load_der_private_key(pb.data, password=None)
+            raise ValueError("neither Ed25519 nor RSA")
+        return SigningKey(serialization.load_der_private_key(pb.data, password=None))
     except Exception:
         raise IdentityError(
-            f"identity file {path} is not a usable RSA private key; move it away to let p2pdiloco create a new one"
+            f"identity file {path} is not a usable Ed25519 or RSA private key; move it away to let p2pdiloco "
+            "create a new one"
         ) from None
-    return key
 
 
 @functools.lru_cache(maxsize=4096)
 def peer_id_of_public_key(ssh_public_key: bytes) -> Optional[str]:
-    """The libp2p peer id (base58) of an RSA public key in OpenSSH format, or None if it is not one.
+    """The libp2p peer id (base58) of a public key in OpenSSH format, or None if it is not a usable one.
 
-    libp2p: peer id = multihash(sha2-256, protobuf PublicKey{RSA, DER SubjectPublicKeyInfo}).
+    libp2p: the protobuf PublicKey{type, data}; RSA (data: DER SubjectPublicKeyInfo) is named by its
+    sha2-256 multihash, Ed25519 (data: the 32 raw bytes) by the identity multihash (the bytes inline).
     """
     try:
         import multihash
         from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import rsa
+        from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
         from hivemind.p2p import PeerID
         from hivemind.proto import crypto_pb2
 
         key = serialization.load_ssh_public_key(ssh_public_key)
+        if isinstance(key, ed25519.Ed25519PublicKey):
+            raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+            encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.Ed25519, data=raw).SerializeToString()
+            return PeerID(bytes([0x00, len(encoded)]) + encoded).to_base58()  # identity multihash, length < 128
         if not isinstance(key, rsa.RSAPublicKey) or not 2048 <= key.key_size <= 8192:
             return None
         der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)

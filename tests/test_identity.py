@@ -23,7 +23,7 @@ import pytest
 
 from p2pdiloco.errors import IdentityError
 from p2pdiloco.identity import (ephemeral_identity, discard_ephemeral, load_signing_key, peer_id_of_public_key,
-                                prepare_identity, release_identity)
+                                prepare_identity, release_identity, write_new_key)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,7 +126,8 @@ def test_ephemeral_identity_file_is_private_and_discarded():
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
         key = load_signing_key(path)
-        assert peer_id_of_public_key(key.get_public_key().to_bytes()).startswith("Qm")
+        assert key.kind == "ed25519"  # new identities: short keys and signatures on every record
+        assert peer_id_of_public_key(key.ssh_public_key).startswith("12D3KooW")
     finally:
         discard_ephemeral(path)
     assert not os.path.exists(os.path.dirname(path))
@@ -141,13 +142,15 @@ _KEY_NAMES = re.compile(r"(\.key|\.pem|\.p12|\.pfx|(^|/)id_(rsa|ed25519|ecdsa))$
 def _is_private_key(name: str, data: bytes) -> bool:
     if _PEM.search(data) or _KEY_NAMES.search(name):
         return True
-    if len(data) < 100 or len(data) > 20000 or b"\x00" not in data and data.isascii():
+    if len(data) < 60 or len(data) > 20000 or b"\x00" not in data and data.isascii():
         return False  # text files are not protobuf keys
-    try:  # hivemind / libp2p key files: protobuf PrivateKey wrapping a DER key
+    try:  # hivemind / libp2p key files: protobuf PrivateKey wrapping a DER (RSA) or raw (Ed25519) key
         from cryptography.hazmat.primitives import serialization
         from hivemind.proto import crypto_pb2
 
         pb = crypto_pb2.PrivateKey.FromString(data)
+        if pb.key_type == crypto_pb2.KeyType.Ed25519:
+            return len(pb.data) == 64
         serialization.load_der_private_key(pb.data, password=None)
         return True
     except Exception:
@@ -162,9 +165,10 @@ def test_no_private_key_in_repository_or_package(tmp_path):
     # the detector itself works
     from hivemind.p2p import P2P
 
-    probe = str(tmp_path / "probe")
-    P2P.generate_identity(probe)
-    assert _is_private_key("probe", open(probe, "rb").read())
+    probe, ours = str(tmp_path / "probe"), str(tmp_path / "ours")
+    P2P.generate_identity(probe)  # RSA, hivemind's
+    write_new_key(ours)  # Ed25519, ours
+    assert _is_private_key("probe", open(probe, "rb").read()) and _is_private_key("ours", open(ours, "rb").read())
     assert _is_private_key("x.txt", b"junk\n-----BEGIN RSA " + b"PRIVATE KEY-----\nabc")  # split: not a key here
 
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout

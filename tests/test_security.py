@@ -430,10 +430,11 @@ def test_forged_malformed_and_replayed_records_are_rejected(nodes):
     sig = attacker.records.signer  # signs only records under the attacker's own subkey
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import DHTRecord
+    from p2pdiloco.swarm.signing import serialize_record
 
     exp = get_dht_time() + 600  # one expiration for every forged record: signatures cover it
     rec = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey), forged_value, exp)
-    signed_by_attacker = forged_value + b"[signature:" + sig._private_key.sign(sig._serialize_record(rec)) + b"]"
+    signed_by_attacker = forged_value + b"[signature:" + sig.key.sign(serialize_record(rec)) + b"]"
     # malformed: correctly signed by the attacker under its own subkey, but breaking the schema
     bad_schema = msgpack.packb({"k": "progress", "s": 1, "d": {"step": "lots"}}, use_bin_type=True)
     rec2 = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(attacker.records.owner_subkey),
@@ -464,10 +465,10 @@ def test_record_book_keeps_the_newer_record():
     """Reader side: once a record with a higher seq was seen, an older one returned later (a lagging
     or hostile DHT node) is ignored until the newer one expires."""
     from hivemind.utils import ValueWithExpiration, get_dht_time
-    from hivemind.utils.crypto import RSAPrivateKey
     from p2pdiloco.swarm.records import RecordBook
+    from p2pdiloco.swarm.signing import SigningKey
 
-    book = RecordBook(RSAPrivateKey())
+    book = RecordBook(SigningKey.generate())
     key = "r:progress"
     old = book.encode(key, {"step": 1})
     new = book.encode(key, {"step": 2})
@@ -488,7 +489,7 @@ def test_record_book_keeps_the_newer_record():
     assert book.decode(key, ValueWithExpiration({b"someone": ValueWithExpiration(new, exp)}, exp)) == mine
     assert book.decode(key, None) == mine
     assert sum(book.rejected.values()) == 3
-    fresh = RecordBook(RSAPrivateKey())
+    fresh = RecordBook(SigningKey.generate())
     assert fresh.decode(key, found(ready)) == {} and fresh.decode(key, found(b"\x93\x01\x02")) == {}
     # a group record counts only when written by the group's leader (its smallest member)
     me = book.peer_id

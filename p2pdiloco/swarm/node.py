@@ -209,6 +209,29 @@ def no_tcp_reuseport() -> None:
     os.environ.setdefault(REUSEPORT_ENV, "false")
 
 
+def _identity_in_use(peer_id: str, initial_peers: List[str]) -> bool:
+    """Whether a peer with this id already answers in the swarm reached through ``initial_peers``:
+    a throwaway client daemon asks its own routing for that peer id and tries to connect."""
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+
+    async def probe() -> bool:
+        client = await P2P.create(initial_peers=initial_peers, dht_mode="client")
+        try:
+            await client._client.connect(PeerID.from_base58(peer_id), [])
+            return True
+        except ControlFailure:
+            return False
+        finally:
+            await client.shutdown()
+
+    try:
+        return asyncio.run(probe())
+    except Exception as e:  # initial peers unreachable etc.: the DHT start reports that more clearly
+        logger.debug(f"identity check skipped: {e}")
+        return False
+
+
 class SwarmNode:
     """Start (or join) the DHT and keep a P2P client with its own event loop thread.
 
@@ -258,6 +281,14 @@ class SwarmNode:
                                       blacklist_time=3.0, backoff_rate=1.0)
         if not self.identity_path:
             kwargs["check_if_identity_free"] = False  # a fresh random key cannot be taken
+        elif self.records.signer.key.kind != "rsa":
+            # hivemind's check that no running peer has our key (the file copied to another machine)
+            # reads RSA keys only: the same check, for the other kinds, here
+            kwargs["check_if_identity_free"] = False
+            if initial_peers and _identity_in_use(self.records.peer_id, list(initial_peers)):
+                release_identity(self.identity_path)
+                raise UserError(f"identity {self.identity_path} is already used by a running peer "
+                                f"({self.records.peer_id} answers in the swarm): give this peer its own key file")
         if announce_maddrs:
             kwargs["announce_maddrs"] = list(announce_maddrs)
         no_tcp_reuseport()

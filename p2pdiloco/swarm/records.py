@@ -1,9 +1,10 @@
 """Signed, schema-checked DHT records: what a peer publishes, only that peer can write.
 
 Every record p2pdiloco keeps in the DHT is a *dictionary entry* whose subkey is
-``[owner:<the writer's RSA public key>]`` (hivemind's :class:`RSASignatureValidator` convention).
-The key that signs is the peer's libp2p identity key, and a libp2p peer id is the hash of that
-public key, so the subkey *is* the writer's peer id: readers derive it, nobody can claim it.
+``[owner:<the writer's public key>]`` (Ed25519, or RSA for older identities; hivemind's
+``RSASignatureValidator`` layout: :mod:`p2pdiloco.swarm.signing`). The key that signs is the peer's
+libp2p identity key, and a libp2p peer id is derived from that public key, so the subkey *is* the
+writer's peer id: readers derive it, nobody can claim it.
 
 Value (msgpack map, at most 64 KiB)::
 
@@ -19,7 +20,7 @@ digest (the state *offer* a joining peer downloads against).
 Defences (reliability.md row 9):
 
 * **forged** records: the DHT of every p2pdiloco node (bootstrap peers included) runs
-  :class:`RSASignatureValidator` plus :class:`RecordSchema`: a record not signed by the key in its
+  :class:`~p2pdiloco.swarm.signing.OwnerSignatures` plus :class:`RecordSchema`: a record not signed by the key in its
   subkey, an unsigned record, or one that does not match its schema is refused when someone asks
   us to store it and dropped when another node returns it to us;
 * **replayed** records: the signature covers key, subkey, value and expiration time, so an old
@@ -49,17 +50,17 @@ from typing import Any, Dict, List, Optional, Tuple, Type, Union
 import msgpack
 from pydantic.v1 import BaseModel, Extra, StrictBool, StrictFloat, StrictInt, conint, conlist, constr, root_validator
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 from ..identity import peer_id_of_public_key
+from .signing import OwnerSignatures, SigningKey
 
 __all__ = ["RecordBook", "RecordSchema", "kind_of", "SCHEMAS", "MAX_RECORD", "run_fingerprint", "note_val_loss",
            "note_failure"]
 
 #: largest record value accepted (bytes)
 MAX_RECORD = 1 << 16
-_OWNER = re.compile(rb"^\[owner:(ssh-rsa [A-Za-z0-9+/=]{16,8192})\]$")
+_OWNER = re.compile(rb"^\[owner:(ssh-rsa [A-Za-z0-9+/=]{16,8192}|ssh-ed25519 [A-Za-z0-9+/=]{68})\]$")
 
 Count = conint(strict=True, ge=0, le=2**62)
 Number = Union[StrictFloat, StrictInt]
@@ -281,7 +282,7 @@ class RecordSchema(RecordValidatorBase):
 
     @property
     def priority(self) -> int:
-        return 5  # below RSASignatureValidator (10): sees the value with the signature stripped
+        return 5  # below OwnerSignatures (10): sees the value with the signature stripped
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return isinstance(other, RecordSchema)
@@ -290,13 +291,13 @@ class RecordSchema(RecordValidatorBase):
 class RecordBook:
     """This peer's side of the records: signs what it writes, verifies and orders what it reads.
 
-    :param signing_key: hivemind ``RSAPrivateKey`` of this peer's libp2p identity.
+    :param signing_key: the :class:`~p2pdiloco.swarm.signing.SigningKey` of this peer's libp2p identity.
 
     Counters for tests: ``rejected`` (reason → count) and ``stale`` (older records ignored).
     """
 
-    def __init__(self, signing_key: Any):
-        self.signer = RSASignatureValidator(signing_key)
+    def __init__(self, signing_key: SigningKey):
+        self.signer = OwnerSignatures(signing_key)
         #: the subkey every record of ours is stored under
         self.owner_subkey: bytes = self.signer.local_public_key
         self.peer_id: Optional[str] = peer_id_of_public_key(_OWNER.match(self.owner_subkey).group(1))
