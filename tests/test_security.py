@@ -516,6 +516,21 @@ def test_bogus_fingerprint_cannot_lock_out_and_majority_wins(nodes):
         s2.check_fingerprint("evil", {"inner.sync_every": 99})  # 2 honest vs 1 bogus: the majority decides
 
 
+@pytest.mark.timeout(120)
+def test_a_run_of_another_protocol_version_is_refused_with_upgrade_advice(nodes):
+    """Peers of another protocol version (e.g. 6: they drop Ed25519-signed records, so they would not
+    see us) are refused at join with what to install, not with advice to change settings."""
+    from p2pdiloco.swarm.swarm import Swarm
+
+    run = f"sec{next(_runs)}"
+    Swarm(nodes[0], run, matchmaking_timeout=2, allreduce_timeout=5).check_fingerprint(
+        "old", {"inner.sync_every": 10, "protocol.version": PROTOCOL_VERSION - 1})
+    with pytest.raises(FingerprintMismatch, match=rf"speak protocol version {PROTOCOL_VERSION - 1} and this "
+                                                 rf"p2pdiloco speaks {PROTOCOL_VERSION}: install"):
+        Swarm(nodes[1], run, matchmaking_timeout=2, allreduce_timeout=5).check_fingerprint(
+            "new", {"inner.sync_every": 10, "protocol.version": PROTOCOL_VERSION})
+
+
 # ---- row 10: one peer's unverified claim of a huge step ---------------------------------------------
 @pytest.mark.timeout(120)
 def test_single_claim_of_a_huge_step_moves_nobody(nodes):

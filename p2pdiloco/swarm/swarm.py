@@ -108,9 +108,16 @@ class Swarm:
             theirs = existing.get("fields") if isinstance(existing.get("fields"), dict) else {}
             diff = sorted(k for k in set(theirs) | set(fields) if theirs.get(k) != fields.get(k))
             details = "; ".join(f"{k}: run has {theirs.get(k)!r}, you have {fields.get(k)!r}" for k in diff[:12])
+            advice = ("Use the run's configuration (same --config and --set values) or choose another "
+                      "swarm.run_id")
+            if "protocol.version" in diff:  # not a setting: the peers run p2pdiloco versions that cannot talk
+                advice = (f"The run's peers speak protocol version {theirs.get('protocol.version')!r} and this "
+                          f"p2pdiloco speaks {fields.get('protocol.version')!r}: install the p2pdiloco version the "
+                          "run uses (all peers must run versions with the same protocol), or choose another "
+                          "swarm.run_id")
             raise FingerprintMismatch(
                 f"this peer's configuration differs from run {self.run_id!r} in {len(diff)} field(s): {details}. "
-                "Use the run's configuration (same --config and --set values) or choose another swarm.run_id"
+                + advice
             )
         self._fingerprint = mine
         self.node.store(key, mine, ttl=FINGERPRINT_TTL, subkey=self.peer_id)
