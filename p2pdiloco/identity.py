@@ -320,23 +320,22 @@ def peer_id_of_public_key(ssh_public_key: bytes) -> Optional[str]:
     libp2p: the protobuf PublicKey{type, data}; RSA (data: DER SubjectPublicKeyInfo) is named by its
     sha2-256 multihash, Ed25519 (data: the 32 raw bytes) by the identity multihash (the bytes inline).
     """
-    try:
-        import multihash
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
-        from hivemind.p2p import PeerID
-        from hivemind.proto import crypto_pb2
+    import multihash
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
 
-        key = serialization.load_ssh_public_key(ssh_public_key)
-        if isinstance(key, ed25519.Ed25519PublicKey):
-            raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-            encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.Ed25519, data=raw).SerializeToString()
-            return PeerID(bytes([0x00, len(encoded)]) + encoded).to_base58()  # identity multihash, length < 128
-        if not isinstance(key, rsa.RSAPublicKey) or not 2048 <= key.key_size <= 8192:
-            return None
-        der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-        encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
-        digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
-        return PeerID(digest).to_base58()
-    except Exception:
+    from .swarm.signing import load_public_key
+
+    key = load_public_key(bytes(ssh_public_key))
+    if key is None:
         return None
+    if isinstance(key, ed25519.Ed25519PublicKey):
+        raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.Ed25519, data=raw).SerializeToString()
+        return PeerID(bytes([0x00, len(encoded)]) + encoded).to_base58()  # identity multihash, length < 128
+    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
+    return PeerID(digest).to_base58()

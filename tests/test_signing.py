@@ -111,8 +111,8 @@ def test_a_swarm_of_ed25519_and_rsa_identities_reads_each_others_records(tmp_pat
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_key_file_copied_to_a_second_peer_is_refused_with_a_clear_message(tmp_path, kind):
     """The local lock stops two processes sharing one file; a copy of the file (another machine) is
-    caught by asking the swarm whether our peer id already answers (hivemind's check for RSA keys,
-    ours for Ed25519: hivemind's reads RSA only)."""
+    caught by asking the swarm whether our peer id already answers (our check, for both kinds:
+    hivemind's reads RSA keys only)."""
     import shutil
 
     from hivemind.p2p import P2P

@@ -279,16 +279,14 @@ class SwarmNode:
         kwargs: Dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=dht_client,
                                       identity_path=key_path, record_validators=self.records.validators(),
                                       blacklist_time=3.0, backoff_rate=1.0)
-        if not self.identity_path:
-            kwargs["check_if_identity_free"] = False  # a fresh random key cannot be taken
-        elif self.records.signer.key.kind != "rsa":
-            # hivemind's check that no running peer has our key (the file copied to another machine)
-            # reads RSA keys only: the same check, for the other kinds, here
-            kwargs["check_if_identity_free"] = False
-            if initial_peers and _identity_in_use(self.records.peer_id, list(initial_peers)):
-                release_identity(self.identity_path)
-                raise UserError(f"identity {self.identity_path} is already used by a running peer "
-                                f"({self.records.peer_id} answers in the swarm): give this peer its own key file")
+        # is our key file already running elsewhere (copied to another machine)? Asked here for every key
+        # kind: hivemind's own check (check_if_identity_free) reads RSA keys only. A fresh random key
+        # cannot be taken.
+        kwargs["check_if_identity_free"] = False
+        if self.identity_path and initial_peers and _identity_in_use(self.records.peer_id, list(initial_peers)):
+            release_identity(self.identity_path)
+            raise UserError(f"identity {self.identity_path} is already used by a running peer "
+                            f"({self.records.peer_id} answers in the swarm): give this peer its own key file")
         if announce_maddrs:
             kwargs["announce_maddrs"] = list(announce_maddrs)
         no_tcp_reuseport()
@@ -314,7 +312,7 @@ class SwarmNode:
                     ) from None
                 if "address already in use" in msg.lower() or "bind" in msg.lower():
                     raise UserError(f"cannot listen on {', '.join(host_maddrs)}: address already in use") from None
-                if "already taken" in msg or "identity" in msg.lower():
+                if "identity" in msg.lower():
                     raise UserError(f"identity {self.identity_path} is already used by a running peer") from None
                 raise UserError(f"the libp2p daemon failed to start: {msg.splitlines()[0][:300]}") from None
         if ledger.enabled():  # benchmarks: count this node's DHT RPCs by record kind (ledger.py)

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519, padding, rsa
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
-__all__ = ["SigningKey", "OwnerSignatures", "serialize_record", "verify"]
+__all__ = ["SigningKey", "OwnerSignatures", "load_public_key", "serialize_record", "verify"]
 
 _OWNER_RE = re.compile(re.escape(b"[owner:") + rb"(.+?)" + re.escape(b"]"))
 _SIGNATURE_RE = re.compile(re.escape(b"[signature:") + rb"(.+?)" + re.escape(b"]"))
@@ -64,7 +64,9 @@ class SigningKey:
 
 
 @functools.lru_cache(maxsize=4096)
-def _public_key(ssh_public_key: bytes) -> Optional[Any]:
+def load_public_key(ssh_public_key: bytes) -> Optional[Any]:
+    """The public key of an OpenSSH-format key when it may own records (Ed25519, or RSA of 2048 to 8192
+    bits), else None."""
     try:
         key = serialization.load_ssh_public_key(ssh_public_key)
     except Exception:
@@ -76,7 +78,7 @@ def _public_key(ssh_public_key: bytes) -> Optional[Any]:
 
 def verify(ssh_public_key: bytes, data: bytes, signature_b64: bytes) -> bool:
     """Whether ``signature_b64`` is the owner's signature of ``data`` (False for any malformed input)."""
-    key = _public_key(bytes(ssh_public_key))
+    key = load_public_key(bytes(ssh_public_key))
     if key is None:
         return False
     try:
