@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import types
 
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
@@ -12,7 +14,7 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2pdiloco.identity import peer_id_of_public_key
-from p2pdiloco.swarm.signing import OwnerSignatures, SigningKey, serialize_record
+from p2pdiloco.swarm.signing import OwnerSignatures, SigningKey, load_public_key, serialize_record
 
 KINDS = ("ed25519", "rsa")
 _KEYS = {kind: (SigningKey.generate(kind), SigningKey.generate(kind)) for kind in KINDS}
@@ -40,6 +42,12 @@ CASES = [
     ("junk owner key", lambda r, me, other: dataclasses.replace(
         r, subkey=MSGPackSerializer.dumps(b"[owner:ssh-ed25519 AAAAjunk]")), False),
     ("no owner (not protected here)", lambda r, me, other: _record(b"plain", value=b"v"), True),
+    # the signature is the value's suffix, nothing else: record syntax inside the signed value is content
+    ("record syntax in the signed text", lambda r, me, other: _signed(
+        me, value=b"v [signature:x] [owner:ssh-ed25519 AAAA] [signature:" + b"A" * 88 + b"] w"), True),
+    ("signature moved into the text", lambda r, me, other: dataclasses.replace(
+        r, value=r.value[1:] + r.value[:1]), False),
+    ("junk after the signature", lambda r, me, other: dataclasses.replace(r, value=r.value + b" "), False),
 ]
 
 
@@ -63,6 +71,72 @@ def test_rsa_records_are_the_bytes_hivemind_signs_and_checks():
     signed_by_us = dataclasses.replace(rec, value=ours.sign_value(rec))
     assert ours.validate(signed_by_them) and theirs.validate(signed_by_us)
     assert not ours.validate(dataclasses.replace(signed_by_them, value=b"x" + signed_by_them.value))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failure_reason_with_record_syntax_leaves_our_record_valid_and_readable(kind):
+    """An owner's abort reason lands in every member's own progress record (``fw``). Whatever it says,
+    the member's record stays valid on every node and readable: no record syntax of the owner's gets
+    into it, and its length is bounded. (The validators run as a DHT node runs them.)"""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import CompositeValidator
+    from hivemind.utils import ValueWithExpiration
+
+    from p2pdiloco.swarm import records
+    from p2pdiloco.swarm.swarm import Swarm
+
+    evil = ("owner Qm1234 aborted the round: [signature:x] [owner:ssh-ed25519 AAAA] [signature:"
+            + "B" * 88 + "]\x00\n" + "z" * 1000)
+    member = types.SimpleNamespace(_progress={"step": 5}, _progress_lock=threading.Lock())
+    Swarm.note_failure(member, 3, 0, evil)  # what diloco/loop.py does with a failed round's reason
+    reason = member._progress["fw"][-1]
+    assert "[" not in reason and "]" not in reason and len(reason) <= records.FAIL_REASON_CHARS, reason
+    assert reason.startswith("owner Qm1234 aborted the round: (signature:x)"), reason
+
+    book = records.RecordBook(_KEYS[kind][0])
+    key = "run:progress"
+    record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(book.owner_subkey),
+                       MSGPackSerializer.dumps(book.encode(key, member._progress)), 1e9)
+    record = dataclasses.replace(record, value=book.signer.sign_value(record))
+    reader = OwnerSignatures(_KEYS[kind][1])  # another node
+    assert CompositeValidator([reader, records.RecordSchema()]).validate(record)
+    if kind == "rsa":  # older RSA peers (hivemind's validator, which searches the whole value) accept it too
+        assert RSASignatureValidator(RSAPrivateKey()).validate(record)
+    stored = MSGPackSerializer.loads(reader.strip_value(record))
+    found = ValueWithExpiration({book.owner_subkey: ValueWithExpiration(stored, 1e9)}, 1e9)
+    seen = records.RecordBook(_KEYS[kind][1]).decode(key, found)
+    assert list(seen.values())[0]["fw"] == [reason] and list(seen) == [book.peer_id]
+
+
+def _rsa_key_with_exponent(e: int) -> SigningKey:
+    """An RSA-2048 private key whose public exponent is ``e`` (the primes of a normal key, d recomputed)."""
+    from math import gcd
+
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    base = _KEYS["rsa"][0].private_key.private_numbers()
+    p, q = base.p, base.q
+    phi = (p - 1) * (q - 1)
+    while gcd(e, phi) != 1:
+        e += 2
+    d = pow(e, -1, phi)
+    public = rsa.RSAPublicNumbers(e, p * q)
+    return SigningKey(rsa.RSAPrivateNumbers(p, q, d, rsa.rsa_crt_dmp1(d, p), rsa.rsa_crt_dmq1(d, q),
+                                            rsa.rsa_crt_iqmp(p, q), public).private_key())
+
+
+@pytest.mark.parametrize("exponent", [3, (1 << 1500) + 1], ids=["e=3", "e of 1501 bits"])
+def test_rsa_owner_keys_need_the_public_exponent_65537(exponent):
+    """A huge exponent makes every node's check of the owner's records many times slower (and e=3
+    is nobody's default): such keys own nothing, even with a signature that verifies."""
+    odd = OwnerSignatures(_rsa_key_with_exponent(exponent))
+    assert odd.key.private_key.public_key().public_numbers().e != 65537
+    assert load_public_key(odd.key.ssh_public_key) is None
+    assert peer_id_of_public_key(odd.key.ssh_public_key) is None
+    record = _signed(odd)
+    assert not odd.validate(record) and not OwnerSignatures(_KEYS["rsa"][1]).validate(record)
+    normal = _signed(OwnerSignatures(_KEYS["rsa"][0]))  # control: the same primes with e = 65537
+    assert OwnerSignatures(_KEYS["rsa"][1]).validate(normal)
 
 
 def test_an_ed25519_record_carries_a_quarter_of_the_rsa_overhead():

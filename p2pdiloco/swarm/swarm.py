@@ -33,6 +33,7 @@ from .node import SwarmNode
 from .timeouts import Timeouts, allreduce_bytes
 from . import records
 from .records import run_fingerprint
+from .signing import plain_text
 
 __all__ = ["Swarm"]
 
@@ -142,6 +143,9 @@ class Swarm:
             records.note_val_loss(self._progress, outer_step, val_loss)
 
     def note_failure(self, outer_step: int, fragment: int, reason: str) -> None:
+        # the reason often quotes another peer (an owner's abort reason): no record syntax of theirs
+        # may reach our own record, whose signature every node checks
+        reason = plain_text(reason, records.FAIL_REASON_CHARS)
         with self._progress_lock:
             records.note_failure(self._progress, outer_step, fragment, reason)
 
