@@ -21,7 +21,7 @@ def make_state(step: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     payload = torch.randn(2 * sum(NUMELS), generator=g).numpy().tobytes()
     meta = {"step": step, "outer_steps": [step // 10, step // 10], "numels": NUMELS,
-            "digest": state_digest(payload, NUMELS)}
+            "digest": state_digest(payload, NUMELS, [step // 10, step // 10])}
     return meta, payload
 
 
@@ -65,7 +65,7 @@ def donors(swarm):
 
 def claims(donors, step=10, seed=1):
     digest = make_state(step, seed)[0]["digest"]
-    return {d.node.peer_id_str: {"synced_step": step, "digest": digest} for d in donors}
+    return {d.node.peer_id_str: {"synced_step": step, "digest": digest, "gid": f"g{step}"} for d in donors}
 
 
 @pytest.mark.timeout(60)
@@ -214,17 +214,20 @@ def test_a_tampered_copy_of_a_newer_sync_is_rejected_not_stashed(donors):
 def test_pick_target_needs_corroboration_and_well_formed_digests():
     d = "0123456789abcdef-fedcba9876543210"
     me = "me"
+
+    def rec(step, digest=d):
+        return {"synced_step": step, "digest": digest, "gid": "g"}
+
     # one live peer: its claim is enough
-    assert pick_target({"a": {"synced_step": 5, "digest": d}}, me) == (5, d, ["a"])
+    assert pick_target({"a": rec(5)}, me) == (5, d, ["a"])
     # two or more: a lone claim of a huge step is ignored (reliability.md row 10)
-    peers = {"a": {"synced_step": 10 ** 9, "digest": d}, "b": {"synced_step": 5, "digest": d},
-             "c": {"synced_step": 5, "digest": d}}
+    peers = {"a": rec(10 ** 9), "b": rec(5), "c": rec(5)}
     assert pick_target(peers, me) == (5, d, ["b", "c"])
     assert pick_target(peers, me, min_step=5) is None
-    bad = {"a": {"synced_step": 7, "digest": "zz"}, "b": {"synced_step": 7, "digest": "zz"}}
+    bad = {"a": rec(7, "zz"), "b": rec(7, "zz")}
     assert pick_target(bad, me) is None
-    assert pick_target({"a": {"synced_step": 7, "digest": d}}, me, num_frags=3) is None
-    assert in_minority({"a": {"synced_step": 5, "digest": "x"}, "b": {"synced_step": 5, "digest": "x"}}, me, 5, "y")
+    assert pick_target({"a": rec(7)}, me, num_frags=3) is None
+    assert in_minority({"a": rec(5, "x"), "b": rec(5, "x")}, me, 5, "y")
 
 
 def test_a_record_missing_from_a_dht_read_does_not_hand_over_the_majoritys_history():

@@ -546,7 +546,7 @@ def test_single_claim_of_a_huge_step_moves_nobody(nodes):
     state_sync.StateServer(liar, run, lambda: served.append(1) or ({"step": 10**9}, b""))
     digest = "0123456789abcdef"
     for s in honest:
-        s.update_progress(step=40, synced_step=40, digest=digest, round=4, next_sync=50)
+        s.update_progress(step=40, synced_step=40, digest=digest, round=4, next_sync=50, gid="g-honest")
         s.publish_progress(wait=True)
     liar.store(f"{run}:progress", {"step": 10**9, "synced_step": 10**9, "digest": "f" * 16, "round": 10**8,
                                    "next_sync": 10**9 + 10}, ttl=60)

@@ -263,7 +263,7 @@ class _Peer:
         if not isinstance(step, int) or not step or not isinstance(digest, str):
             return None  # nothing synced yet: a fresh run, or a joiner that catches up at its first sync
         return rival_lineage(peers, self.node.peer_id_str, swarm.matchmaker.lineage(self.recent), step, digest,
-                             swarm.matchmaker.companions)
+                             swarm.matchmaker.companions, trusted=swarm.matchmaker.voters(peers))
 
     def adopt_rivals(self) -> bool:
         """Give way to the rival history: adopt its verified state, even if our step count is ahead."""
@@ -311,6 +311,7 @@ class _Peer:
                                      on_target=self._announce_target,
                                      # a rival lineage (peers given) was already judged by majority
                                      companions=() if peers else swarm.matchmaker.companions,
+                                     partners=swarm.matchmaker.partners.current(),
                                      # donors publish their record right after a sync; a failed store
                                      # is retried within a progress period
                                      record_wait=swarm.progress_period + 5.0)
@@ -367,8 +368,9 @@ class _Peer:
         deadline = time.time() + window
         while not self.catch_up(wait=0, joining=True):
             peers = {pid: v for pid, v in swarm.live_peers().items() if pid != self.node.peer_id_str}
-            ahead = [v for v in peers.values()
-                     if isinstance(v.get("synced_step"), int) and v["synced_step"] > diloco.synced_step]
+            counted = swarm.matchmaker.voters(peers)  # claims of identities without a say delay nobody
+            ahead = [v for pid, v in peers.items() if pid in counted
+                     and isinstance(v.get("synced_step"), int) and v["synced_step"] > diloco.synced_step]
             if not ahead and (peers or not swarm.run_existed):
                 return  # a fresh run (or we are level with it): nothing to fetch
             if not peers and swarm.only_recent_claims(window):
@@ -536,8 +538,9 @@ class _Peer:
                 and (peers := self.swarm.peers_view()) is not None):
             return
         self.last_check = time.time()
+        trusted = self.swarm.matchmaker.voters(peers)
         if pick_target(peers, self.node.peer_id_str, diloco.next_sync_step() - 1, len(self.numels),
-                       companions=self.swarm.matchmaker.companions) is not None:
+                       companions=self.swarm.matchmaker.companions, trusted=trusted) is not None:
             # Behind (we were stopped, or slow): the swarm already did our next sync without us.
             # Re-sync now instead of training on, and never send a contribution for a past round.
             logger.warning(f"[{me}] the swarm is past our next sync (step {diloco.next_sync_step()}); catching up")
@@ -548,7 +551,7 @@ class _Peer:
             logger.warning(f"[{me}] {len(found)} peer(s) trained in other groups and outnumber ours; "
                            "adopting their state")
             self.adopt_rivals()
-        elif in_minority(peers, self.node.peer_id_str, *diloco.sync_point()):
+        elif in_minority(peers, self.node.peer_id_str, *diloco.sync_point(), trusted=trusted):
             logger.warning(f"[{me}] our state at step {diloco.synced_step} differs from the majority's; "
                            "adopting theirs")
             self.catch_up(wait=0, min_step=diloco.synced_step - 1)

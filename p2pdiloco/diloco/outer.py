@@ -15,10 +15,11 @@ afterwards on any CPU or GPU; ``digest()`` proves it in the logs.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Dict, List, Sequence
 
 import torch
+
+from ..digest import finish, fragment_hasher
 
 __all__ = ["OuterState", "nesterov_step_"]
 
@@ -73,11 +74,12 @@ class OuterState:
             l.copy_(g.to(l.device, l.dtype))
 
     def digest(self) -> str:
-        """Short sha256 of θ and the momentum buffers: equal on every peer after every sync."""
-        h = hashlib.sha256()
+        """The fragment's digest (:mod:`p2pdiloco.digest`: its outer step count, θ and the momentum
+        buffers): equal on every peer after every sync."""
+        h = fragment_hasher(self.steps)
         for t in (*self.params, *self.buffers):
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()[:16]
+        return finish(h)
 
     def state_dict(self) -> Dict[str, object]:
         return {"params": [p.cpu().clone() for p in self.params], "buffers": [b.cpu().clone() for b in self.buffers],

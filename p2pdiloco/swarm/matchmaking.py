@@ -94,6 +94,7 @@ from .dialing import dial_reason, ensure_connected, open_stream
 from .reachability import REACHABILITY, is_private
 from .protocol import (PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header,
                        refuse_bad_request, write_frame)
+from .standing import Partners, voters
 from .state_sync import pick_target
 
 __all__ = ["Matchmaker", "expected_peers"]
@@ -230,6 +231,8 @@ class Matchmaker:
         #: how long a peer's progress record lives (the swarm sets it): see :attr:`companions`
         self.record_lifetime = 8.0
         self._companions: Set[str] = set()
+        #: who we completed verified rounds with: whose claims count (swarm/standing.py)
+        self.partners = Partners()
         self._seen: Dict[str, float] = {}  # peer -> when its record was last in a read (monotonic)
         self._lineage: deque = deque(maxlen=64)  # ids of our successful (or adopted) groups, newest last
         self._formed: deque = deque(maxlen=64)  # ids of the groups we formed since we last adopted a lineage
@@ -268,10 +271,16 @@ class Matchmaker:
             return self._lineage[-1] if self._lineage else ""
 
     def set_companions(self, members) -> None:
-        """The members of our last successful group (the training loop calls this after each one)."""
+        """The members of our last successful group, or the donors of a verified state (the training loop
+        calls this after each): our companions, and partners whose claims count from now on."""
         now = time.monotonic()
         self._companions = set(members) - {self.node.peer_id_str}
         self._seen.update((pid, now) for pid in self._companions)
+        self.partners.add(self._companions)
+
+    def voters(self, peers: Dict[str, Dict[str, Any]]) -> Set[str]:
+        """Whose claims count among the live ``peers`` (:func:`~p2pdiloco.swarm.standing.voters`)."""
+        return voters(peers, self.node.peer_id_str, self.partners.current())
 
     # ---- reachability (module docstring, item 8) ---------------------------------------------------
     def _note_reach(self, records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
@@ -829,7 +838,8 @@ class Matchmaker:
 
     def _check_not_behind(self, peers: Dict[str, Dict[str, Any]], frag: int, round_: int, sync_step: int) -> None:
         """Raise RoundMissed when the swarm verifiably synced at or beyond ``sync_step`` already."""
-        target = pick_target(peers, self.node.peer_id_str, min_step=sync_step - 1, companions=self.companions)
+        target = pick_target(peers, self.node.peer_id_str, min_step=sync_step - 1, companions=self.companions,
+                             trusted=self.voters(peers))
         if target is not None:
             raise RoundMissed(f"behind: the swarm already synced step {target[0]} (claimed by {len(target[2])} "
                               f"peer(s)); not contributing to fragment {frag} round {round_} of step {sync_step}")

@@ -401,19 +401,35 @@ class RecordBook:
                 del self._latest[k]
 
 
-def run_fingerprint(claims: Dict[str, Dict[str, Any]], mine: Dict[str, Any]) -> Dict[str, Any]:
-    """The fingerprint record a joining peer must match: the one claimed by the most peers.
+def run_fingerprint(claims: Dict[str, Dict[str, Any]], mine: Dict[str, Any],
+                    progress: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """The fingerprint record a joining peer must match.
 
-    Ours wins ties (a single peer publishing a bogus fingerprint cannot lock out a run that has
-    one honest peer with the real one); with no claims at all, ours is the run's.
+    Fingerprint claims are counted by standing, not by identities alone (identities cost nothing):
+    the claims of *established* peers (their live progress record names the group of their last
+    sync: they trained in the run) decide when there are any; else those of peers with a live
+    progress record; else all claims. Within the first tier that has claims the most claimed
+    fingerprint is the run's, ours winning ties (a single peer publishing a bogus fingerprint cannot
+    lock out a run that has one honest peer with the real one). With no claims at all, ours is the
+    run's. So fake identities that never trained cannot refuse a joiner of a run that has trained
+    peers, however many they are; before anyone has synced they are counted like anyone.
     """
-    counts: Counter = Counter(v.get("fp") for v in claims.values())
-    if not counts:
+    from .standing import established
+
+    progress = progress or {}
+    live = {pid for pid, v in progress.items() if isinstance(v, dict) and not v.get("gone")}
+    trained = established({pid: progress[pid] for pid in live}, "")
+    for tier in (trained, live, None):
+        counted = {pid: v for pid, v in claims.items() if tier is None or pid in tier}
+        if counted:
+            break
+    else:
         return mine
+    counts: Counter = Counter(v.get("fp") for v in counted.values())
     best, n = max(counts.items(), key=lambda kv: (kv[1], kv[0] == mine.get("fp")))
     if counts.get(mine.get("fp"), 0) >= n:
         return mine
-    return next(v for v in claims.values() if v.get("fp") == best)
+    return next(v for v in counted.values() if v.get("fp") == best)
 
 
 def note_val_loss(progress: Dict[str, Any], outer_step: int, val_loss: float) -> None:

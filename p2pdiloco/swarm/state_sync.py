@@ -40,12 +40,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .. import faults
+from ..digest import fragment_digest
 from ..errors import SyncFailed, WireError
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
                        refuse_bad_request, write_frame)
+from . import standing
 from .reachability import is_private
 
-__all__ = ["StateServer", "Download", "download_state", "state_digest", "fragment_digest", "pick_target",
+__all__ = ["StateServer", "Download", "download_state", "state_digest", "pick_target",
            "in_minority", "rival_lineage"]
 
 logger = logging.getLogger(__name__)
@@ -57,17 +59,13 @@ Snapshot = Tuple[Dict[str, Any], bytes]
 Peers = Dict[str, Dict[str, Any]]
 
 
-def fragment_digest(blob: bytes) -> str:
-    """Digest of one fragment's bytes (θ then momentum, fp32): sha256, 16 hex digits."""
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def state_digest(payload: bytes, frag_numels: Sequence[int]) -> str:
-    """The DiLoCo digest of a payload: per fragment sha256(θ bytes ‖ momentum bytes)[:16], joined by '-'."""
+def state_digest(payload: bytes, frag_numels: Sequence[int], outer_steps: Sequence[int]) -> str:
+    """The DiLoCo digest of a payload (:mod:`p2pdiloco.digest`): per fragment sha256(outer step count ‖
+    θ bytes ‖ momentum bytes)[:16], joined by '-'."""
     out, off = [], 0
-    for n in frag_numels:
+    for n, steps in zip(frag_numels, outer_steps):
         size = 2 * 4 * n
-        out.append(fragment_digest(payload[off: off + size]))
+        out.append(fragment_digest(payload[off: off + size], steps))
         off += size
     return "-".join(out)
 
@@ -144,48 +142,65 @@ def _valid_digest(digest: Any, num_frags: Optional[int]) -> bool:
 
 
 def pick_target(peers: Peers, me: str, min_step: int = 0, num_frags: Optional[int] = None,
-                companions: Iterable[str] = ()) -> Optional[Tuple[int, str, List[str]]]:
-    """(step, digest, donors) the swarm agrees on beyond ``min_step``, or None when there is nothing
-    trustworthy to fetch. Claims with a malformed digest (or the wrong fragment count) are ignored.
+                companions: Iterable[str] = (), trusted: Optional[Iterable[str]] = None,
+                ) -> Optional[Tuple[int, str, List[str]]]:
+    """(step, digest, donors) the swarm's voters agree on beyond ``min_step``, or None when there is
+    nothing trustworthy to fetch. Claims with a malformed digest (or the wrong fragment count) are
+    ignored.
 
-    A claim needs a second, matching one when we know of two or more other peers: the live ones in
-    ``peers`` plus ``companions`` (the members of our last successful group: a DHT read can miss a
-    record, and a peer we just trained with is not gone because its record was not in this read).
-    With a single other peer its claim is all there is (a 2-peer swarm cannot outvote a liar)."""
+    Only the claims of ``trusted`` identities count (our partners, see :mod:`.standing`; None: the
+    established identities among ``peers``, the joiner's rule). Of the voters (the trusted live
+    peers, plus ``companions`` missing from this read: the members of our last successful group, whom
+    a DHT read can miss), the target needs
+
+    * two voters claiming exactly (step, digest), or one when there is a single other voter (two
+      peers cannot outvote each other), and
+    * a strict majority of the voters at or beyond its step: a minority claiming a far-future step
+      moves nobody, and the furthest state a majority has passed is the one to fetch.
+
+    The donors are the voters that claim the target."""
+    live = set(peers) - {me}
+    counted = (standing.established(peers, me) if trusted is None else set(trusted)) & live
     claims: Counter = Counter()
     donors: Dict[Tuple[int, str], List[str]] = {}
-    for pid, v in peers.items():
+    steps: List[int] = []  # every voter's valid synced step
+    for pid in counted:
+        v = peers[pid]
         step, digest = v.get("synced_step"), v.get("digest")
-        if (pid == me or not isinstance(step, int) or isinstance(step, bool) or step <= min_step
-                or not _valid_digest(digest, num_frags)):
+        if not isinstance(step, int) or isinstance(step, bool) or not _valid_digest(digest, num_frags):
+            continue
+        steps.append(step)
+        if step <= min_step:
             continue
         claims[(step, digest)] += 1
         donors.setdefault((step, digest), []).append(pid)
     if not claims:
         return None
-    others = len((set(peers) | set(companions)) - {me})
+    others = len(counted | (set(companions) - set(peers) - {me}))
     needed = 2 if others >= 2 else 1
+    majority = others // 2 + 1
     # furthest ahead first, then most supported
     for (step, digest), count in sorted(claims.items(), key=lambda kv: (-kv[0][0], -kv[1], kv[0][1])):
-        if count >= needed:
+        if count >= needed and sum(s >= step for s in steps) >= majority:
             return step, digest, sorted(donors[(step, digest)])
     return None
 
 
-def in_minority(peers: Peers, me: str, step: int, digest: str) -> bool:
-    """True when more live peers at our synced step hold another digest than ours (ties: the smaller
-    digest string wins). Peers that diverged (a race in group formation, a healed partition) use
-    this to give way and adopt the majority's state."""
+def in_minority(peers: Peers, me: str, step: int, digest: str, trusted: Optional[Iterable[str]] = None) -> bool:
+    """True when more voters at our synced step hold another digest than ours (ties: the smaller digest
+    string wins). Peers that diverged (a race in group formation, a healed partition) use this to give
+    way and adopt the majority's state. Only ``trusted`` identities vote (None: the established ones)."""
+    counted = standing.established(peers, me) if trusted is None else set(trusted)
     counts = Counter({digest: 1})
     for pid, v in peers.items():
-        if pid != me and v.get("synced_step") == step and isinstance(v.get("digest"), str):
+        if pid != me and pid in counted and v.get("synced_step") == step and isinstance(v.get("digest"), str):
             counts[v["digest"]] += 1
     best = max(counts.items(), key=lambda kv: (kv[1], [-ord(c) for c in kv[0]]))
     return best[0] != digest
 
 
 def rival_lineage(peers: Peers, me: str, my_gids: Set[str], step: int, digest: str,
-                  companions: Iterable[str] = ()) -> Optional[Peers]:
+                  companions: Iterable[str] = (), trusted: Optional[Iterable[str]] = None) -> Optional[Peers]:
     """The live peers of a *rival lineage* we must give way to, or None.
 
     Every peer publishes ``gid``, the id of the group of its last successful sync. Peers whose
@@ -200,12 +215,14 @@ def rival_lineage(peers: Peers, me: str, my_gids: Set[str], step: int, digest: s
     (step, digest), so every peer ranks them alike and the swarm converges on one. Peers without a
     gid (just joined) count for nobody; one that caught up publishes its donors' gid. ``companions``
     (the members of our last successful group) that are missing from ``peers`` count for our side: a
-    DHT read that misses a record must not hand the majority's history to the minority. Returns the
-    rival history's peers (pass them to :func:`download_state` with ``min_step=-1``)."""
+    DHT read that misses a record must not hand the majority's history to the minority. Only
+    ``trusted`` identities count on either side (None: the established ones; see :mod:`.standing`).
+    Returns the rival history's peers (pass them to :func:`download_state` with ``min_step=-1``)."""
+    counted = standing.established(peers, me) if trusted is None else set(trusted)
     ours, histories = 1 + len(set(companions) - set(peers) - {me}), {}
     for pid, v in peers.items():
         gid = v.get("gid")
-        if pid == me or not isinstance(gid, str) or not gid:
+        if pid == me or pid not in counted or not isinstance(gid, str) or not gid:
             continue
         if gid in my_gids:
             ours += 1
@@ -297,7 +314,7 @@ def _check_reply(header: Dict[str, Any], payload: bytes, frags: List[int], step:
     off = 0
     for f in frags:
         size = bounds[f][1] - bounds[f][0]
-        if fragment_digest(payload[off: off + size]) != parts[f]:
+        if fragment_digest(payload[off: off + size], outer_steps[f]) != parts[f]:
             raise ValueError(f"fragment {f} does not match {whose} (tampered or corrupt)")
         off += size
     if moved:
@@ -347,13 +364,12 @@ async def _download_target(node, run_id: str, step: int, digest: str, donors: Li
     bounds = _frag_offsets(numels)
     parts = digest.split("-")
     got: Dict[int, bytes] = {}
-    outer_steps: Optional[List[int]] = None
+    outer_steps: Dict[int, int] = {}  # fragment -> its verified outer step count (the digest covers it)
     if stash.key == (step, digest):
         for f, (donor, blob) in stash.frags.items():
-            if fragment_digest(blob) == parts[f]:
-                got[f] = blob
+            if fragment_digest(blob, stash.outer_steps[f]) == parts[f]:
+                got[f], outer_steps[f] = blob, stash.outer_steps[f]
                 result.donors[donor] = sorted(result.donors.get(donor, []) + [f])
-        outer_steps = stash.outer_steps if got else None
     me = node.peer_id_str
     shift = int(hashlib.sha256(me.encode()).hexdigest(), 16) % max(1, len(donors))
     order = donors[shift:] + donors[:shift]
@@ -415,8 +431,6 @@ async def _download_target(node, run_id: str, step: int, digest: str, donors: Li
                     logger.info(f"[{node.short_id}] donor {donor[-6:]} already serves step {meta['step']} "
                                 f"(target {step})")
                     continue
-                if error is None and outer_steps is not None and meta["outer_steps"] != outer_steps:
-                    error = "its outer step counters differ from another donor's"
                 if error is not None:
                     bad[donor] = error
                     result.rejected.append((donor, error))
@@ -426,9 +440,9 @@ async def _download_target(node, run_id: str, step: int, digest: str, donors: Li
                     if note is not None and "does not match" in error:
                         note(donor, f"served state that does not match the swarm's digest: {error}")
                     continue
-                outer_steps = meta["outer_steps"]
                 new = {f: blob for f, blob in _split(payload, frags, bounds).items() if f not in got}
                 got.update(new)
+                outer_steps.update((f, meta["outer_steps"][f]) for f in new)
                 if new:
                     result.donors[donor] = sorted(result.donors.get(donor, []) + list(new))
     finally:
@@ -442,7 +456,8 @@ async def _download_target(node, run_id: str, step: int, digest: str, donors: Li
         if moved:
             raise _Moved({"step": None})
         return None
-    result.meta = {"step": step, "digest": digest, "numels": list(numels), "outer_steps": outer_steps}
+    result.meta = {"step": step, "digest": digest, "numels": list(numels),
+                   "outer_steps": [outer_steps[f] for f in range(P)]}
     return b"".join(got[f] for f in range(P))
 
 
@@ -457,7 +472,8 @@ def dialable_first(donors: List[str], peers: Peers) -> List[str]:
 def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], frag_numels: Sequence[int],
                    timeout: float, min_step: int = 0, *, on_target: Optional[Callable[[int], None]] = None,
                    max_targets: int = 4, hedge_after: Optional[float] = None,
-                   companions: Iterable[str] = (), record_wait: float = 10.0) -> Optional[Download]:
+                   companions: Iterable[str] = (), partners: Optional[Iterable[str]] = None,
+                   record_wait: float = 10.0) -> Optional[Download]:
     """Fetch and verify the swarm's state newer than ``min_step``; None if there is none to catch up to.
 
     :param peers: the live peers' progress records, or a callable returning fresh ones (needed to
@@ -466,6 +482,10 @@ def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], 
     :param hedge_after: after this many seconds without an answer a fragment is also asked of
         another donor (default: a third of ``timeout``, at least 2 s).
     :param companions: the members of our last successful group (see :func:`pick_target`).
+    :param partners: the identities we shared verified rounds with (:class:`.standing.Partners`): the
+        voters, when any is live (:func:`.standing.voters`); None: the established identities (a joiner).
+        Donors that failed us are no longer voters: when every donor of a target failed, the target
+        is picked again without them (claims that nobody serves cost time, never our state).
     :param record_wait: after the donors moved past the target, how long to wait for records that
         claim their newer sync (they publish it right after the sync; the read may lag).
     :param on_target: called with the target step once it is chosen, before anything is fetched
@@ -483,8 +503,10 @@ def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], 
         floor = min_step if passed is None else max(min_step, passed)
         deadline = time.monotonic() + (record_wait if passed is not None else 0.0)
         while True:
-            view = get_peers()
-            target = pick_target(view, node.peer_id_str, floor, num_frags=len(frag_numels), companions=companions)
+            view = {pid: v for pid, v in get_peers().items() if pid not in bad}
+            trusted = None if partners is None else standing.voters(view, node.peer_id_str, partners)
+            target = pick_target(view, node.peer_id_str, floor, num_frags=len(frag_numels), companions=companions,
+                                 trusted=trusted)
             if target is not None or time.monotonic() >= deadline:
                 break
             time.sleep(RECORD_POLL_S)
@@ -511,7 +533,9 @@ def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], 
             passed = step
             continue
         if payload is None:
-            break
+            logger.warning(f"[{node.short_id}] no donor of step {step} digest {digest} delivered; picking the "
+                           "target again without them")
+            continue
         result.payload = payload
         result.seconds = time.monotonic() - t0
         return result

@@ -88,8 +88,9 @@ class Swarm:
     # ---- fingerprint ------------------------------------------------------------------------------
     def check_fingerprint(self, fp: str, fields: Dict[str, Any]) -> None:
         """Refuse to join a run configured differently; then publish our fingerprint (signed, one
-        record per peer). The run's fingerprint is the one most peers claim; ours wins ties, so one
-        peer publishing a bogus fingerprint cannot lock anyone out (records.run_fingerprint)."""
+        record per peer). The run's fingerprint is the one most peers that trained in the run claim; ours
+        wins ties, and identities that never trained cannot outvote peers that did
+        (records.run_fingerprint)."""
         key = f"{self.run_id}:fingerprint"
         mine = {"fp": fp, "fields": fields, "since": time.time()}
         try:  # before our first direct store (SwarmNode.store_near): meet the progress key's nearest nodes
@@ -104,7 +105,9 @@ class Swarm:
         claims.pop(self.peer_id, None)
         self.run_existed = bool(claims)
         self._claimed_since = [v.get("since") for v in claims.values()]
-        existing = run_fingerprint(claims, mine)
+        # whose claims count: peers that trained in the run first (records.run_fingerprint)
+        progress = self.node.get_subkeys(f"{self.run_id}:progress") if claims else {}
+        existing = run_fingerprint(claims, mine, progress)
         if existing.get("fp") != fp:
             theirs = existing.get("fields") if isinstance(existing.get("fields"), dict) else {}
             diff = sorted(k for k in set(theirs) | set(fields) if theirs.get(k) != fields.get(k))
