@@ -1,6 +1,8 @@
 """Reachability (issue 16, items 2-4), in-process on 127.0.0.1: the parts that need no NAT.
 
 * the dial-back check says public when the helper can connect to our port and private when it cannot;
+  the connection must prove our peer id (an open port served by anything else does not count), and a
+  public verdict needs several helpers to agree (one lying helper cannot make a private peer public);
 * a private member owns no shard: it only sends parts and reads means, its part still counts with its
   weight, every member ends with identical bytes, and nobody opens a stream to it;
 * a private peer never leads, whatever its id: the public peer leads and names the public members as
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import threading
 import time
 
 import pytest
@@ -25,7 +28,8 @@ from p2pdiloco.errors import ConfigError, MatchmakingFailed
 from p2pdiloco.swarm.allreduce import AllReducer, Group, make_group_id, restricted_group, shard_bounds
 from p2pdiloco.swarm.matchmaking import Matchmaker
 from p2pdiloco.swarm.node import SwarmNode
-from p2pdiloco.swarm.reachability import detect, listen_ports
+from p2pdiloco.swarm.protocol import close_after_reply, read_header, write_frame
+from p2pdiloco.swarm.reachability import HANDLER, detect, dial_back, listen_ports, verdict
 from p2pdiloco.swarm.state_sync import dialable_first
 
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
@@ -65,6 +69,163 @@ def test_the_dial_back_says_public_when_the_helper_connects_and_private_when_it_
     unknown = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
     reach, why = asker.call(detect(asker, [unknown], ports, timeout=3), timeout=30)
     assert reach == "private" and "no helper answered" in why, why
+
+
+def test_the_verdict_needs_several_helpers_unless_there_is_only_one():
+    """public iff at least two yes and a strict majority of the answers; one yes only as our only candidate."""
+    table = [
+        # (candidates, answers, public)
+        (0, [], True),                       # the first peer of a swarm
+        (1, [True], True),                   # a swarm of that peer and us
+        (1, [False], False),
+        (1, [], False),                      # nobody answered: the safe side
+        (2, [True], False),                  # one yes while another peer is known (it did not answer)
+        (2, [True, False], False),           # a lone yes against an honest no
+        (2, [True, True], True),
+        (3, [True, True, False], True),      # one helper saying no cannot veto a clear majority
+        (3, [True, False, False], False),
+        (4, [True, True, False, False], False),  # a tie is not a majority
+        (5, [True, True, True, False, False], True),
+        (5, [True, True], True),             # three asked peers did not answer
+    ]
+    for candidates, answers, public in table:
+        assert verdict(candidates, answers) is public, (candidates, answers)
+
+
+class _PlainListener:
+    """A TCP server that is not libp2p (answers an HTTP line and closes): counts the connections."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except (socket.timeout, OSError):
+                continue
+            self.accepted += 1
+            try:
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            except OSError:
+                pass
+            conn.close()
+
+    def close(self):
+        self._stop = True
+        self._thread.join(5)
+        self.sock.close()
+
+
+@pytest.fixture
+def plain():
+    server = _PlainListener()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _liar(nodes, says: bool):
+    """A real node whose reach handler answers ``says`` without dialing anyone; returns it and the list
+    of the peers it answered. The asker under test (nodes[1]) is connected to it directly."""
+    liar = SwarmNode(nodes[0].visible_maddrs(), host_maddrs=LOOP, client_mode=True)  # serves no honest handler
+    answered = []
+
+    async def handle(info, reader, writer):
+        sender = info.peer_id.to_base58()
+        await read_header(reader, liar.traffic, sender)
+        answered.append(sender)
+        await write_frame(writer, {"t": "reach", "ok": says, "addr": "127.0.0.1:1", "relayed": False},
+                          traffic=liar.traffic)
+        await close_after_reply(reader, writer)
+
+    liar.add_handler(HANDLER, handle)
+    from multiaddr import Multiaddr
+
+    addrs = [Multiaddr(m.split("/p2p/")[0]) for m in liar.visible_maddrs()]
+    nodes[1].call(nodes[1].p2p._client.connect(liar.peer_id, addrs), timeout=30)
+    return liar, answered
+
+
+@pytest.mark.timeout(120)
+def test_one_lying_helper_does_not_make_a_private_peer_public(nodes):
+    """The asker listens on no port the helpers can reach (a closed one), so it is private. A helper
+    that says yes without dialing is outvoted by honest helpers, alone against one and against two.
+    The lie fired each time (counted at the liar, and the asker's tally shows the yes it received)."""
+    asker, honest = nodes[1], [nodes[0].peer_id_str, nodes[2].peer_id_str]
+    liar, lies = _liar(nodes, True)
+    try:
+        closed = [_closed_port()]
+        reach, why = asker.call(detect(asker, [liar.peer_id_str, honest[0]], closed), timeout=60)
+        assert reach == "private", why
+        assert lies == [asker.peer_id_str] and "1 of 2 helper(s)" in why, (lies, why)
+        reach, why = asker.call(detect(asker, [liar.peer_id_str, *honest], closed), timeout=60)
+        assert reach == "private", why
+        assert len(lies) == 2 and "1 of 3 helper(s)" in why, (lies, why)
+        # a lone yes while another known helper does not answer is not enough either
+        unknown = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
+        reach, why = asker.call(detect(asker, [liar.peer_id_str, unknown], closed, timeout=3), timeout=60)
+        assert reach == "private", why
+        assert len(lies) == 3 and "1 of 1 helper(s)" in why, (lies, why)
+    finally:
+        liar.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_lying_no_only_errs_on_the_safe_side_and_is_outvoted(nodes):
+    """A helper that says no without dialing, against honest helpers that can dial us: one honest yes
+    against it gives private (the safe direction), two give public (the majority)."""
+    asker = nodes[1]
+    ports = listen_ports(asker.dht.get_visible_maddrs())
+    liar, lies = _liar(nodes, False)
+    try:
+        reach, why = asker.call(detect(asker, [liar.peer_id_str, nodes[0].peer_id_str], ports), timeout=60)
+        assert reach == "private", why
+        assert lies == [asker.peer_id_str] and "1 of 2 helper(s)" in why, (lies, why)
+        reach, why = asker.call(detect(asker, [liar.peer_id_str, nodes[0].peer_id_str, nodes[2].peer_id_str],
+                                       ports), timeout=60)
+        assert reach == "public", why
+        assert len(lies) == 2 and "2 of 3 helper(s)" in why, (lies, why)
+    finally:
+        liar.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_an_open_port_that_does_not_prove_our_peer_id_is_no_dial_back(nodes, plain):
+    """At the asked port: a TCP server that is not libp2p, or another peer's daemon (its own peer id).
+    Every helper really connected there (the plain server counted them; the other daemon does answer a
+    dial for its own id), yet none of them counts as a dial-back: private."""
+    asker, helpers = nodes[1], [nodes[0].peer_id_str, nodes[2].peer_id_str]
+    reach, why = asker.call(detect(asker, helpers, [plain.port]), timeout=60)
+    assert reach == "private", why
+    assert plain.accepted >= len(helpers) and "0 of 2 helper(s)" in why, (plain.accepted, why)
+    other = nodes[3]
+    other_port = listen_ports(other.dht.get_visible_maddrs())[0]
+    assert other.call(dial_back(other.peer_id_str, [f"/ip4/127.0.0.1/tcp/{other_port}"]), timeout=30) \
+        == f"/ip4/127.0.0.1/tcp/{other_port}"  # a live libp2p listener: only the peer id is wrong
+    reach, why = asker.call(detect(asker, helpers, [other_port]), timeout=60)
+    assert reach == "private", why
+    assert "0 of 2 helper(s)" in why and f"127.0.0.1:{other_port}" in why, why
+
+
+@pytest.mark.timeout(120)
+def test_honest_helpers_find_a_public_peer_public_at_the_port_that_is_really_its_own(nodes, plain):
+    """Asked about two ports, a non-libp2p server's first and then the asker's own: three honest helpers
+    all prove the dial-back, each at the asker's own port, never the other one."""
+    asker = nodes[1]
+    own = listen_ports(asker.dht.get_visible_maddrs())[0]
+    helpers = [nodes[0].peer_id_str, nodes[2].peer_id_str, nodes[3].peer_id_str]
+    reach, why = asker.call(detect(asker, helpers, [plain.port, own]), timeout=60)
+    assert reach == "public", why
+    assert f":{plain.port}" not in why and why.count(f"127.0.0.1:{own}") == 3, why
+    assert "3 of 3 helper(s)" in why, why
 
 
 @pytest.mark.timeout(120)

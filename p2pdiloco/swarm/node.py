@@ -8,9 +8,9 @@ coroutines over with :meth:`submit` / :meth:`call`.
 
 Reachability (reachability.py): every node serves the dial-back check. A node with
 ``reachability="auto"`` and initial peers starts its DHT node as a *client* (it reads and stores,
-but is in nobody's routing table), asks its initial peers to dial it back, and becomes a full DHT
-node only once they could: a private peer never appears in others' routing tables, so their DHT
-calls never wait on a node they cannot reach.
+but is in nobody's routing table), asks its initial peers and the DHT servers it knows to dial it
+back, and becomes a full DHT node only once enough of them could: a private peer never appears in
+others' routing tables, so their DHT calls never wait on a node they cannot reach.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from ..identity import (discard_ephemeral, ephemeral_identity, load_signing_key,
 from . import ledger
 from .lifeline import descendants, start_dht
 from .protocol import PeerGate, Traffic
-from .reachability import SETTINGS, detect, listen_ports, serve_reach
+from .reachability import SETTINGS, detect, helper_candidates, listen_ports, serve_reach
 from .records import RecordBook
 
 __all__ = ["SwarmNode", "pack", "unpack"]
@@ -345,9 +345,10 @@ class SwarmNode:
         """Decide :attr:`reachability` (detecting it for ``auto``) and serve the DHT when public."""
         why = "as configured, not checked"
         if setting == "auto":
-            helpers = [str(m).rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in str(m)]
+            initial = [str(m).rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in str(m)]
             ports = listen_ports(announce_maddrs) or listen_ports(self.dht.get_visible_maddrs())
             try:
+                helpers = self.call(helper_candidates(self, initial), timeout=10)
                 self.reachability, why = self.call(detect(self, helpers, ports), timeout=30)
             except Exception as e:  # pragma: no cover - detect() handles its own failures
                 self.reachability, why = "private", f"the check failed ({type(e).__name__}); assuming private"

@@ -8,19 +8,36 @@ state_sync.py: it donates state only when no public donor has it), and a private
 node as a client (hivemind ``client_mode``): it reads and stores records through the public nodes
 and is never put into their routing tables, so nobody's DHT read waits on a node it cannot reach.
 
-Detection (``swarm.reachability = "auto"``, the default), an AutoNAT-style dial-back: the peer
-asks its initial peers (usually the bootstrap peers, which are public by nature) over the
-``p2pdiloco.reach`` handler to open a plain TCP connection to *the address they see the request
-coming from* at the port(s) we listen on (or announce). A NAT rewrites our source address to its
-own, where nothing forwards the port, so the dial-back fails: private. A helper dials only the
-requester's own observed IP, never an address the requester names, so nobody can use it to probe
-third parties. Outcome:
+Detection (``swarm.reachability = "auto"``, the default), an AutoNAT-style dial-back. The peer asks
+up to :data:`MAX_HELPERS` *helpers* over the ``p2pdiloco.reach`` handler: its initial peers first,
+then the DHT servers in its routing table (public peers: private ones are never in a routing
+table). A helper dials the asker back at *the IP it sees the request coming from* and the TCP
+port(s) the asker listens on (or announces), from a fresh libp2p host of its own (a throwaway p2p
+daemon with a new identity, no listener, no earlier connection to reuse), asking for the asker's
+peer id: the secure handshake only completes when the remote end holds that peer id's key. A NAT
+rewrites our source address to its own, where nothing forwards the port, so the dial-back fails;
+so does an open port served by anything else (another program, another peer's daemon: wrong or no
+libp2p identity). A helper dials only the requester's own observed IP and never an address the
+requester names, so nobody can use it to probe third parties.
 
-* ``public``: at least one helper connected;
-* ``private``: helpers answered and none could connect, or no helper answered at all (the safe
-  side: a private peer treated as public would make rounds fail; a public peer treated as
-  private still trains as a full member and only does less of the reducing);
-* a peer with no initial peers (the first peer of a swarm) is public: others dial it to get in.
+The verdict (:func:`verdict`), over the helpers asked (*candidates*), those that answered, and
+those that proved the dial-back (*yes*):
+
+* no candidate at all (the first peer of a swarm): ``public``, others dial it to get in;
+* ``public`` when at least two helpers said yes and they are a strict majority of the answers
+  (2 of 2, 2 of 3, 3 of 5; 2 of 4 is not enough);
+* one helper's yes is enough only when it is our only candidate (a swarm of that peer and us: a
+  lie then only breaks rounds between the two of us);
+* everything else is ``private``, including nobody answering (the safe side: a private peer taken
+  for public would make every round it owns a shard of fail; a public peer taken for private still
+  trains as a full member and only does less of the reducing).
+
+So one lying helper cannot make a private peer public: its yes alone never counts when we know
+another peer, and the honest answers outvote it. It can make a public peer private (say no, or not
+answer, when only one other helper answers): the safe direction. Making a private peer public takes
+at least two colluding helpers that outnumber the honest answers among the ones asked. A helper
+that cannot check (busy, its dialer did not start) refuses instead of answering no; it counts as
+not answered.
 
 ``relayed`` (reachable only through a libp2p circuit relay) is a value records and ``status``
 accept for peers that announce ``/p2p-circuit`` addresses; p2pdiloco does not set up relays itself.
@@ -31,7 +48,7 @@ part in (its group's members cannot send it their parts and the round fails over
 as any unresponsive member does.
 
 Wire (protocol.py): request ``{t: "reach", v, ports: [int, ...]}`` (at most 4), reply
-``{t: "reach", ok: bool, addr: "ip:port" | ""}``.
+``{t: "reach", ok: bool, addr: "ip:port" | "", relayed: bool}`` or ``{t: "refuse", reason}``.
 """
 from __future__ import annotations
 
@@ -43,7 +60,8 @@ from ..errors import WireError
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
                        refuse_bad_request, write_frame)
 
-__all__ = ["REACHABILITY", "SETTINGS", "HANDLER", "is_private", "serve_reach", "detect", "listen_ports"]
+__all__ = ["REACHABILITY", "SETTINGS", "HANDLER", "is_private", "serve_reach", "detect", "verdict",
+           "helper_candidates", "listen_ports"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +71,15 @@ REACHABILITY = ("public", "private", "relayed")
 SETTINGS = ("auto", "public", "private")
 #: the dial-back handler; one per node, shared by every run on it
 HANDLER = "p2pdiloco.reach"
-#: a helper's TCP connect attempt (seconds)
-DIAL_TIMEOUT = 3.0
+#: a helper's libp2p dial-back: connect and secure handshake (seconds; the dialer's start comes on top)
+DIAL_TIMEOUT = 4.0
+#: a helper's throwaway dialer daemon must start within this (seconds)
+DIALER_START_TIMEOUT = 10.0
 MAX_PORTS = 4
+#: helpers asked at once
+MAX_HELPERS = 5
+#: dial-back requests a helper holds waiting for its dialer (one dials at a time); more are refused
+MAX_WAITING = 8
 
 
 def is_private(reach: Optional[str]) -> bool:
@@ -77,31 +101,66 @@ def listen_ports(maddrs: Iterable[object]) -> List[int]:
     return ports[:MAX_PORTS]
 
 
-def _observed_ip(addr: object) -> Tuple[Optional[str], bool]:
-    """(IP the request came from, whether it came through a circuit relay)."""
+def _observed_ip(addr: object) -> Tuple[Optional[str], Optional[str], bool]:
+    """(``ip4`` | ``ip6``, IP the request came from, whether it came through a circuit relay)."""
     parts = str(addr).split("/")
     relayed = "p2p-circuit" in parts
     for i, proto in enumerate(parts[:-1]):
         if proto in ("ip4", "ip6"):
-            return parts[i + 1], relayed
-    return None, relayed
+            return proto, parts[i + 1], relayed
+    return None, None, relayed
 
 
-async def _dial(ip: str, port: int) -> bool:
+class _DialerUnavailable(Exception):
+    """The helper could not start its dialer: it cannot check, so it must not answer no."""
+
+
+async def dial_back(peer_id: str, maddrs: Sequence[str], timeout: float = DIAL_TIMEOUT) -> Optional[str]:
+    """The address among ``maddrs`` (``/ip4/.../tcp/...``, without ``/p2p/``) at which a fresh libp2p
+    host completed a secure handshake with ``peer_id``, or None.
+
+    The dialer is a p2p daemon of its own, started for this one dial with a new random identity and no
+    listener, and shut down after it: it has no connection to ``peer_id`` that could be reused (ours
+    has, the asker's request came on it) and knows no address of it but ``maddrs``, so a connection
+    proves that whoever listens at one of them holds ``peer_id``'s key (libp2p's security handshake
+    refuses a remote key of another peer id). An idle daemon exits by itself (``idle_timeout``), so
+    one left behind by a killed process goes away."""
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+    from multiaddr import Multiaddr
+
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), DIAL_TIMEOUT)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
+        dialer = await P2P.create(no_listen=True, auto_nat=False, nat_port_map=False, use_relay=False,
+                                  conn_manager=False, dht_mode="client", idle_timeout=timeout + 10,
+                                  startup_timeout=DIALER_START_TIMEOUT)
+    except (P2PDaemonError, OSError, asyncio.TimeoutError) as e:
+        raise _DialerUnavailable(f"{type(e).__name__}: {e}") from None
     try:
-        await writer.wait_closed()
-    except OSError:
-        pass
-    return True
+        target = PeerID.from_base58(peer_id)
+        try:
+            await asyncio.wait_for(dialer._client.connect(target, [Multiaddr(m) for m in maddrs]), timeout)
+            peers = await asyncio.wait_for(dialer._client.list_peers(), timeout)
+        except Exception as e:  # refused, timed out, wrong peer id ("peer id mismatch"), not libp2p at all
+            logger.debug(f"dial-back to {peer_id[-6:]} at {', '.join(maddrs)} failed: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]}")
+            return None
+        for info in peers:
+            if info.peer_id == target:
+                return str(info.addrs[0]) if info.addrs else maddrs[0]
+        return None
+    finally:
+        await dialer.shutdown()
+
+
+def _hostport(maddr: str) -> str:
+    parts = maddr.split("/")
+    return f"{parts[2]}:{parts[4]}" if len(parts) > 4 else maddr
 
 
 def serve_reach(node) -> None:
     """Serve the dial-back on ``node`` (every p2pdiloco node does, bootstrap peers included)."""
+    one_at_a_time = asyncio.Lock()  # one throwaway dialer at a time, whoever asks
+    waiting = [0]
 
     async def handle(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()
@@ -114,16 +173,28 @@ def serve_reach(node) -> None:
                                         and 0 < len(ports) <= MAX_PORTS
                                         and all(type(p) is int and 0 < p < 65536 for p in ports)):
                 raise WireError("malformed reach request", sender)
+            if refusal is None and waiting[0] >= MAX_WAITING:
+                refusal = "busy: too many reachability checks waiting; ask another peer"
             if refusal is not None:
                 await write_frame(writer, {"t": "refuse", "reason": refusal}, traffic=traffic)
                 return
-            ip, relayed = _observed_ip(info.addr)
+            proto, ip, relayed = _observed_ip(info.addr)
             ok, where = False, ""
             if ip is not None and not relayed:
-                results = await asyncio.gather(*(_dial(ip, p) for p in ports))
-                hits = [p for p, r in zip(ports, results) if r]
-                ok = bool(hits)
-                where = f"{ip}:{hits[0] if hits else ports[0]}"
+                maddrs = [f"/{proto}/{ip}/tcp/{p}" for p in dict.fromkeys(ports)]
+                waiting[0] += 1
+                try:
+                    async with one_at_a_time:
+                        hit = await dial_back(sender, maddrs)
+                except _DialerUnavailable as e:
+                    logger.warning(f"[{node.short_id}] cannot check reachability for {sender[-6:]}: {e}")
+                    await write_frame(writer, {"t": "refuse", "reason": "this peer could not start its "
+                                               "dial-back check; ask another peer"}, traffic=traffic)
+                    return
+                finally:
+                    waiting[0] -= 1
+                ok = hit is not None
+                where = _hostport(hit if hit is not None else maddrs[0])
             await write_frame(writer, {"t": "reach", "ok": ok, "addr": where, "relayed": relayed}, traffic=traffic)
         except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
             await refuse_bad_request(node, sender, e, writer)
@@ -152,23 +223,60 @@ async def _ask(node, helper: str, ports: Sequence[int], timeout: float) -> Optio
         logger.info(f"[{node.short_id}] reachability helper {helper[-6:]} did not answer ({type(e).__name__}: "
                     f"{' '.join(str(e).split())[:200]})")
         return None
+    if reply.get("t") == "refuse":
+        logger.info(f"[{node.short_id}] reachability helper {helper[-6:]} refused: {str(reply.get('reason'))[:200]}")
     return reply if reply.get("t") == "reach" and isinstance(reply.get("ok"), bool) else None
 
 
+def verdict(candidates: int, answers: Sequence[bool]) -> bool:
+    """Public? ``answers``: one per helper that answered (True: it proved the dial-back), out of
+    ``candidates`` helpers asked (module docstring: why a single yes counts only when alone)."""
+    if candidates == 0:
+        return True
+    yes = sum(1 for a in answers if a)
+    if 2 * yes <= len(answers):
+        return False
+    return yes >= 2 or candidates == 1
+
+
+async def _routing_table_peers(_dht, dht_node) -> List[str]:
+    """Runs in the DHT process: the peer ids in our routing table's buckets (DHT servers, all public)."""
+    return sorted(pid.to_base58() for bucket in dht_node.protocol.routing_table.buckets
+                  for pid in bucket.nodes_to_peer_id.values())
+
+
+async def helper_candidates(node, initial: Sequence[str], timeout: float = 5.0) -> List[str]:
+    """Who to ask: the ``initial`` peer ids, then the DHT servers we know, without us or repeats."""
+    known: List[str] = []
+    try:
+        known = list(await asyncio.wait_for(node.dht.run_coroutine(_routing_table_peers, return_future=True),
+                                            timeout))
+    except Exception as e:  # the initial peers alone still give a verdict (a stricter one, never looser)
+        logger.info(f"[{node.short_id}] could not list the DHT's known peers ({type(e).__name__}: {e})")
+    return [h for h in dict.fromkeys([*initial, *known]) if h != node.peer_id_str]
+
+
 async def detect(node, helpers: Sequence[str], ports: Sequence[int], timeout: float = 10.0) -> Tuple[str, str]:
-    """(``public`` | ``private``, why) from asking ``helpers`` (peer ids) to dial us back on ``ports``."""
-    helpers = [h for h in dict.fromkeys(helpers) if h != node.peer_id_str][:3]
+    """(``public`` | ``private``, why) from asking ``helpers`` (peer ids, best first: at most
+    :data:`MAX_HELPERS` are asked) to dial us back on ``ports``."""
+    helpers = [h for h in dict.fromkeys(helpers) if h != node.peer_id_str][:MAX_HELPERS]
     if not helpers:
         return "public", "no other peer to ask (the first peer of a swarm is dialed by everyone else)"
     if not ports:
         return "private", "this peer listens on no TCP port"
     replies = await asyncio.gather(*(_ask(node, h, ports, timeout) for h in helpers))
     answered = [(h, r) for h, r in zip(helpers, replies) if r is not None]
-    hits = [(h, r) for h, r in answered if r["ok"]]
-    if hits:
-        h, r = hits[0]
-        return "public", f"{h[-6:]} dialed us back at {r.get('addr')}"
-    if answered:
-        seen = ", ".join(f"{h[-6:]} could not dial {r.get('addr') or 'us'}" for h, r in answered)
-        return "private", f"{seen} (behind NAT or a firewall)"
-    return "private", "no helper answered the reachability check; assuming private (safe side)"
+    if not answered:
+        return "private", "no helper answered the reachability check; assuming private (safe side)"
+    yes = [(h, r) for h, r in answered if r["ok"]]
+    no = [(h, r) for h, r in answered if not r["ok"]]
+    tally = f"{len(yes)} of {len(answered)} helper(s) that answered ({len(helpers)} asked) dialed us back"
+    if verdict(len(helpers), [r["ok"] for _, r in answered]):
+        where = ", ".join(f"{h[-6:]} at {r.get('addr')}" for h, r in yes)
+        return "public", f"{tally}, proving our peer id: {where}"
+    seen = ", ".join(f"{h[-6:]} could not dial {r.get('addr') or 'us'}" for h, r in no)
+    if not yes:
+        return "private", f"{tally}: {seen} (behind NAT or a firewall)"
+    rule = ("one helper's yes counts only when it is the only other peer we know" if len(yes) == 1
+            else "the yes must outnumber the no")
+    return "private", f"{tally}; {rule}{': ' + seen if seen else ''}; assuming private (safe side)"
