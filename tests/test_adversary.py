@@ -19,10 +19,11 @@ The end-to-end version (three volunteers training through the CLI while Sybils a
 from __future__ import annotations
 
 import itertools
-import signal
+import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
@@ -155,10 +156,10 @@ def test_fake_identities_take_nothing_over(nodes, attack):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("sybils_trained", [False, True], ids=["sybils-without-records", "sybils-with-progress"])
-def test_fake_identities_claiming_another_fingerprint_lock_out_nobody(nodes, sybils_trained):
-    """Five identities claim another run fingerprint (and, in the second row, publish progress records
-    without a history): two honest peers that trained claim the real one. A joiner with the real
+@pytest.mark.parametrize("sybils", ["without-records", "with-progress", "with-faked-history"])
+def test_fake_identities_claiming_another_fingerprint_lock_out_nobody(nodes, sybils):
+    """Five identities claim another run fingerprint (and publish progress records without a history,
+    or with a made-up one): two honest peers that trained claim the real one. A joiner with the real
     configuration is accepted; one with a different configuration is still refused with the clear
     message (the rule counts trained peers first, it does not stop checking)."""
     run = f"adv{next(_runs)}"
@@ -174,13 +175,17 @@ def test_fake_identities_claiming_another_fingerprint_lock_out_nobody(nodes, syb
     for n in nodes[5:10]:
         assert n.store(f"{run}:fingerprint", {"fp": "fake", "fields": other, "since": time.time()}, ttl=120,
                        subkey=n.peer_id_str)
-        if sybils_trained:
-            assert n.store(f"{run}:progress", {"step": 2 ** 40, "synced_step": 2 ** 40, "digest": "f" * 16},
-                           ttl=120, subkey=n.peer_id_str)
+        if sybils != "without-records":
+            record = {"step": 2 ** 40, "synced_step": 2 ** 40, "digest": "f" * 16}
+            if sybils == "with-faked-history":
+                record["gid"] = "g-sybil"
+            assert n.store(f"{run}:progress", record, ttl=120, subkey=n.peer_id_str)
     claims = nodes[4].get_subkeys(f"{run}:fingerprint")
     assert sum(v.get("fp") == "fake" for v in claims.values()) == 5  # the attack is visible to the joiner
     Swarm(nodes[4], run, matchmaking_timeout=2, allreduce_timeout=5).check_fingerprint("real", fields)
-    with pytest.raises(FingerprintMismatch, match=r"inner.sync_every: run has 10, you have 7"):
+    # (with a faked history the Sybils are the majority of "trained" claims, so the message names theirs)
+    run_has = "99" if sybils == "with-faked-history" else "10"
+    with pytest.raises(FingerprintMismatch, match=rf"inner.sync_every: run has {run_has}, you have 7"):
         Swarm(nodes[3], run, matchmaking_timeout=2, allreduce_timeout=5).check_fingerprint(
             "mine", dict(fields, **{"inner.sync_every": 7}))
 
@@ -202,3 +207,60 @@ def test_a_failure_reason_with_record_syntax_leaves_the_members_records_readable
     for s in members:
         (reason,) = view[s.peer_id]["fw"]
         assert reason.startswith("owner aborted") and "[signature:" not in reason and "[owner:" not in reason
+
+
+# ---- end to end: a training swarm under attack -----------------------------------------------------
+@pytest.mark.timeout(420)
+def test_sybils_attack_a_training_swarm(procs, tmp_path):
+    """Three volunteers train through the CLI. Five fake identities (a separate process) then claim a
+    far-future step with a made-up digest and a made-up shared history, claim another run fingerprint
+    and hold silent streams open on every honest handler, all the time. The honest peers keep syncing
+    together (every sync after the attack ok, one digest per sync, no download from anyone), a
+    volunteer who joins during the attack is accepted and downloads the honest state, and every honest
+    record stays in the DHT."""
+    from elastic_support import assert_agree, join_args, ok_syncs, read_events, stop, wait_for
+
+    addr = procs.bootstrap()
+    run = ("swarm.run_id=sybil", f"inner.sync_every={H}", "train.max_outer_steps=1000")
+    names = ["a", "b", "c"]
+    peers = {n: procs.start(*join_args(addr, tmp_path / n, *run, "swarm.min_peers_to_start=3"), name=n)
+             for n in names}
+    wait_for(lambda: all(len(ok_syncs(tmp_path / n)) >= 2 for n in names), 150, "the first syncs", procs, names)
+    ids = {n: read_events(tmp_path / n, "start")[0]["peer"] for n in names}
+
+    report_path = tmp_path / "attack.json"
+    procs.start_argv([sys.executable, str(Path(__file__).parent / "adversary_support.py"), addr, "sybil", "5",
+                      str(report_path)], name="attacker")
+
+    def report():
+        try:
+            return json.loads(report_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    # the attack fired: the fake records are in the DHT, read back, and silent streams were opened
+    wait_for(lambda: report().get("own_seen", 0) == 5 and report().get("streams", 0) >= 20, 120,
+             "the attack to start", procs, ["attacker"])
+    t_attack = time.time()
+    j = procs.start(*join_args(addr, tmp_path / "j", *run), name="j")
+
+    def after(n):
+        return [r for r in read_events(tmp_path / n, "sync") if r["time"] > t_attack]
+
+    wait_for(lambda: all(len(after(n)) >= 4 for n in names) and len(ok_syncs(tmp_path / "j")) >= 2, 150,
+             "syncs during the attack", procs, names + ["j", "attacker"])
+    assert report()["rounds"] >= 3 and report()["stores"] >= 30, report()
+    # no honest record disappeared: the attacker itself reads all four honest peers' records
+    j_id = read_events(tmp_path / "j", "start")[0]["peer"]
+    wait_for(lambda: set(ids.values()) | {j_id} <= set(report()["honest_seen"]), 30, "the honest records")
+    for n in names + ["j"]:
+        assert stop(procs, peers.get(n, j)) == 0, procs.err(n)[-3000:]
+
+    for n in names:
+        syncs = after(n)
+        assert all(r["ok"] for r in syncs), [(r["step"], r.get("error")) for r in syncs if not r["ok"]]
+        assert not [r for r in read_events(tmp_path / n, "catch_up") if r["time"] > t_attack]
+    # the joiner was accepted (fingerprint) and downloaded the honest state from honest donors
+    (catch,) = [r for r in read_events(tmp_path / "j", "catch_up")][:1]
+    assert set(catch["donors"]) <= set(ids.values()), catch
+    assert_agree([tmp_path / n for n in names + ["j"]], min_common=2)

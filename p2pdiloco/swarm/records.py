@@ -29,14 +29,14 @@ Defences (reliability.md row 9):
   and the newer one is kept until it expires (a newer record is never replaced by an older one);
 * **malformed** records: schema-checked on store and again on read, by the reader's own code.
 
-What signing cannot stop: a peer lying in *its own* records. Readers treat those as unverified
-claims: :func:`p2pdiloco.swarm.state_sync.pick_target` needs two matching claims of a step before
-anyone downloads state (when two or more other peers are live; with a single other peer there is
-nobody to corroborate it), a group record counts only when its writer is the group's leader (its
-smallest member), and the run's fingerprint is the one most peers claim. Known limits: a peer can
+What signing cannot stop: a peer lying in *its own* records, or one attacker running many identities.
+Readers treat records as claims and count them by standing, not by identity
+(:mod:`p2pdiloco.swarm.standing`): the state to adopt and "who is ahead" follow a majority of the
+reader's partners (peers it completed verified rounds with) or, for a joiner, of the established
+peers; a group record counts only when its writer is the group's leader (its smallest member); the
+run's fingerprint follows the peers that trained (:func:`run_fingerprint`). Known limits: a peer can
 still claim a group (led by itself) that leaves someone out, which makes that peer skip the round
-and catch up; a ``next_sync`` claim makes others wait for it up to the matchmaking timeout; and
-several identities of one attacker (Sybils) count as several peers.
+and catch up; a ``next_sync`` claim makes others wait for it up to the matchmaking timeout.
 """
 from __future__ import annotations
 
@@ -403,27 +403,35 @@ class RecordBook:
 
 def run_fingerprint(claims: Dict[str, Dict[str, Any]], mine: Dict[str, Any],
                     progress: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
-    """The fingerprint record a joining peer must match.
+    """The fingerprint record a joining peer must match: ours, or the run's when it differs.
 
-    Fingerprint claims are counted by standing, not by identities alone (identities cost nothing):
-    the claims of *established* peers (their live progress record names the group of their last
-    sync: they trained in the run) decide when there are any; else those of peers with a live
-    progress record; else all claims. Within the first tier that has claims the most claimed
-    fingerprint is the run's, ours winning ties (a single peer publishing a bogus fingerprint cannot
-    lock out a run that has one honest peer with the real one). With no claims at all, ours is the
-    run's. So fake identities that never trained cannot refuse a joiner of a run that has trained
-    peers, however many they are; before anyone has synced they are counted like anyone.
+    Claims are counted by standing, not by identities alone (identities cost nothing). The first of
+    these tiers that holds any claim decides: peers that trained in the run (their live progress
+    record names the group of their last sync), then peers with a live progress record:
+
+    * if one of them claims ours, ours is the run's: there are peers of our configuration to train
+      with, and identities claiming other fingerprints (however many, with or without a faked
+      history) lock nobody out;
+    * else the fingerprint most of them claim is the run's (we are refused with what differs).
+
+    With neither (nobody has published progress yet: peers starting together), every claim counts:
+    the most claimed fingerprint is the run's, ours winning ties. With no claims at all, ours is the
+    run's.
     """
     from .standing import established
 
     progress = progress or {}
     live = {pid for pid, v in progress.items() if isinstance(v, dict) and not v.get("gone")}
     trained = established({pid: progress[pid] for pid in live}, "")
-    for tier in (trained, live, None):
-        counted = {pid: v for pid, v in claims.items() if tier is None or pid in tier}
+    for tier in (trained, live):
+        counted = {pid: v for pid, v in claims.items() if pid in tier}
         if counted:
+            if any(v.get("fp") == mine.get("fp") for v in counted.values()):
+                return mine
             break
     else:
+        counted = claims
+    if not counted:
         return mine
     counts: Counter = Counter(v.get("fp") for v in counted.values())
     best, n = max(counts.items(), key=lambda kv: (kv[1], kv[0] == mine.get("fp")))

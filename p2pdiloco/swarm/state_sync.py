@@ -10,21 +10,24 @@ under the trainer's state lock, between syncs): ``meta`` (``step``, ``outer_step
 ``numels``, ``digest``, ``frags``) and the payload of the requested fragments, each θ then momentum.
 
 Joiner side (:func:`download_state`):
-  1. Read the live peers' progress records; the *target* is the (step, digest) claimed by the most
-     peers among those furthest ahead. With two or more live peers a claim made by a single peer is
-     not enough (nobody jumps because of one unverified claim; reliability.md row 10).
-  2. Fragments are spread over the peers that claim the target and can be dialed: public peers,
+  1. Read the live peers' progress records; the *target* is the furthest (step, digest) that the
+     voters (our partners, or for a joiner the established peers: :mod:`.standing`) agree on: two of
+     them claim it (one when there is a single other voter) and a strict majority of them are at or
+     beyond it. Identities without a say and a minority of voters move nobody, whatever they claim.
+  2. Fragments are spread over the voters that claim the target and can be dialed: public peers,
      private ones only when no public peer claims it (several donors when there are several,
      fetched concurrently; the donor order is rotated by our id so joiners spread out).
      Every request is bounded by ``timeout`` seconds.
-  3. Each fragment is verified against its part of the agreed digest (the digest is one sha256 per
-     fragment, so a fragment can be checked on its own). A donor that sends a wrong fragment
+  3. Each fragment is verified against its part of the agreed digest (one sha256 per fragment over
+     its outer step count, θ and momentum, :mod:`p2pdiloco.digest`: a fragment is checked on its own). A donor that sends a wrong fragment
      (tampered, stale), a malformed reply, or nothing in time (stalled) is dropped and its fragments
      go to the next donor. If the donors moved on to a newer sync meanwhile, the target is picked
      again (at most ``max_targets`` times), from records newer than the one they moved past: a
      donor's record lags its state by a DHT store and read, so the re-pick waits for it (up to
      ``record_wait`` seconds) instead of picking the old target again at once.
-  4. If no donor is left, :class:`SyncFailed` is raised naming every donor and why it was
+  4. When every donor of a target failed, the target is picked again without them (fake identities
+     that claim a state nobody serves cost time, never our state). If no donor is left,
+     :class:`SyncFailed` is raised naming every donor and why it was
      rejected: the caller stops rather than train on unverified state.
 
 Nothing is unpickled: the reply header is msgpack, the payload raw fp32 bytes of a known size.
