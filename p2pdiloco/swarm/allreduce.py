@@ -31,7 +31,9 @@ and 5 in hivemind-notes.md). Here:
   naming the members the mean covers: nothing counts before it.
 * If a part is missing when the timeout expires (a peer died or stalls) or a member's stream breaks
   mid-part (killed after half its chunks), the owner replies ``abort`` to everyone and every member
-  raises :class:`SyncFailed` for the whole vector: a partial average is never returned.
+  raises :class:`SyncFailed` for the whole vector: a partial average is never returned. A member
+  whose part is incomplete at the timeout while another member's part came in full is counted as
+  an offender (``stats["members_stalled"]``): one that stalls every round it joins gets banned.
 * **Memory** (besides the input): a member holds the result (one vector) and, as an owner, the
   other members' parts of its shard ((M-1)/M of a vector; its own part is read in place, or its
   codec round trip for lossy codecs), the shard's encoded result, and a few chunks in flight: about
@@ -94,8 +96,8 @@ from ..compression import Codec, codec_by_id
 from ..compression.robust import NORM_SCREEN_MIN_NUMEL, RobustConfig, aggregate, screen, weighted_mean
 from ..errors import SyncFailed, WireError
 from .dialing import open_stream
-from .protocol import (PROTOCOL_VERSION, Traffic, check_version, close_after_reply, note_offence, read_frame,
-                       read_header, read_payload, write_frame)
+from .protocol import (PROTOCOL_VERSION, Traffic, check_version, close_after_reply, note_offence, quota_refusal,
+                       read_frame, read_header, read_payload, write_frame)
 
 __all__ = ["Group", "Coverage", "AllReducer", "make_group_id", "restricted_group", "shard_bounds", "chunk_values",
            "chunk_bounds", "CHUNK_VALUES"]
@@ -103,9 +105,14 @@ __all__ = ["Group", "Coverage", "AllReducer", "make_group_id", "restricted_group
 logger = logging.getLogger(__name__)
 
 #: parts for groups this owner has not formed yet wait for it; at most this many such groups at once
-MAX_PENDING_ROUNDS = 256
-#: ... and at most this many opened by one sender
+#: (each is a few objects and one waiting stream). Shared by protocol.quota_refusal's rule:
+MAX_PENDING_ROUNDS = 512
+#: ... at most this many opened by one member (a peer of a recent verified round, PeerGate.vouch)
 MAX_PENDING_PER_PEER = 16
+#: ... by one stranger (anyone else: an honest one waits on one or two groups at a time)
+MAX_PENDING_PER_STRANGER = 4
+#: ... and by all strangers together; the rest of MAX_PENDING_ROUNDS is the members'
+MAX_PENDING_STRANGERS = 256
 #: values per chunk of a part or result on the wire (before rounding to whole codec blocks): 4 MB of
 #: fp32, 0.56 MB of a 4-bit codec. Small enough that an owner reduces and returns chunk k while
 #: chunk k+1 is still arriving, large enough that per-chunk Python work is negligible.
@@ -289,6 +296,7 @@ class AllReducer:
 
     Counters for tests and operators: ``stats`` (``parts_dropped``, ``dropped:<check>``,
     ``replies_rejected``, ``rounds``, ``rounds_resent`` (results sent again after a late drop),
+    ``members_stalled`` (members counted as offenders for a part incomplete at the timeout),
     ``parts_cut`` (a member's stream broke mid-part: its round aborted),
     ``dial_retries``: streams to an owner whose dial failed first and was waited out, see
     :mod:`.dialing`) and ``dropped_log`` (the last 256 ``(peer, gid, phase, reason)``).
@@ -314,11 +322,17 @@ class AllReducer:
         self._sweep()
         key = (gid, phase)
         if key not in self._rounds:
-            if sender:  # a part for a group we have not formed (yet): bounded, per sender and in all
-                pending = [r for r in self._rounds.values() if not r.configured.is_set()]
-                if (len(pending) >= MAX_PENDING_ROUNDS
-                        or sum(r.opened_by == sender for r in pending) >= MAX_PENDING_PER_PEER):
-                    err = WireError(f"too many parts for groups this peer has not formed (gid {gid})", sender)
+            if sender:  # a part for a group we have not formed (yet): a quota per sender (protocol.py)
+                pending = [r.opened_by for r in self._rounds.values() if not r.configured.is_set()]
+                gate = getattr(self.node, "gate", None)
+                member = gate.member if gate is not None else (lambda _: False)
+                refusal = quota_refusal(pending.count(sender), member(sender), len(pending),
+                                        sum(not member(p) for p in pending),
+                                        (MAX_PENDING_ROUNDS, MAX_PENDING_PER_PEER, MAX_PENDING_STRANGERS,
+                                         MAX_PENDING_PER_STRANGER))
+                if refusal is not None:
+                    err = WireError(f"too many parts for groups this peer has not formed (gid {gid[:24]}): "
+                                    f"{refusal}", sender)
                     err.benign = True
                     raise err
             self._rounds[key] = _Round(opened_by=sender, phase=phase)
@@ -370,7 +384,13 @@ class AllReducer:
             except _Rejected as e:
                 if idx not in rnd.dropped and not rnd.done.done():
                     self._drop(rnd, idx, e.check, str(e))
-            except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, OSError) as e:
+            except asyncio.TimeoutError:
+                # a member that stopped sending mid-part (its stream still open): a stall
+                self._stalled(rnd, [idx])
+                self._fail(rnd, SyncFailed(f"member {sender} sent {rnd.got.get(idx, 0)} of {len(rnd.chunks)} "
+                                           f"chunks of its part, then nothing for {self.timeout:.0f} s"))
+                return
+            except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
                 # a member that vanished mid-part (crashed, killed, link cut): never a partial average
                 self.stats["parts_cut"] += 1
                 self._fail(rnd, SyncFailed(f"member {sender} vanished after {rnd.got.get(idx, 0)} of "
@@ -501,6 +521,30 @@ class AllReducer:
         if reduce:
             self._advance(rnd)
 
+    def _stalled(self, rnd: _Round, late: Optional[List[int]] = None) -> None:
+        """Our shard timed out (or member ``late[0]`` sent no chunk within the timeout): count an
+        offence of each member whose part is incomplete, when another member's part did come in full
+        (so our own link is not what failed). A member that stalls fails the round of every group it
+        joins; counted like a member that sends junk, it is banned after ``ban_after`` rounds and its
+        part is then dropped up front (the others' round goes on)."""
+        if rnd.done.done() or rnd.group is None:
+            return
+        me, n = rnd.group.my_index, len(rnd.chunks)
+        late = [i for i in (rnd.live() if late is None else late) if rnd.got.get(i, 0) < n]
+        if not late or not any(i != me and rnd.got.get(i, 0) == n for i in rnd.live()):
+            return
+        gate = getattr(self.node, "gate", None)
+        for i in late:
+            peer = rnd.group.members[i]
+            self.stats["members_stalled"] += 1
+            reason = (f"stalled: {rnd.got.get(i, 0)} of {n} chunks of its part of group {rnd.group.gid} "
+                      f"(fragment {rnd.group.frag}, round {rnd.group.round}, {rnd.phase}) after {self.timeout:.0f} s, "
+                      "while other members' parts came")
+            if gate is not None:
+                gate.offence(peer, reason)  # logged there with the full peer id
+            else:
+                logger.warning(f"[{self.node.short_id}] peer {peer} {reason}")
+
     @staticmethod
     async def _reply_abort(writer: asyncio.StreamWriter, reason: str) -> None:
         try:
@@ -604,6 +648,9 @@ class AllReducer:
                 logger.warning(f"[{self.node.short_id}] group {group.gid} (fragment {group.frag}, round {group.round}, "
                                f"{phase}) is degraded: its means cover {len(members)} of {group.size} members; "
                                f"left out: {', '.join(left)}")
+            gate = getattr(self.node, "gate", None)
+            if gate is not None:  # every shard averaged their parts: members here (quotas, protocol.py)
+                gate.vouch(members)
             return out, Coverage(members=members, left_out=left, weight=covers[0][1])
         if not redo:
             raise SyncFailed(f"the shards of group {group.gid} cover different members "
@@ -660,8 +707,10 @@ class AllReducer:
                 try:
                     await asyncio.wait_for(asyncio.shield(rnd.done), timeout=self.timeout)
                 except asyncio.TimeoutError:
+                    missing = rnd.missing()
+                    self._stalled(rnd)
                     self._fail(rnd, SyncFailed(f"the shard of group {group.gid} owned by this peer was incomplete "
-                                               f"after {self.timeout:.0f} s; waiting for {rnd.missing()}"))
+                                               f"after {self.timeout:.0f} s; waiting for {missing}"))
                     raise rnd.done.exception() from None
                 for (s, e), data in zip(rnd.chunks, rnd.out):  # the same bytes every member decodes
                     codec.decode_into(data, out[a + s:a + e])

@@ -45,16 +45,29 @@ Handlers (the name is prefixed with the run id, so several runs can share one DH
            reply    {t: "state", meta, n} + payload | {t: "refuse", reason}
 
     any    {t: "refuse", reason}    sent by :class:`PeerGate` before a handler runs: the sender is
-                                    banned (repeated invalid messages) or has too many requests open
+                                    banned (repeated offences) or has too many requests open (quotas below)
 
 Hostile input (reliability.md rows 8 and 10): nothing received is unpickled; headers are msgpack
 with ``strict_map_key``, no bin or extension types and at most MAX_HEADER bytes, and must arrive
-within HEADER_TIMEOUT; payload sizes are checked before anything is read; a sender may keep at
-most MAX_INFLIGHT_PER_PEER requests open. A message that fails validation is an *offence* of its
-sender (:meth:`PeerGate.offence`); ``ban_after`` offences within ``ban_seconds`` ban the peer for
-``ban_seconds``: every handler refuses it and matchmaking ignores it. Honest failures (a dropped
-connection, a timeout, a version mismatch) are not offences, so a bad network does not get anyone
-banned.
+within HEADER_TIMEOUT; payload sizes are checked before anything is read. A message that fails
+validation is an *offence* of its sender (:meth:`PeerGate.offence`), and so is failing a round one
+joined (a member whose part never came while the others' did, allreduce.py); ``ban_after`` offences
+within ``ban_seconds`` ban the peer for ``ban_seconds``: every handler refuses it and matchmaking
+ignores it. Other honest failures (a dropped connection, a slow header, a version mismatch) are
+not offences, so a bad network does not get anyone banned.
+
+Quotas (:func:`quota_refusal`, one rule for requests in flight here and for the all-reduce's
+pending rounds). Identities cost nothing, so a cap shared by everyone would be filled by a few
+dozen identities holding silent streams. Peers are *members* for MEMBER_SECONDS after a round of
+ours whose every shard covered their part (:meth:`PeerGate.vouch`; an offence ends it), else
+*strangers*. Each peer has a cap of its own (16 for a member, 4 for a stranger); strangers
+together get 256 places (of 1024 requests in flight, of 512 pending rounds), so the rest stays
+for members whatever the strangers do; and once strangers hold half of their room, a stranger
+gets only its first place. Filling
+the strangers' room then takes 160 identities (32 holding 4 each, 128 holding 1), and even then
+members, who run the rounds, are served. What held streams cost is bounded in time too: a
+silent stream is dropped after HEADER_TIMEOUT, a part for a group never formed after the
+all-reduce timeout.
 """
 from __future__ import annotations
 
@@ -64,7 +77,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Awaitable, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 import msgpack
 
@@ -76,6 +89,12 @@ __all__ = [
     "MAX_HEADER",
     "HEADER_TIMEOUT",
     "MAX_INFLIGHT_PER_PEER",
+    "MAX_INFLIGHT",
+    "MAX_INFLIGHT_PER_STRANGER",
+    "MAX_INFLIGHT_STRANGERS",
+    "MEMBER_SECONDS",
+    "quota_refusal",
+    "inflight_limits",
     "Traffic",
     "PeerGate",
     "read_frame",
@@ -100,10 +119,16 @@ PROTOCOL_VERSION = 7  # 2: group ids chain the base group (matchmaking.py); 3: '
 MAX_HEADER = 256 * 1024
 #: a handler waits this long for a request header before dropping the stream (seconds)
 HEADER_TIMEOUT = 10.0
-#: requests one peer may have open at once at one of our handlers; more are refused as "busy"
+#: requests one member (see PeerGate.vouch) may have open at once at our handlers; more are refused as "busy"
 MAX_INFLIGHT_PER_PEER = 16
 #: requests all peers together may have open at once
 MAX_INFLIGHT = 1024
+#: requests one stranger (not a member) may have open at once: a joiner needs one or two at a time
+MAX_INFLIGHT_PER_STRANGER = 4
+#: requests all strangers together may have open at once; the rest of MAX_INFLIGHT is the members'
+MAX_INFLIGHT_STRANGERS = 256
+#: seconds a peer stays a member after a verified round with us (many rounds at any run's pace)
+MEMBER_SECONDS = 1800.0
 #: what close_after_reply discards at most while it waits for the caller's EOF
 _MAX_DRAIN = 1 << 20
 _LEN = 4
@@ -234,16 +259,50 @@ def _short(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# ---- quotas ---------------------------------------------------------------------------------------
+def inflight_limits() -> Tuple[int, int, int, int]:
+    """(total, per member, strangers' total, per stranger) of requests in flight, read when used."""
+    return MAX_INFLIGHT, MAX_INFLIGHT_PER_PEER, MAX_INFLIGHT_STRANGERS, MAX_INFLIGHT_PER_STRANGER
+
+
+def quota_refusal(held: int, member: bool, held_total: int, held_by_strangers: int,
+                  limits: Tuple[int, int, int, int]) -> Optional[str]:
+    """Why a peer may not take one more unit of a shared resource (None: it may); see the module
+    docstring. ``held``: units the peer holds; ``held_total``/``held_by_strangers``: all peers'/the
+    strangers' units; ``limits``: (total, per member, strangers' total, per stranger), with the
+    strangers' total below the total (the difference is room only members can take)."""
+    total, per_member, strangers_total, per_stranger = limits
+    if member:
+        if held >= per_member:
+            return f"this peer already has {held} open here (limit {per_member})"
+    else:
+        if held >= per_stranger:
+            return f"this peer already has {held} open here (limit {per_stranger} until it shared a round with us)"
+        if held_by_strangers >= strangers_total:
+            return f"peers that have not shared a round with us hold all {strangers_total} of their places"
+        if held and 2 * held_by_strangers >= strangers_total:
+            # past half of the strangers' room each further place takes another identity, not
+            # another stream: a few identities cannot fill it
+            return "peers that have not shared a round with us hold half of their places; one each now"
+    if held_total >= total:
+        return f"all {total} places are taken"
+    return None
+
+
 # ---- misbehaving peers ---------------------------------------------------------------------------
 class PeerGate:
     """Offence counting, timed bans and per-peer request limits for one node (thread-safe).
 
     * :meth:`offence` records that ``peer`` sent something invalid (a malformed message, a part that
-      failed validation, an implausible reply). ``ban_after`` offences within ``ban_seconds`` ban
-      the peer for ``ban_seconds``; ``ban_after = 0`` disables bans (offences are still counted).
+      failed validation, an implausible reply) or stalled a round it joined. ``ban_after`` offences
+      within ``ban_seconds`` ban the peer for ``ban_seconds``; ``ban_after = 0`` disables bans
+      (offences are still counted).
     * :meth:`banned` is what matchmaking and the all-reduce ask before dealing with a peer.
-    * :meth:`wrap` turns a stream handler into one that refuses banned or over-busy senders before
-      the handler runs and never lets an exception escape onto the event loop.
+    * :meth:`wrap` turns a stream handler into one that refuses banned or over-busy senders (the
+      quotas of :func:`quota_refusal`) before the handler runs and never lets an exception escape
+      onto the event loop.
+    * :meth:`vouch` makes peers *members* for MEMBER_SECONDS (they shared a verified round with us);
+      :meth:`member` asks. An offence ends membership.
 
     Counters for tests and operators: ``offences`` (per peer, all time), ``bans`` (bans imposed),
     ``refused`` (requests refused at the gate), ``errors`` (handler exceptions caught).
@@ -260,6 +319,7 @@ class PeerGate:
         self._recent: Dict[str, Deque[float]] = {}
         self._until: Dict[str, float] = {}
         self._inflight: Counter = Counter()
+        self._members: Dict[str, float] = {}  # peer -> monotonic time its membership ends
         self._lock = threading.Lock()
 
     def configure(self, ban_after: int, ban_seconds: float) -> None:
@@ -280,6 +340,7 @@ class PeerGate:
                 self._until[peer] = now + self.ban_seconds
                 self.bans += 1
                 recent.clear()
+            self._members.pop(peer, None)  # a member that misbehaves is a stranger again
             self._forget_old(now)
         logger.warning(f"[{self.short_id}] offence by peer {peer}: {reason}")
         if newly:
@@ -296,6 +357,18 @@ class PeerGate:
                 else:
                     table.pop(peer, None)
 
+    def vouch(self, peers: Iterable[str], seconds: Optional[float] = None) -> None:
+        """``peers`` shared a verified round with us: members for ``seconds`` (MEMBER_SECONDS)."""
+        until = time.monotonic() + (MEMBER_SECONDS if seconds is None else seconds)
+        with self._lock:
+            for p in peers:
+                self._members[p] = max(until, self._members.get(p, 0.0))
+            self._forget_old(time.monotonic())
+
+    def member(self, peer: str) -> bool:
+        with self._lock:
+            return self._members.get(peer, 0.0) > time.monotonic()
+
     def banned(self, peer: str) -> bool:
         return self.remaining(peer) > 0
 
@@ -310,9 +383,11 @@ class PeerGate:
             return [p for p, until in self._until.items() if until > now]
 
     def _forget_old(self, now: float) -> None:
-        # bounded memory however many identities misbehave: drop expired bans and idle counters
-        if len(self._recent) + len(self._until) < 4096:
+        # bounded memory however many identities misbehave: drop expired bans, memberships and idle counters
+        if len(self._recent) + len(self._until) + len(self._members) < 4096:
             return
+        for p in [p for p, until in self._members.items() if until <= now]:
+            del self._members[p]
         for p in [p for p, until in self._until.items() if until <= now]:
             del self._until[p]
         for p in [p for p, q in self._recent.items() if not q or q[-1] < now - self.ban_seconds]:
@@ -323,10 +398,15 @@ class PeerGate:
     def _enter(self, peer: str) -> Optional[str]:
         left = self.remaining(peer)
         if left > 0:
-            return f"peer {peer} is banned here for another {left:.0f} s after repeated invalid messages"
+            return (f"peer {peer} is banned here for another {left:.0f} s after repeated offences "
+                    "(invalid messages or rounds it stalled)")
         with self._lock:
-            if self._inflight[peer] >= MAX_INFLIGHT_PER_PEER or sum(self._inflight.values()) >= MAX_INFLIGHT:
-                return "busy: too many open requests"
+            now = time.monotonic()
+            strangers = sum(n for p, n in self._inflight.items() if self._members.get(p, 0.0) <= now)
+            refusal = quota_refusal(self._inflight[peer], self._members.get(peer, 0.0) > now,
+                                    sum(self._inflight.values()), strangers, inflight_limits())
+            if refusal is not None:
+                return f"busy: too many open requests ({refusal})"
             self._inflight[peer] += 1
         return None
 
