@@ -109,12 +109,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: bumped whenever a message changes incompatibly
-PROTOCOL_VERSION = 7  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover;
+PROTOCOL_VERSION = 8  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover;
 #                      4: reachability: join requests say whether the joiner can be dialed, groups name their shard owners;
 #                      5: a closing group is proposed ('warm') and its members report unreachable owners ('warmed');
 #                      6: parts and results travel in chunks ('c' frames; 'again'; the 'avg' reply is a trailer)
 #                      7: DHT records may be signed by Ed25519 owners (swarm/signing.py), which version 6 drops:
 #                         the run fingerprint carries this version, so a mixed swarm is refused at join, not split
+#                      8: the state digest covers each fragment's outer step count (p2pdiloco/digest.py): version 7
+#                         peers would compute other digests for the same state
 #: largest accepted header (a group of thousands of peer ids fits easily)
 MAX_HEADER = 256 * 1024
 #: a handler waits this long for a request header before dropping the stream (seconds)
