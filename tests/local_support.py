@@ -4,15 +4,18 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Dict, Tuple
 
+#: a complete brief (every field a worker reads) for the tests that drive LocalLeader.brief themselves
+BRIEF_INFO = dict(run_dir="x", me="me", peer="peer", shard=0, batches_drawn=0)
+
 
 def run_two_ranks(target: Callable, tmp_path, *args: Any, timeout: float = 90) -> Tuple[Dict, Dict]:
     """Run ``target(rank, store_port, out_json, *args)`` in two spawned processes sharing one TCPStore;
     each must exit 0 within ``timeout`` and write its JSON report; returns (rank 0's, rank 1's)."""
     import multiprocessing as mp
 
-    import torch.distributed as dist
+    from p2pdiloco.local.launch import loopback_store
 
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+    store = loopback_store(3, timeout=300)
     ctx = mp.get_context("spawn")
     ps = [ctx.Process(target=target, args=(r, store.port, str(tmp_path / f"r{r}.json"), *args)) for r in range(2)]
     for p in ps:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import TINY, cli_argv
-from local_support import run_two_ranks
+from local_support import BRIEF_INFO, run_two_ranks
 from p2pdiloco.checkpoint import find_checkpoint, load_checkpoint
 from p2pdiloco.config import load_config
 from p2pdiloco.local.group import digest_of
@@ -197,7 +197,7 @@ def _fsdp_rank(rank: int, port: int, out: str, modes) -> None:
                                        betas=(cfg.inner.beta1, cfg.inner.beta2))  # its param_groups reach every shard
             diloco = DiLoCo(mirror, cfg, None)
             leader = LocalLeader(group, mirror, diloco, shards, opt)
-            leader.brief({}, holder)
+            leader.brief(BRIEF_INFO, holder)
             leader.tell(True, diloco.lr_step)
             for i in range(STEPS):
                 inner_step(cfg, model, opt, stream, diloco.lr_step, "cpu", local=group)

@@ -17,10 +17,12 @@ blocking DiLoCo pinned (``PINNED``: the defaults may change):
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 
@@ -29,7 +31,7 @@ import pytest
 import torch
 
 from conftest import TINY, cli_argv
-from local_support import run_two_ranks
+from local_support import BRIEF_INFO, run_two_ranks
 from p2pdiloco.checkpoint import find_checkpoint, load_checkpoint
 from p2pdiloco.compression.robust import weighted_mean
 from p2pdiloco.config import load_config
@@ -501,7 +503,7 @@ def _protocol_rank(rank: int, port: int, out: str) -> None:
         opt.step()
         diloco = DiLoCo(model, cfg, None)
         leader = LocalLeader(group, model, diloco)
-        leader.brief({"run_dir": "x"}, opt)
+        leader.brief(BRIEF_INFO, opt)
         first = leader.tell(True, 0)
         leader.mark()
         with torch.no_grad():  # what a sync does between our step and the message: a merge, an outer step
@@ -535,7 +537,7 @@ def test_protocol_between_two_processes(tmp_path):
     optimiser state, parameters and global copies (it started from other ones), and both log the same
     events: the start (everything), then the one parameter and the one fragment that changed."""
     r0, r1 = run_two_ranks(_protocol_rank, tmp_path, timeout=90)
-    assert r1["info"] == {"run_dir": "x"} and r1["go"] == [True, False] and r1["final"] and r1["lr_step"] == 7
+    assert r1["info"] == BRIEF_INFO and r1["go"] == [True, False] and r1["final"] and r1["lr_step"] == 7
     assert r0["opt"] == r1["opt"] and r0["model"] == r1["model"] and r0["digest"] == r1["digest"]
     drop_rank = [{k: v for k, v in e.items() if k != "rank"} for e in r0["events"]]
     assert drop_rank == [{k: v for k, v in e.items() if k != "rank"} for e in r1["events"]]
@@ -580,3 +582,190 @@ def test_restart_after_a_dead_worker_resumes(procs, tmp_path):
     keys = ("step", "synced_step", "outer_steps", "fragments", "digest", "model_digest", "final")
     assert [{k: r[k] for k in keys} for r in ra if r["event"] == "local_sync"] == \
         [{k: r[k] for k in keys} for r in w1[restart:] if r["event"] == "local_sync"]
+
+
+def _listening(pid: int):
+    """(protocol, address, port) of every TCP socket process ``pid`` listens on and every UDP socket it
+    has bound (psutil reads /proc/<pid>/fd's socket inodes against /proc/<pid>/net/{tcp,udp}{,6})."""
+    try:
+        conns = psutil.Process(pid).net_connections(kind="inet")
+    except psutil.NoSuchProcess:
+        return []
+    return [("udp" if c.type == socket.SOCK_DGRAM else "tcp", c.laddr.ip, c.laddr.port) for c in conns
+            if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and c.laddr)]
+
+
+def _is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+@pytest.mark.timeout(150)
+def test_local_workers_listen_on_loopback_only(procs, tmp_path):
+    """While a 2-worker peer trains, no process of the machine listens beyond loopback: the rendezvous
+    (the launcher's TCPStore) and gloo (a listener per worker) are bound to 127.0.0.1, and so is every
+    other socket of the launcher, the workers and rank 0's DHT process. The p2p daemon's TCP listeners
+    are where swarm.host_maddrs says (127.0.0.1 here); its UDP sockets (NAT port mapping, the swarm's
+    business) are left out. The local workers' listeners are counted: the check cannot pass by
+    finding none."""
+    a = _join(procs, None, "a", tmp_path / "a", "swarm.run_id=lw-loopback", workers=2)
+    pids = _until_worker1_synced(procs, a, tmp_path / "a")
+    tree = [psutil.Process(a.pid), *psutil.Process(a.pid).children(recursive=True)]
+    assert set(pids.values()) <= {p.pid for p in tree}
+    every = {p.pid: [s for s in _listening(p.pid) if p.name() != "p2pd" or s[0] == "tcp"] for p in tree}
+    assert a.poll() is None, procs.err("a")[-3000:]
+    print(f"\nlistening sockets of the machine's processes: {every}")
+    store = every[a.pid]
+    assert len(store) == 1 and store[0][0] == "tcp", store  # the launcher holds one socket: the rendezvous
+    for r, pid in pids.items():
+        assert any(s[0] == "tcp" for s in every[pid]), f"local worker {r} has no gloo listener"
+    (daemon,) = [p.pid for p in tree if p.name() == "p2pd"]
+    assert every[daemon], "the p2p daemon has no listener"
+    wide = [(pid, *s) for pid, socks in every.items() for s in socks if not _is_loopback(s[1])]
+    assert not wide, f"listening beyond loopback: {wide}"
+
+
+class _OpensAFile:
+    """A pickle that, unpickled, creates the file at ``path`` (what a hostile sender would run instead)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _hostile_rank(rank: int, port: int, out: str, marker: str) -> None:
+    """One side of test_a_worker_refuses_a_pickle_and_a_huge_length: rank 0 sends, as the start message,
+    raw bytes on the wire (the length as one int64, then the bytes as uint8, which is also how
+    torch's broadcast_object_list frames a pickle), first a pickle, then only a length of 2**40 bytes."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from p2pdiloco.diloco.core import DiLoCo
+    from p2pdiloco.local.group import LocalFollower, LocalGroup
+    from p2pdiloco.model import build_model
+
+    torch.set_num_threads(1)
+    os.environ.update(P2PDILOCO_LOCAL_RANK=str(rank), P2PDILOCO_LOCAL_WORLD="2",
+                      P2PDILOCO_LOCAL_STORE=f"127.0.0.1:{port}")
+    group = LocalGroup.from_env("cpu")
+    group.connect()
+    result = {}
+    if rank == 0:
+        payload = pickle.dumps(_OpensAFile(marker))
+        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), 0)
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0)
+        dist.broadcast(torch.tensor([1 << 40], dtype=torch.int64), 0)
+        dist.barrier()
+    else:
+        cfg = load_config(TINY, PINNED)
+        model = build_model(cfg.model)
+        follower = LocalFollower(group, model, [o.numel for o in DiLoCo(model, cfg, None).outer])
+        result["errors"] = []
+        for _ in range(2):
+            try:
+                follower.brief(torch.optim.AdamW(model.parameters()))
+                result["errors"].append(None)
+            except Exception as e:  # noqa: BLE001 - reported to the test, which names what it wants
+                result["errors"].append([type(e).__name__, str(e)])
+        dist.barrier()
+    with open(out, "w") as f:
+        json.dump(result, f)
+    group.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_refuses_a_pickle_and_a_huge_length(tmp_path):
+    """Nothing a local worker receives is unpickled: a pickle sent as rank 0's start message is refused
+    (one clear error, the worker's ``LocalWorkerLost``) and not run (the file it would create is not
+    there); an announced length past the limit is refused before anything is allocated."""
+    marker = tmp_path / "unpickled"
+    _, r1 = run_two_ranks(_hostile_rank, tmp_path, str(marker), timeout=90)
+    assert not marker.exists(), "the pickle was run"
+    (kind1, msg1), (kind2, msg2) = r1["errors"]
+    assert kind1 == "LocalWorkerLost" and "rank 0's start message failed validation" in msg1, msg1
+    assert kind2 == "LocalWorkerLost" and f"announced a message of {1 << 40} bytes" in msg2, msg2
+
+
+def _brief_bytes(**change) -> bytes:
+    """A valid brief (a real AdamW's state skeleton), its top-level fields replaced by ``change``
+    (None: the field left out), in the wire format but for that."""
+    import msgpack
+
+    from p2pdiloco.local.group import _split_state
+    from p2pdiloco.local.messages import decode_brief, encode_brief
+
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    good = encode_brief(BRIEF_INFO, _split_state(opt.state_dict())[0])
+    assert decode_brief(good)["opt"] == _split_state(opt.state_dict())[0]  # the valid brief is accepted whole
+    if not change:
+        return good
+    msg = msgpack.unpackb(good, raw=False, strict_map_key=False)
+    for k, v in change.items():
+        if v is None:
+            msg.pop(k)
+        else:
+            msg[k] = v
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def _ext(code: int, obj) -> "msgpack.ExtType":
+    import msgpack
+
+    return msgpack.ExtType(code, msgpack.packb(obj))
+
+
+def _opt(state=None, groups=None) -> dict:
+    return {"state": {0: {"step": 1.0}} if state is None else state,
+            "param_groups": [{"lr": 0.1, "params": [0]}] if groups is None else groups}
+
+
+@pytest.mark.parametrize("case, data, needle", [
+    ("empty", lambda: b"", "undecodable"),
+    ("never-used byte", lambda: b"\xc1", "undecodable"),
+    ("truncated", lambda: _brief_bytes()[:-5], "undecodable"),
+    ("a pickle", lambda: __import__("pickle").dumps({"run_dir": "x"}), "undecodable"),
+    ("an array", lambda: __import__("msgpack").packb([1, 2]), "is a list, not a map"),
+    ("missing field", lambda: _brief_bytes(peer=None), "missing ['peer']"),
+    ("unknown field", lambda: _brief_bytes(evil=1), "unknown [\"'evil'\"]"),
+    ("other version", lambda: _brief_bytes(v=2), "of version 2, this worker reads 1"),
+    ("negative shard", lambda: _brief_bytes(shard=-1), "shard = -1 is not a non-negative int"),
+    ("bool shard", lambda: _brief_bytes(shard=True), "shard = True is not a non-negative int"),
+    ("str position", lambda: _brief_bytes(batches_drawn="7"), "batches_drawn = '7' is not"),
+    ("long path", lambda: _brief_bytes(run_dir="x" * 5000), "undecodable"),
+    ("opt not a map", lambda: _brief_bytes(opt=[1]), "opt is not a map of 'state' and 'param_groups'"),
+    ("state key", lambda: _brief_bytes(opt=_opt(state={"x": {}})), "opt.state has key 'x'"),
+    ("state value", lambda: _brief_bytes(opt=_opt(state={0: {"step": "1"}})), "opt.state[0].'step' = '1' is not"),
+    ("dtype", lambda: _brief_bytes(opt=_opt(state={0: {"m": _ext(1, [[2], "complex64", "cpu"])}})),
+     "dtype 'complex64' is not one of"),
+    ("device", lambda: _brief_bytes(opt=_opt(state={0: {"m": _ext(1, [[2], "float32", "tpu"])}})),
+     "device 'tpu' is not one of"),
+    ("shape", lambda: _brief_bytes(opt=_opt(state={0: {"m": _ext(1, [[-1], "float32", "cpu"])}})),
+     "shape [-1] is not a list"),
+    ("spec size", lambda: _brief_bytes(opt=_opt(state={0: {"m": _ext(1, [[2], "float32"])}})),
+     "a tensor spec of 2 items, not 3"),
+    ("ext type", lambda: _brief_bytes(opt=_opt(state={0: {"m": _ext(7, [1])}})), "unknown msgpack ext type 7"),
+    ("nested ext", lambda: _brief_bytes(opt=_opt(state={0: {"m": __import__("msgpack").ExtType(
+        2, __import__("msgpack").packb(_ext(2, [1])))}})), "undecodable"),
+    ("params", lambda: _brief_bytes(opt=_opt(groups=[{"lr": 0.1, "params": "all"}])),
+     "param_groups[0].params is not a list of parameter indices"),
+    ("group value", lambda: _brief_bytes(opt=_opt(groups=[{"lr": {"a": 1}, "params": [0]}])),
+     "param_groups[0].'lr' = {'a': 1} is not a number"),
+    ("oversized", lambda: b"\x00" * (16 * 2 ** 20 + 1), "limit 16777216"),
+])
+def test_brief_decoder_refuses_malformed_input(case, data, needle):
+    """The start message's decoder (:mod:`p2pdiloco.local.messages`) refuses each malformed input with
+    a WireError naming what is wrong: never a crash, a pickle or a partial result."""
+    from p2pdiloco.errors import WireError
+    from p2pdiloco.local.messages import decode_brief
+
+    with pytest.raises(WireError) as err:
+        decode_brief(data())
+    assert needle in str(err.value), (case, str(err.value))

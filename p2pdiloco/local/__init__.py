@@ -8,7 +8,9 @@ its inner step on its own sub-shard of the peer's data, the gradients are averag
 gloo on CPU, nccl on CUDA) and every worker applies the same AdamW step. After each inner step rank
 0 tells the others whether to go on and sends them whatever its DiLoCo changed: the model's
 parameters when a sync result reached them, the global copy (θ and momentum) of each fragment whose
-outer step landed (:mod:`.group`), so every worker logs the swarm's digest.
+outer step landed (:mod:`.group`), so every worker logs the swarm's digest. All of it stays on
+loopback (the rendezvous, gloo's and nccl's sockets), and the workers exchange tensors and one
+fixed-format message (:mod:`.messages`), never a pickle.
 
 ``local.sharding = "fsdp"`` (:mod:`.shard`): the workers hold the replica in shards (torch FSDP2)
 for a model that does not fit one device; rank 0 keeps the full parameters DiLoCo needs on its CPU.

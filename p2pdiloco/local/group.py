@@ -4,10 +4,13 @@
 CPU; on CUDA ``cpu:gloo,cuda:nccl``, so the small control messages and the CPU-resident global copy
 go through gloo and the gradients and parameters through nccl). Every collective that fails because
 another local worker died raises :class:`~p2pdiloco.errors.LocalWorkerLost`: gloo notices a closed
-connection within milliseconds, and the launcher's watchdog (:mod:`.launch`) covers the rest.
+connection within milliseconds, and the launcher's watchdog (:mod:`.launch`) covers the rest. The
+group's sockets are bound to loopback (:meth:`LocalGroup.connect`), and it carries tensors and one
+fixed-format message (:mod:`.messages`): nothing a worker receives is unpickled.
 
 The protocol, after rank 0's brief at the start (:meth:`LocalLeader.brief`: run folder, data shard,
-stream position, inner optimiser state), is one message per inner step (:meth:`LocalLeader.tell`)::
+stream position, inner optimiser state; a fixed-format message, :mod:`.messages`, then the optimiser's
+tensors), is one message per inner step (:meth:`LocalLeader.tell`)::
 
     control (int64): go, final, lr step of the next inner step, schedule position, synced step,
                      changed flag per model parameter, changed flag per fragment, outer steps per fragment,
@@ -42,10 +45,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import LocalWorkerLost
+from ..digest import fragment_digest
+from ..errors import LocalWorkerLost, WireError
+from .messages import MAX_BRIEF_BYTES, decode_brief, encode_brief
 
 __all__ = ["LocalGroup", "LocalLeader", "LocalFollower", "Control", "ENV_RANK", "ENV_WORLD", "ENV_STORE",
-           "ENV_PARENT", "COLLECTIVE_TIMEOUT_S", "digest_of"]
+           "ENV_PARENT", "COLLECTIVE_TIMEOUT_S", "LOOPBACK", "digest_of", "loopback_interface"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +61,44 @@ ENV_STORE, ENV_PARENT = "P2PDILOCO_LOCAL_STORE", "P2PDILOCO_LOCAL_PARENT"
 #: messages (a state download, waiting for peers). A *dead* worker is noticed at once (gloo's closed
 #: connection, the launcher's watchdog); this only bounds a live process that hangs.
 COLLECTIVE_TIMEOUT_S = 2 * 3600
+#: the only address the local workers' sockets use: they are on one machine
+LOOPBACK = "127.0.0.1"
 #: gradients are averaged in buckets of at most this many elements (one all-reduce each)
 BUCKET_NUMEL = 1 << 24
 
 
+def loopback_interface() -> str:
+    """The name of the interface that holds 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS)."""
+    import socket
+
+    try:
+        import psutil
+
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addrs):
+                return name
+    except (ImportError, OSError):
+        pass
+    return "lo"
+
+
+def _not_inherited_sockets() -> None:
+    """Mark this process's sockets close-on-exec (gloo leaves its listener inheritable): a child we
+    start later does not hold our group's sockets open. Linux (/proc); elsewhere nothing to do."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for fd in map(int, fds):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                os.set_inheritable(fd, False)
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            pass
+
+
 def digest_of(tensors: Sequence[torch.Tensor]) -> str:
-    """Short sha256 of the tensors' bytes in order: for a fragment's θ then momentum, the same string as
-    :meth:`p2pdiloco.diloco.outer.OuterState.digest` (sha256 of concatenated bytes = of the pieces)."""
+    """Short sha256 of the tensors' bytes in order (a model's digest in the ``local_sync`` events)."""
     h = hashlib.sha256()
     for t in tensors:
         h.update(t.detach().cpu().contiguous().view(-1).numpy().tobytes())
@@ -100,19 +136,29 @@ class LocalGroup:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
 
     def connect(self) -> None:
-        """Join the process group (the launcher's TCPStore on 127.0.0.1 is the rendezvous)."""
+        """Join the process group. Everything is on loopback: the rendezvous is the launcher's TCPStore
+        on 127.0.0.1, and gloo's (and nccl's bootstrap) sockets are bound to the loopback interface
+        (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``; whatever they were set to, the workers are on one
+        machine). The group's sockets are not inherited by the processes we start (the DHT's, the p2p
+        daemon)."""
         import torch.distributed as dist
 
         host, port = self.store_addr.rsplit(":", 1)
+        if host != LOOPBACK:
+            raise ValueError(f"the local workers' rendezvous must be on {LOOPBACK}, not {host}")
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         if self.device.startswith("cuda"):
             torch.cuda.set_device(self.device)
         backend = "cpu:gloo,cuda:nccl" if self.device.startswith("cuda") else "gloo"
+        lo = loopback_interface()
+        os.environ["GLOO_SOCKET_IFNAME"] = lo
+        os.environ["NCCL_SOCKET_IFNAME"] = "=" + lo  # "=": this interface exactly, not every name it prefixes
 
         def init() -> None:
             store = dist.TCPStore(host, int(port), self.world, is_master=False, timeout=timeout)
             dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
         self._call("join the local group", init)
+        _not_inherited_sockets()
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -190,12 +236,19 @@ class LocalGroup:
                         t.copy_(flat[off: off + t.numel()].view_as(t))
                         off += t.numel()
 
-    def broadcast_object(self, obj: Any, what: str) -> Any:
-        import torch.distributed as dist
-
-        box = [obj]
-        self._call(what, dist.broadcast_object_list, box, 0)
-        return box[0]
+    def broadcast_bytes(self, data: Optional[bytes], what: str, limit: int) -> bytes:
+        """Rank 0's ``data`` to every worker (the others pass None): its length as one int64, then the
+        bytes as uint8. A length outside 0..``limit`` is refused before anything is allocated."""
+        n = torch.tensor([len(data) if data is not None else -1], dtype=torch.int64)
+        self.broadcast([n], what)
+        size = int(n[0])
+        if not 0 <= size <= limit:
+            raise WireError(f"local worker {self.rank} of {self.world}: rank 0 announced a message of {size} bytes "
+                            f"while we {what} (limit {limit})")
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(size, dtype=torch.uint8)
+        if size:
+            self.broadcast([buf], what)
+        return data if data is not None else buf.numpy().tobytes()
 
 
 #: words of gloo's and nccl's errors (a closed or reset connection, a timeout), which torch raises as a
@@ -266,7 +319,7 @@ class LocalLeader:
         """The start: ``info`` (run folder, data shard, stream position...) and the inner optimiser's
         state (resumed from a checkpoint, or empty)."""
         skeleton, tensors = _split_state(inner_opt.state_dict())
-        self.group.broadcast_object({**info, "opt": skeleton}, "sent the start")
+        self.group.broadcast_bytes(encode_brief(info, skeleton), "sent the start", MAX_BRIEF_BYTES)
         if self.shards is None:
             self.group.broadcast(tensors, "sent the inner optimiser state")
             return
@@ -315,7 +368,7 @@ class LocalLeader:
                *(int(p in gather) for p in range(len(keys))), int(gather_opt)]
         self.group.broadcast([torch.tensor(msg, dtype=torch.int64)], "sent a step's message")
         for p, flat in flats.items():
-            self._frag_digests[p] = digest_of([flat])
+            self._frag_digests[p] = _fragment_digest(flat, keys[p][1])
         if self.shards is None:
             if any(changed):
                 self.group.broadcast([p for p, c in zip(self.params, changed) if c], "sent the parameters")
@@ -373,7 +426,14 @@ class LocalFollower:
         return "-".join(self._frag_digests)
 
     def brief(self, inner_opt: torch.optim.Optimizer) -> Dict[str, Any]:
-        info = self.group.broadcast_object(None, "waited for the start")
+        """Rank 0's start (:mod:`.messages`); a malformed one is :class:`LocalWorkerLost` (we exit, and
+        rank 0's next collective fails)."""
+        try:
+            info = decode_brief(self.group.broadcast_bytes(None, "waited for the start", MAX_BRIEF_BYTES))
+        except WireError as e:
+            self.group.broken = True
+            raise LocalWorkerLost(f"local worker {self.group.rank} of {self.group.world}: rank 0's start message "
+                                  f"failed validation ({e}); exiting") from None
         skeleton = info.pop("opt")
         self.opt = inner_opt
         if self.shards is not None:
@@ -409,7 +469,7 @@ class LocalFollower:
             for p in sent:
                 flat = torch.empty(2 * self.numels[p], dtype=torch.float32)
                 self.group.broadcast([flat], "received a global copy")
-                got[p] = self._frag_digests[p] = digest_of([flat])
+                got[p] = self._frag_digests[p] = _fragment_digest(flat, steps[p])
         else:
             self.shards.scatter([i for i, c in enumerate(changed) if c])
             if sent:
@@ -430,6 +490,12 @@ class LocalFollower:
                 model_digest = digest_of(self.params) if any(changed) or ctl.final else None
             ctl.event = _event(self.group.rank, ctl, steps, got, self._frag_digests, model_digest)
         return ctl
+
+
+def _fragment_digest(flat: torch.Tensor, outer_steps: int) -> str:
+    """A fragment's global copy (θ‖momentum, fp32) after ``outer_steps`` outer steps: the same string as
+    :meth:`p2pdiloco.diloco.outer.OuterState.digest` (:mod:`p2pdiloco.digest`)."""
+    return fragment_digest(flat.detach().cpu().contiguous().numpy().tobytes(), outer_steps)
 
 
 def _digests_to_tensor(digests: Sequence[str]) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """``p2pdiloco join --local-workers K``: start K local workers, watch them, take them down together.
 
 The launcher is the process the user started. It holds the rendezvous (a ``torch.distributed``
-TCPStore on 127.0.0.1, on a port the kernel picks: no race for a free port) and starts K copies of
-the same ``join`` command, worker ``r`` told its rank by the environment (:data:`.group.ENV_RANK`).
-Worker 0 is the swarm member; the others never touch the network. The workers stay in the
-launcher's process group, so a Ctrl-C in the terminal reaches all of them (workers 1..K-1 ignore it:
-rank 0 decides when the machine stops and tells them) and a ``kill`` of the group ends everything.
+TCPStore listening on 127.0.0.1 only, on a port the kernel picks: no race for a free port; see
+:func:`loopback_store`) and starts K copies of the same ``join`` command, worker ``r`` told its
+rank by the environment (:data:`.group.ENV_RANK`). Worker 0 is the swarm member; the others never
+touch the network (their collectives are on loopback too: :meth:`.group.LocalGroup.connect`). The
+workers stay in the launcher's process group, so a Ctrl-C in the terminal reaches all of them
+(workers 1..K-1 ignore it: rank 0 decides when the machine stops and tells them) and a ``kill`` of
+the group ends everything.
 
 The watchdog (what "a local worker that dies takes the machine's peer down cleanly" means here):
 
@@ -44,10 +46,10 @@ import time
 from typing import List, Sequence, Tuple
 
 from ..errors import ConfigError
-from .group import COLLECTIVE_TIMEOUT_S, ENV_PARENT, ENV_RANK, ENV_STORE, ENV_WORLD
+from .group import COLLECTIVE_TIMEOUT_S, ENV_PARENT, ENV_RANK, ENV_STORE, ENV_WORLD, LOOPBACK
 
-__all__ = ["launch", "watch_parent", "END_GRACE_S", "LEAVE_GRACE_S", "MAX_LOCAL_WORKERS", "HEARTBEAT_PERIOD_S",
-           "FIRST_BEAT_GRACE_S", "ENV_HEARTBEAT"]
+__all__ = ["launch", "loopback_store", "watch_parent", "END_GRACE_S", "LEAVE_GRACE_S", "MAX_LOCAL_WORKERS",
+           "HEARTBEAT_PERIOD_S", "FIRST_BEAT_GRACE_S", "ENV_HEARTBEAT"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +85,13 @@ def check_local_workers(k: int, device: str) -> None:
 def launch(argv: Sequence[str], k: int, heartbeat_timeout: float = 60.0) -> int:
     """Run ``argv`` (a ``python -m p2pdiloco.cli join ...`` command line) as K local workers; returns the
     exit status (worker 0's, or 1 if another worker failed or went silent first)."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, k + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    store = loopback_store(k + 1)
     procs: List[subprocess.Popen] = []
     beats: List[int] = []  # read ends of the heartbeat pipes
     for r in range(k):
         rfd, wfd = os.pipe()
         os.set_blocking(rfd, False)
-        env = dict(os.environ, **{ENV_RANK: str(r), ENV_WORLD: str(k), ENV_STORE: f"127.0.0.1:{store.port}",
+        env = dict(os.environ, **{ENV_RANK: str(r), ENV_WORLD: str(k), ENV_STORE: f"{LOOPBACK}:{store.port}",
                                   ENV_PARENT: str(os.getpid()), ENV_HEARTBEAT: str(wfd)})
         try:
             procs.append(subprocess.Popen(list(argv), env=env, pass_fds=(wfd,)))
@@ -117,6 +116,27 @@ def launch(argv: Sequence[str], k: int, heartbeat_timeout: float = 60.0) -> int:
                 p.kill()
                 p.wait()
         del store
+
+
+def loopback_store(world_size: int, timeout: float = COLLECTIVE_TIMEOUT_S):
+    """The rendezvous: a ``torch.distributed`` TCPStore server listening on 127.0.0.1 only, on a port the
+    kernel picks. (Given a host, TCPStore's server binds every interface: the host is only where its
+    clients connect. So the listening socket is made here, on loopback, and handed over; the store
+    owns and closes it.)"""
+    import socket
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(LOOPBACK, port, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout), master_listen_fd=sock.detach())
 
 
 class _Heartbeats:
