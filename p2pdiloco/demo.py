@@ -41,6 +41,13 @@ def run_demo(args) -> int:
     run_id = f"demo-{int(time.time())}"
     procs: List[subprocess.Popen] = []
 
+    def stop(signum, frame):
+        # SIGTERM (a `timeout`, a service manager, `kill`) or SIGHUP (the terminal closed) reach only this
+        # process: the peers run in sessions of their own. Unwind through the `finally` below, which
+        # stops them all, instead of dying with them left training.
+        raise SystemExit(128 + signum)
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+
     def start(argv: List[str], name: str) -> subprocess.Popen:
         p = subprocess.Popen(argv, stdout=open(os.path.join(out, f"{name}.out"), "w"),
                              stderr=open(os.path.join(out, f"{name}.log"), "w"), start_new_session=True,
@@ -81,6 +88,8 @@ def run_demo(args) -> int:
         _plot(out, n)
         return 0
     finally:
+        for s in old:  # a second signal must not cut the cleanup short (it is bounded: SIGKILL after 10 s)
+            signal.signal(s, signal.SIG_IGN)
         for p in procs:
             if p.poll() is None:
                 try:
@@ -93,6 +102,8 @@ def run_demo(args) -> int:
                 p.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _wait_for_address(path: str, proc: subprocess.Popen, timeout: float = 60) -> str:
@@ -124,8 +135,12 @@ def _status_line(out: str, n: int, outer_steps: int) -> str:
             r = syncs[-1]
             parts.append(f"p{i}: outer {r['outer_step']}/{outer_steps} val {r['val_loss']:.3f} "
                          f"sent {format_bytes(r['bytes_sent'])}")
+        elif steps := [r for r in _metrics(out, i) if r["event"] == "progress"]:
+            r = steps[-1]
+            parts.append(f"p{i}: step {r['step']} loss {r['loss']:.3f} (first sync ahead) "
+                         f"sent {format_bytes(r['bytes_sent'])}")
         else:
-            parts.append(f"p{i}: warming up")
+            parts.append(f"p{i}: starting")
     return " | ".join(parts)
 
 

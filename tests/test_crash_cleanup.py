@@ -221,3 +221,25 @@ def test_a_reused_pid_is_not_the_holder_and_leftover_helpers_are_stopped(tmp_pat
         if helper.poll() is None:
             helper.kill()
             helper.wait()
+
+
+@pytest.mark.timeout(240)
+def test_demo_stopped_by_sigterm_leaves_nothing(procs, tmp_path):
+    """`p2pdiloco demo` stopped by SIGTERM (`timeout`, a service manager, `kill`: the signal reaches the
+    demo only, its bootstrap and volunteers run in sessions of their own) stops everything it started.
+    Before the first sync, its status line shows the volunteers' steps."""
+    out = tmp_path / "demo"
+    demo = procs.start("demo", "--peers", "2", "--outer-steps", "500", "--out", str(out), name="demo")
+    def status():
+        return [l for l in procs.out("demo").splitlines() if l.startswith("p0:")]
+
+    wait_for(lambda: any(" step " in l or " outer " in l for l in status()), 150,
+             "the demo's status line to show steps", procs, ["demo"])
+    tree = _tree(demo.pid)
+    assert {"p2pd"} <= {name for _, _, name in tree} and len(tree) >= 3 + 2 * 2, tree  # boot, 2 peers, DHTs, p2pds
+    os.kill(demo.pid, signal.SIGTERM)
+    assert procs.wait(demo, 30) != 0
+    deadline = time.time() + 15
+    while _alive(tree) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _alive(tree), f"left running after the demo's SIGTERM: {_alive(tree)}"

@@ -443,7 +443,7 @@ class _Peer:
         check against the swarm's records (behind, or diverged)."""
         cfg, diloco = self.cfg, self.diloco
         self.t_start = self._published_early_at = time.time()
-        self.bar = _ProgressLine(cfg, self.me)
+        self.bar = _ProgressLine(cfg, self.me, self.metrics)
         self.last_check = time.time()
         diloco.on_sync = self.on_sync
         self.model.train()
@@ -759,10 +759,11 @@ def _install_signal_handlers(stop: list, repeat_s: float = 0.0) -> None:
 
 
 class _ProgressLine:
-    """A tqdm bar when stderr is a terminal (or asked for), else a status line every 10 s."""
+    """A tqdm bar when stderr is a terminal (or asked for), else a status line every 10 s; either way a
+    ``progress`` event in the metrics every 10 s (the demo's status line reads it before the first sync)."""
 
-    def __init__(self, cfg: RunConfig, me: str):
-        self.me = me
+    def __init__(self, cfg: RunConfig, me: str, metrics=None):
+        self.me, self.metrics = me, metrics
         self.total = cfg.train.max_outer_steps * cfg.inner.sync_every or None
         self.last = 0.0
         self.bar = None
@@ -772,14 +773,19 @@ class _ProgressLine:
             self.bar = tqdm(total=self.total, desc=f"peer {me}", unit="step", dynamic_ncols=True)
 
     def update(self, diloco: DiLoCo, loss: float, val: float, sent: int, recv: int) -> None:
+        now = time.time()
+        due = now - self.last >= 10
+        if due:
+            self.last = now
+            if self.metrics is not None:
+                self.metrics.write("progress", step=diloco.inner_step, outer_step=diloco.outer_round(), loss=loss,
+                                   bytes_sent=sent, bytes_received=recv)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(outer=diloco.outer_round(), loss=f"{loss:.3f}", val=f"{val:.3f}",
                                  sent=format_bytes(sent), refresh=False)
             return
-        now = time.time()
-        if now - self.last >= 10:
-            self.last = now
+        if due:
             print(f"[{self.me}] step {diloco.inner_step}{'/' + str(self.total) if self.total else ''} "
                   f"outer {diloco.outer_round()} loss {loss:.3f} val {val:.3f} sent {format_bytes(sent)} "
                   f"recv {format_bytes(recv)}", file=sys.stderr, flush=True)
