@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import logging
 import os
 import signal
@@ -243,8 +242,8 @@ def _cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from .dashboard.status import status_json, status_table
     from .swarm.node import SwarmNode
-    from .metrics import format_bytes
 
     node = SwarmNode(args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], bootstrap_timeout=10,
                      client_mode=True)
@@ -254,30 +253,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         node.shutdown()
     peers = {pid: v for pid, v in peers.items() if not v.get("gone")}
     if args.json:
-        from .dashboard.view import json_safe
-
-        print(json.dumps(json_safe(peers), indent=1))  # a record's NaN (no val loss yet) as null
+        print(status_json(peers))
         return 0
     if not peers:
         print(f"no live peers in run {args.run_id!r}")
         return 0
-    now = time.time()
-    cols = f"{'peer':<8} {'reach':<8} {'workers':>7} {'outer':>5} {'step':>7} {'samples/s':>9} {'share':>5} {'samples':>9} {'sent':>9} {'recv':>9} {'last sync':>9} {'loss':>7} {'val':>7}"
-    print(cols)
-    for pid, v in sorted(peers.items(), key=lambda kv: kv[0]):
-        last = v.get("last_sync")
-        ago = f"{now - last:.0f}s ago" if isinstance(last, (int, float)) else "never"
-        loss = v.get("loss")
-        val = v.get("val_loss")
-        reach = v.get("reach") or "?"  # public / private / relayed (swarm/reachability.py)
-        rate, share = v.get("rate"), v.get("share")  # samples/s, share of the last round's samples (issue 23)
-        rate = f"{rate:.1f}" if isinstance(rate, (int, float)) and math.isfinite(rate) else "-"
-        share = f"{100 * share:.0f}%" if isinstance(share, (int, float)) and 0 <= share <= 1 else "-"
-        lw = v.get("lw")  # local workers training the peer's replica (join --local-workers; issue 20)
-        lw = lw if isinstance(lw, int) and not isinstance(lw, bool) and lw > 0 else 1
-        print(f"{pid[-6:]:<8} {reach:<8} {lw:>7} {v.get('round', 0):>5} {v.get('step', 0):>7} {rate:>9} {share:>5} "
-              f"{v.get('samples', 0):>9} {format_bytes(v.get('sent', 0)):>9} {format_bytes(v.get('recv', 0)):>9} "
-              f"{ago:>9} {'-' if loss is None else f'{loss:.3f}':>7} {'-' if val is None else f'{val:.3f}':>7}")
+    print("\n".join(status_table(peers, time.time())))
     return 0
 
 

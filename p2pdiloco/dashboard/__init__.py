@@ -2,7 +2,8 @@
 ``p2pdiloco join --dashboard-port N``.
 
     view.py     what the page shows, accumulated from successive reads of the progress records
-    server.py   the HTTP server (standard library, in a thread) and the DHT poller
+    server.py   the HTTP server (standard library selectors, one thread, bounded connections) and the DHT poller
+    status.py   what ``p2pdiloco status`` prints (the table, or the records as JSON)
     static/     the page: index.html, dashboard.js (hand-written SVG charts), dashboard.css
 
 The JSON it serves at ``/api/swarm`` is documented in docs/dashboard.md.

@@ -13,28 +13,53 @@ single read cannot say, it accumulates here, in memory and bounded:
   them from its record or leaves.
 
 Everything here comes from strangers' records (schema-checked, but their content is whatever a peer
-claims): it is data for the page to show as text, never markup. :meth:`SwarmView.document` is the
-``/api/swarm`` JSON (docs/dashboard.md).
+claims): it is data for the page to show as text, never markup. Every value a record may legally
+hold must keep both the work per read and the document bounded: the view keeps at most MAX_PEERS
+peers and MAX_VAL_TOTAL loss points, and the document (:meth:`SwarmView.document_bytes`, the
+``/api/swarm`` JSON, docs/dashboard.md) is built once per read, with each peer's record cut to
+RECORD_JSON_CHARS and the loss series thinned to DOC_VAL_POINTS, so that serving it is a copy of
+bytes whatever the number of viewers.
 """
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..swarm.records import ProgressRecord
+
 __all__ = ["SwarmView", "digest_agreement", "json_safe", "live_records", "local_workers"]
 
 #: bounds on what the view keeps (records come from strangers: a flood of peers must not grow memory)
 MAX_PEERS = 512
-MAX_VAL_POINTS = 2000
+MAX_VAL_POINTS = 1000
+#: loss points kept over all peers; past it, every peer's series is cut to its newest share
+MAX_VAL_TOTAL = 100_000
 MAX_RATE_POINTS = 3600
 MAX_FAILURES = 200
+#: a peer's records its rates are measured over, at most (its ``t`` may advance by a hair per record)
+MAX_RATE_RECORDS = 64
 #: a peer's rate counts in the swarm's sum while it was updated at most this many periods ago
 RATE_FRESH_PERIODS = 4.0
 #: seconds of a peer's records its rates are measured over
 RATE_WINDOW = 10.0
+#: the document's bounds: a peer's record as JSON (an honest one is under 2,000 characters; a larger
+#: one is cut to the fields that fit, _shown_record), loss points over all series and per series, rate
+#: points, failures, characters of a digest in ``digests``
+RECORD_JSON_CHARS = 4096
+DOC_VAL_POINTS = 8000
+DOC_SERIES_POINTS = 500
+DOC_RATE_POINTS = 1200
+DOC_FAILURES = 50
+DOC_DIGEST_CHARS = 64
+#: what the bounds above add up to (``/api/swarm`` never exceeds it; tests/test_dashboard.py checks the worst case)
+MAX_DOCUMENT_BYTES = 4 << 20
+#: a progress record's named fields, in the schema's order (shown before any other field)
+_NAMED = list(ProgressRecord.__fields__)
+_NAMED_SET = set(_NAMED)
 
 
 def live_records(records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
@@ -67,6 +92,59 @@ def json_safe(v: Any) -> Any:
     return v
 
 
+def _dumps(v: Any) -> str:
+    """Strict JSON (ASCII: its length is its size in bytes); NaN and infinities must be gone."""
+    return json.dumps(v, allow_nan=False, separators=(",", ":"), default=str)
+
+
+def _piece(x: Any, room: int) -> Optional[Tuple[Any, int]]:
+    """(``x`` with NaN and infinities as None, the length of its JSON) if that JSON takes at most
+    ``room`` characters, else None; the work is bounded by ``room`` whatever ``x`` holds (a lower
+    bound of its size is checked before it is encoded)."""
+    if isinstance(x, str):
+        if len(x) + 2 > room:
+            return None
+    elif isinstance(x, list):
+        least = 1 + len(x)
+        for item in x:
+            least += len(item) + 2 if isinstance(item, str) else 1
+            if least > room:
+                return None
+    text = json.dumps(x, separators=(",", ":"), default=str)
+    if "NaN" in text or "Infinity" in text:
+        x = json_safe(x)
+        text = _dumps(x)
+    return (x, len(text)) if len(text) <= room else None
+
+
+def _shown_record(v: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+    """A peer's record as the document shows it (NaN as None), at most RECORD_JSON_CHARS of JSON, and
+    the fields left out: the named fields of a progress record that fit, then the others, by name,
+    until one does not fit."""
+    kept: Dict[str, Any] = {}
+    used = 2  # {}
+    named = [k for k in _NAMED if k in v]
+    others = sorted(str(k) for k in v if k not in _NAMED_SET)
+    for i, k in enumerate(named + others):
+        key = len(_dumps(k)) + 2  # "k": and a comma
+        piece = _piece(v[k], RECORD_JSON_CHARS - used - key)
+        if piece is None:
+            if i >= len(named):
+                break
+            continue
+        kept[k] = piece[0]
+        used += key + piece[1]
+    return kept, [k for k in v if k not in kept]
+
+
+def _thin(points: List[Any], n: int) -> List[Any]:
+    """At most ``n`` (>= 2) of ``points``, evenly spaced, the first and the last kept."""
+    if len(points) <= n:
+        return points
+    last = len(points) - 1
+    return [points[round(i * last / (n - 1))] for i in range(n)]
+
+
 class SwarmView:
     """Accumulates reads of one run's records; thread-safe (a poller writes, HTTP handlers read).
 
@@ -84,9 +162,12 @@ class SwarmView:
         self._read_fingerprint: Optional[Callable[[], Dict[str, Dict[str, Any]]]] = None
         self._clock = clock
         self._lock = threading.Lock()
-        self._peers: Dict[str, Dict[str, Any]] = {}
+        self._peers: Dict[str, Dict[str, Any]] = {}          # the listed live peers' records, as shown
+        self._omitted: Dict[str, int] = {}                    # peer → how many fields its shown record leaves out
+        self._peers_total = 0                                  # live peers in the last read, listed or not
         self._val: Dict[str, Dict[int, float]] = {}          # peer → outer step → validation loss
         self._seen: Dict[str, float] = {}                     # peer → when we last read its record
+        self._first: Dict[str, float] = {}                    # peer → when we first listed it
         self._last: Dict[str, List[Tuple[float, int, int, int]]] = {}  # peer → its recent (t, samples, sent, recv)
         self._rate: Dict[str, Tuple[float, float, float, float]] = {}  # peer → (t, samples/s, sent/s, recv/s)
         self._rates: List[Dict[str, Any]] = []
@@ -96,6 +177,11 @@ class SwarmView:
         self._reads = 0
         self._last_read: Optional[float] = None
         self._error: Optional[str] = "connecting to the DHT"
+        self._version = 0                                      # grows with every change of the view
+        self._body: Tuple[int, bytes] = (-1, b"")              # (version, the document's bytes)
+        self._build_lock = threading.Lock()
+        #: documents built so far (each serves every request until the view changes)
+        self.builds = 0
 
     # ---- reading --------------------------------------------------------------------------------------
     def attach(self, read_progress: Callable[[], Dict[str, Dict[str, Any]]],
@@ -105,8 +191,9 @@ class SwarmView:
         self._read_progress, self._read_fingerprint = read_progress, read_fingerprint
 
     def refresh(self) -> None:
-        """One read of the run's records, folded into the view. A failed read is reported in the
-        document (``dht.error``), never raised: the page keeps showing the last good read."""
+        """One read of the run's records, folded into the view, and the document built for it. A
+        failed read is reported in the document (``dht.error``), never raised: the page keeps showing
+        the last good read."""
         now = self._clock()
         if self._read_progress is None:
             return
@@ -115,6 +202,8 @@ class SwarmView:
         except Exception as e:  # the DHT may be unreachable for a moment
             with self._lock:
                 self._error = f"DHT read failed: {type(e).__name__}: {e}"[:300]
+                self._version += 1
+            self.document_bytes()
             return
         seq_len = self._seq_len
         if (seq_len is None and records and self._read_fingerprint is not None
@@ -130,23 +219,37 @@ class SwarmView:
             self._reads += 1
             self._last_read = now
             self._error = None
+        self.document_bytes()
 
     def fold(self, records: Dict[str, Dict[str, Any]], now: float) -> None:
-        """Fold one read (``{peer id: record}``, live peers only) into the history (lock held or unshared)."""
-        self._peers = {pid: dict(v) for pid, v in records.items()}
+        """Fold one read (``{peer id: record}``, live peers only) into the history (lock held or unshared).
+
+        At most MAX_PEERS peers are listed: those listed longest (a flood of new identities does not
+        push out the peers already shown), then by peer id."""
+        self._peers_total = len(records)
+        if len(records) > MAX_PEERS:
+            listed = sorted(records, key=lambda pid: (self._first.get(pid, now), pid))[:MAX_PEERS]
+            records = {pid: records[pid] for pid in listed}
+        self._peers, self._omitted = {}, {}
         for pid, v in records.items():
+            self._peers[pid], omitted = _shown_record(v)
+            if omitted:
+                self._omitted[pid] = len(omitted)
+            self._first.setdefault(pid, now)
             self._seen[pid] = now
             self._fold_val(pid, v)
             self._fold_rate(pid, v, now)
             self._fold_failures(pid, v)
+        self._bound_val()
         self._forget(now)
         fresh = [r for pid, r in self._rate.items()
                  if pid in records and now - r[0] <= RATE_FRESH_PERIODS * self.period + 10]
         samples = sum(r[1] for r in fresh)
-        self._rates.append({"t": round(now, 3), "peers": len(records), "samples_per_s": round(samples, 3),
+        self._rates.append({"t": round(now, 3), "peers": self._peers_total, "samples_per_s": round(samples, 3),
                             "sent_per_s": round(sum(r[2] for r in fresh), 1),
                             "recv_per_s": round(sum(r[3] for r in fresh), 1)})
         del self._rates[:-MAX_RATE_POINTS]
+        self._version += 1
 
     def _fold_val(self, pid: str, v: Dict[str, Any]) -> None:
         points = self._val.setdefault(pid, {})
@@ -158,9 +261,18 @@ class SwarmView:
         elif isinstance(v.get("round"), int) and _num(v.get("val_loss")) is not None:
             # a peer without the history fields (older version): its latest (outer step, loss) pair
             points[v["round"]] = float(v["val_loss"])
-        if len(points) > MAX_VAL_POINTS:
-            for s in sorted(points)[:len(points) - MAX_VAL_POINTS]:
-                del points[s]
+        if len(points) > MAX_VAL_POINTS + MAX_VAL_POINTS // 8:  # trimmed in batches: a sort per 125 new points
+            _keep_newest(points, MAX_VAL_POINTS)
+
+    def _bound_val(self) -> None:
+        """Keep MAX_VAL_TOTAL loss points over all peers: past it, each series keeps its newest
+        share (at least 16 points, a record's history)."""
+        if sum(len(p) for p in self._val.values()) <= MAX_VAL_TOTAL:
+            return
+        share = max(16, int(0.9 * MAX_VAL_TOTAL / len(self._val)))
+        for points in self._val.values():
+            if len(points) > share:
+                _keep_newest(points, share)
 
     def _fold_rate(self, pid: str, v: Dict[str, Any], now: float) -> None:
         """The peer's rates over its records of the last RATE_WINDOW seconds (bytes move in bursts at
@@ -175,7 +287,7 @@ class SwarmView:
             seen.clear()  # counters went back: the peer restarted
             self._rate.pop(pid, None)
         seen.append((t, samples, sent, recv))
-        while len(seen) > 2 and seen[1][0] <= t - RATE_WINDOW:
+        while len(seen) > 2 and (seen[1][0] <= t - RATE_WINDOW or len(seen) > MAX_RATE_RECORDS):
             seen.pop(0)
         if len(seen) >= 2:
             first, dt = seen[0], t - seen[0][0]
@@ -199,25 +311,53 @@ class SwarmView:
         if len(self._seen) <= MAX_PEERS:
             return
         for pid in sorted(self._seen, key=self._seen.get)[:len(self._seen) - MAX_PEERS]:
-            for d in (self._seen, self._val, self._last, self._rate):
+            for d in (self._seen, self._first, self._val, self._last, self._rate):
                 d.pop(pid, None)
 
     # ---- the document ------------------------------------------------------------------------------------
     def document(self) -> Dict[str, Any]:
-        """The ``/api/swarm`` JSON (docs/dashboard.md): no NaN or infinity anywhere (null instead)."""
+        """The ``/api/swarm`` JSON (docs/dashboard.md): no NaN or infinity anywhere (null instead),
+        within the document's bounds (DOC_*)."""
         with self._lock:
-            peers = {pid: dict(v) for pid, v in self._peers.items()}
-            val = {pid: [[s, pts[s]] for s in sorted(pts)] for pid, pts in self._val.items() if pts}
+            peers = dict(self._peers)
+            series = {pid: sorted(pts.items()) for pid, pts in self._val.items() if pts}
             rates = [dict(r, tokens_per_s=round(r["samples_per_s"] * self._seq_len, 1) if self._seq_len else None)
-                     for r in self._rates]
-            failures = sorted(self._failures.values(), key=lambda f: -f["t"])[:50]
+                     for r in _thin(self._rates, DOC_RATE_POINTS)]
+            failures = sorted(self._failures.values(), key=lambda f: -f["t"])[:DOC_FAILURES]
             doc = {"run_id": self.run_id, "time": round(self._clock(), 3), "period": self.period,
                    "dht": {"ok": self._error is None, "error": self._error, "reads": self._reads,
                            "last_read": self._last_read},
-                   "seq_len": self._seq_len}
-        doc.update(peers=peers, val_loss=val, rates=rates, digests=digest_agreement(peers), failures=failures,
-                   local_workers={pid: local_workers(v) for pid, v in peers.items()})
-        return json_safe(doc)
+                   "seq_len": self._seq_len, "peers_total": self._peers_total, "omitted": dict(self._omitted)}
+        per_series = max(16, min(DOC_SERIES_POINTS, DOC_VAL_POINTS // max(1, len(series))))
+        val = {pid: [list(p) for p in _thin(pts, per_series)] for pid, pts in series.items()}  # finite (_fold_val)
+        doc = json_safe(doc)
+        doc.update(peers=peers, val_loss=val, rates=json_safe(rates), digests=digest_agreement(peers),
+                   failures=failures, local_workers={pid: local_workers(v) for pid, v in peers.items()})
+        return doc
+
+    def published(self) -> bytes:
+        """The document of the last read, as served to every request: never built here, except once
+        for a view that has not been read yet."""
+        version, body = self._body
+        return body if version >= 0 else self.document_bytes()
+
+    def document_bytes(self) -> bytes:
+        """The document as UTF-8 JSON, built at most once per change of the view (a read): every
+        request until the next read is served these same bytes."""
+        with self._build_lock:
+            version, body = self._body
+            if version == self._version:
+                return body
+            version = self._version
+            body = _dumps(self.document()).encode()
+            self._body = (version, body)
+            self.builds += 1
+            return body
+
+
+def _keep_newest(points: Dict[int, float], n: int) -> None:
+    for s in sorted(points)[:len(points) - n]:
+        del points[s]
 
 
 def digest_agreement(peers: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
@@ -225,16 +365,19 @@ def digest_agreement(peers: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
 
     ``{"step": S or None, "groups": [{"digest", "peers": [ids]}] (largest first), "elsewhere": [ids
     of peers at another step or without a digest]}``. Peers of a step hold bitwise identical state,
-    so one group is the healthy answer; two groups at one step is a bug (or a liar)."""
+    so one group is the healthy answer; two groups at one step is a bug (or a liar). A digest is
+    shown by its first DOC_DIGEST_CHARS characters (groups are formed on the whole digest)."""
     at = {pid: v.get("synced_step") for pid, v in peers.items()
           if isinstance(v.get("synced_step"), int) and isinstance(v.get("digest"), str) and v.get("digest")}
     if not at:
         return {"step": None, "groups": [], "elsewhere": sorted(peers)}
     step = max(at.values())
     members = sorted(pid for pid, s in at.items() if s == step)
-    counts = Counter(peers[pid]["digest"] for pid in members)
-    groups = [{"digest": d, "peers": [pid for pid in members if peers[pid]["digest"] == d]}
-              for d, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    holders: Dict[str, List[str]] = {}
+    for pid in members:
+        holders.setdefault(peers[pid]["digest"], []).append(pid)
+    groups = [{"digest": d[:DOC_DIGEST_CHARS], "peers": ids}
+              for d, ids in sorted(holders.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
     return {"step": step, "groups": groups, "elsewhere": sorted(set(peers) - set(members))}
 
 

@@ -50,7 +50,8 @@
     if (Math.abs(n) >= 1e3) return (n / 1e3).toFixed(1) + "k";
     return String(Math.round(n));
   }
-  function fmtNum(n, digits) { return isNum(n) ? n.toFixed(digits) : "–"; }
+  // a magnitude from a million on in 3 significant figures (a stranger's 1e308 stays short)
+  function fmtNum(n, digits) { return !isNum(n) ? "–" : Math.abs(n) < 1e6 ? n.toFixed(digits) : n.toPrecision(3); }
   // a peer's share of the last round's samples (issue 23: peers of different speeds)
   function fmtShare(n) { return isNum(n) && n >= 0 && n <= 1 ? (100 * n).toFixed(0) + "%" : "–"; }
   function fmtAgo(seconds) {
@@ -58,34 +59,86 @@
     if (seconds < 0) seconds = 0;
     if (seconds < 90) return seconds.toFixed(0) + " s ago";
     if (seconds < 5400) return (seconds / 60).toFixed(0) + " min ago";
-    return (seconds / 3600).toFixed(1) + " h ago";
+    if (seconds < 172800) return (seconds / 3600).toFixed(1) + " h ago";
+    return seconds < 864e6 ? (seconds / 86400).toFixed(0) + " d ago" : "long ago";
   }
   function fmtClock(t) {
     const d = new Date(t * 1000);
+    if (!isNum(d.getTime())) return "–";
     return [d.getHours(), d.getMinutes(), d.getSeconds()].map((x) => String(x).padStart(2, "0")).join(":");
   }
 
   // ---- charts -----------------------------------------------------------------------------------------
+  // Values come from strangers' records: any finite double may reach here (a loss range of one ulp,
+  // steps near 2**62, 1e308). Every loop below is bounded by a count, never by a value reaching another.
+  const MAX_TICKS = 64;
   function niceStep(span, count) {
     const raw = span / Math.max(1, count);
     const mag = Math.pow(10, Math.floor(Math.log10(raw)));
     const f = raw / mag;
     return (f < 1.5 ? 1 : f < 3 ? 2 : f < 7 ? 5 : 10) * mag;
   }
+  // round-number ticks in [lo, hi]; just the two ends when no round step is wider than the values'
+  // rounding (a span of a few ulps: lo + step === lo) or the span is not finite
   function ticks(lo, hi, count) {
+    if (!isNum(lo) || !isNum(hi)) return [];
     if (!(hi > lo)) return [lo];
     const step = niceStep(hi - lo, count);
+    if (!isNum(step) || !(step > Math.max(Math.abs(lo), Math.abs(hi)) * 1e-12)) return [lo, hi];
+    const first = Math.ceil(lo / step), n = Math.floor(hi / step + 1e-9) - first;
+    if (!(n >= 0 && n < MAX_TICKS)) return [lo, hi];
     const out = [];
-    for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(+v.toPrecision(12));
+    for (let i = 0; i <= n; i++) out.push(+((first + i) * step).toPrecision(12));
     return out;
   }
   const TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400];
   function timeTicks(lo, hi, count) {
-    const step = TIME_STEPS.find((s) => (hi - lo) / s <= count) || 86400;
+    if (!isNum(lo) || !isNum(hi) || !(hi >= lo)) return [];
+    const step = TIME_STEPS.find((s) => (hi - lo) / s <= count);
+    if (step === undefined) return [lo, hi];
+    const first = Math.ceil(lo / step), n = Math.min(Math.floor(hi / step) - first, MAX_TICKS - 1);
     const out = [];
-    for (let v = Math.ceil(lo / step) * step; v <= hi; v += step) out.push(v);
+    for (let i = 0; i <= n; i++) out.push((first + i) * step);
     return out;
   }
+  // [lo, hi] of coordinate k of every point (loops: a spread of 200k arguments overflows the stack)
+  function extent(series, k) {
+    let lo = Infinity, hi = -Infinity;
+    for (const s of series) {
+      for (const p of s.points) {
+        if (p[k] < lo) lo = p[k];
+        if (p[k] > hi) hi = p[k];
+      }
+    }
+    return [lo, hi];
+  }
+  // a range narrower than a billionth of its magnitude (or than 1e-300: subnormal steps) shows
+  // rounding, not data: widened like an empty one
+  function flat(lo, hi) { return !(hi - lo > Math.max(Math.abs(lo), Math.abs(hi), 1e-300) * 1e-9); }
+  // where to scale: x0..x1 and y0..y1 (finite, x1 > x0, y1 > y0), and the ticks of both axes
+  function axes(series, opts, xCount) {
+    let [x0, x1] = extent(series, 0), [y0, y1] = extent(series, 1);
+    if (opts.zeroY) y0 = Math.min(0, y0);
+    const MAX = Number.MAX_VALUE;
+    if (opts.xTime ? x1 === x0 : flat(x0, x1)) {
+      const d = opts.xTime ? 30 : Math.max(1, Math.abs(x0) * 0.1);
+      x0 = Math.max(x0 - d, -MAX); x1 = opts.xTime ? x1 : Math.min(x1 + d, MAX);
+    }
+    if (flat(y0, y1)) {
+      const d = Math.abs(y0) * 0.1 || 1;
+      y0 = opts.zeroY && y0 >= 0 ? 0 : Math.max(y0 - d, -MAX); y1 = Math.min(y1 + d, MAX);
+    }
+    let ys = ticks(y0, y1, 4);
+    const step = ys.length > 1 ? ys[1] - ys[0] : 0;
+    const lo = Math.floor(y0 / step) * step, hi = Math.ceil(y1 / step) * step;
+    if (isNum(lo) && isNum(hi) && step > 0) { y0 = Math.min(y0, lo); y1 = Math.max(y1, hi); ys = ticks(y0, y1, 4); }
+    const xs = opts.xTime ? timeTicks(x0, x1, xCount) : ticks(x0, x1, xCount);
+    return {x0, x1, y0, y1, xs: opts.integerX ? xs.filter((v) => Number.isInteger(v)) : xs, ys};
+  }
+  // the position of v in [a, b] as a fraction (halves first: b - a of two doubles can overflow)
+  const frac = (v, a, b) => (v / 2 - a / 2) / (b / 2 - a / 2);
+  // circles (one element each, with a tooltip) on at most this many points; beyond, lines only
+  const MAX_MARKERS = 2000;
 
   // series: [{label, color, points: [[x, y], ...]}]; opts: {xTime, integerX, yFmt, markers, zeroY, xLabel}
   function lineChart(box, series, opts) {
@@ -93,40 +146,30 @@
     const h = Number(box.dataset.height) || 170;
     const m = {l: 58, r: 14, t: 8, b: opts.xLabel ? 36 : 22};
     const root = svg("svg", {viewBox: `0 0 ${w} ${h}`, width: "100%", height: h, role: "img"});
-    const all = series.flatMap((s) => s.points);
-    box.dataset.points = String(all.length);
+    const total = series.reduce((a, s) => a + s.points.length, 0);
+    box.dataset.points = String(total);
     box.dataset.series = String(series.filter((s) => s.points.length).length);
-    if (!all.length) {
+    if (!total) {
       root.appendChild(svg("text", {x: w / 2, y: h / 2, "text-anchor": "middle", class: "nodata"},
                            opts.empty || "waiting for data"));
       box.replaceChildren(root);
       return;
     }
-    let x0 = Math.min(...all.map((p) => p[0])), x1 = Math.max(...all.map((p) => p[0]));
-    let y0 = Math.min(...all.map((p) => p[1])), y1 = Math.max(...all.map((p) => p[1]));
-    if (opts.zeroY) y0 = Math.min(0, y0);
-    if (x1 === x0) { x0 -= opts.xTime ? 30 : 1; x1 += opts.xTime ? 0 : 1; }
-    if (y1 === y0) { const d = Math.abs(y0) * 0.1 || 1; y0 = opts.zeroY ? 0 : y0 - d; y1 += d; }
-    const ys = ticks(y0, y1, 4);
-    const step = ys.length > 1 ? ys[1] - ys[0] : (y1 - y0);
-    y0 = Math.min(y0, Math.floor(y0 / step) * step);
-    y1 = Math.max(y1, Math.ceil(y1 / step) * step);
-    const X = (x) => m.l + (x - x0) / (x1 - x0) * (w - m.l - m.r);
-    const Y = (y) => h - m.b - (y - y0) / (y1 - y0) * (h - m.t - m.b);
+    const xCount = Math.max(2, Math.floor((w - m.l) / (opts.xTime ? 90 : 70)));
+    const {x0, x1, y0, y1, xs, ys} = axes(series, opts, xCount);
+    const X = (x) => m.l + frac(x, x0, x1) * (w - m.l - m.r);
+    const Y = (y) => h - m.b - frac(y, y0, y1) * (h - m.t - m.b);
 
     const axis = svg("g", {class: "axis"});
-    for (const v of ticks(y0, y1, 4)) {
+    for (const v of ys) {
       axis.appendChild(svg("line", {x1: m.l, x2: w - m.r, y1: Y(v), y2: Y(v), class: "gridline"}));
       axis.appendChild(svg("text", {x: m.l - 8, y: Y(v) + 4, "text-anchor": "end"}, (opts.yFmt || String)(v)));
     }
     axis.appendChild(svg("line", {x1: m.l, x2: w - m.r, y1: h - m.b, y2: h - m.b, class: "baseline"}));
-    let xs = opts.xTime ? timeTicks(x0, x1, Math.max(2, Math.floor((w - m.l) / 90)))
-                        : ticks(x0, x1, Math.max(2, Math.floor((w - m.l) / 70)));
-    if (opts.integerX) xs = xs.filter((v) => Number.isInteger(v));
     for (const v of xs) {
       if (opts.xTime && X(v) - m.l < 20) continue;  // a clock label there would run into the y axis' labels
       axis.appendChild(svg("text", {x: X(v), y: h - m.b + 15, "text-anchor": "middle"},
-                           opts.xTime ? fmtClock(v) : String(v)));
+                           opts.xTime ? fmtClock(v) : Math.abs(v) < 1e7 ? String(v) : v.toExponential(2)));
     }
     if (opts.xLabel) {
       axis.appendChild(svg("text", {x: m.l + (w - m.l - m.r) / 2, y: h - 3, "text-anchor": "middle", class: "label"},
@@ -148,7 +191,7 @@
       }
       g.appendChild(svg("path", {d: d, class: "series" + (s.dashed ? " dashed" : ""), stroke: s.color,
                                  style: {strokeWidth: String(2 + 1.5 * under)}}));
-      if (opts.markers) {
+      if (opts.markers && total <= MAX_MARKERS) {
         for (const p of s.points) {
           const c = svg("circle", {cx: X(p[0]), cy: Y(p[1]), r: 3.5 + 2 * under, class: under ? "pt ring" : "pt",
                                    stroke: s.color, fill: under ? "none" : s.color});
@@ -191,9 +234,9 @@
   }
 
   function renderTiles(doc, peers) {
-    $("t-peers").textContent = String(peers.length);
+    $("t-peers").textContent = String(isNum(doc.peers_total) ? doc.peers_total : peers.length);
     const outer = peers.map(([, v]) => v.round).filter(isNum);
-    $("t-outer").textContent = outer.length ? String(Math.max(...outer)) : "–";
+    $("t-outer").textContent = outer.length ? String(outer.reduce((a, b) => Math.max(a, b))) : "–";
     const last = (doc.rates || []).slice(-1)[0];
     const tokens = doc.seq_len ? last && last.tokens_per_s : last && last.samples_per_s;
     $("t-tokens-label").textContent = doc.seq_len ? "tokens/s" : "samples/s";
@@ -244,7 +287,7 @@
       label: short(pid) + (doc.peers && doc.peers[pid] ? "" : " (left)"), color: colors[pid], mono: true,
       points: pts.filter((p) => isNum(p[0]) && isNum(p[1])),
     }));
-    lineChart($("loss-chart"), loss, {markers: true, integerX: true, yFmt: (v) => v.toFixed(2),
+    lineChart($("loss-chart"), loss, {markers: true, integerX: true, yFmt: (v) => fmtNum(v, 2),
                                       xLabel: "outer step", legend: true, empty: "no validation loss yet"});
     const rates = (doc.rates || []).filter((r) => isNum(r.t));
     const tokensKey = doc.seq_len ? "tokens_per_s" : "samples_per_s";
@@ -337,6 +380,11 @@
     setTimeout(poll, period);
   }
 
-  window.addEventListener("resize", () => { if (lastDoc) renderCharts(lastDoc, colorMap(lastDoc)); });
-  poll();
+  if (typeof module === "object" && module.exports) {
+    module.exports = {ticks, timeTicks, niceStep, axes};  // tests/test_dashboard.py runs these under node
+  }
+  if (typeof window === "object") {
+    window.addEventListener("resize", () => { if (lastDoc) renderCharts(lastDoc, colorMap(lastDoc)); });
+    poll();
+  }
 })();
