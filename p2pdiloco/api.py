@@ -17,6 +17,7 @@ from typing import Optional
 
 from torch import nn
 
+from .addresses import listen_maddrs
 from .config import RunConfig
 from .swarm.node import SwarmNode
 from .swarm.swarm import Swarm
@@ -40,7 +41,8 @@ def join_swarm(cfg: RunConfig, model: Optional[nn.Module] = None) -> Swarm:
     unreachable bootstrap peer or a configuration that differs from the run's.
     """
     s = cfg.swarm
-    node = SwarmNode(s.initial_peers, host_maddrs=s.host_maddrs, announce_maddrs=s.announce_maddrs,
+    node = SwarmNode(s.initial_peers, host_maddrs=listen_maddrs(s.host_maddrs, s.initial_peers),
+                     announce_maddrs=s.announce_maddrs,
                      identity_path=s.identity_path, bootstrap_timeout=s.bootstrap_timeout,
                      reachability=s.reachability)
     try:

@@ -283,11 +283,13 @@ class CompressionConfig:
 
 @dataclass
 class SwarmConfig:
-    """Discovery and networking. Listens on loopback unless told otherwise."""
+    """Discovery and networking."""
 
     run_id: str = "p2pdiloco-demo"
     initial_peers: List[str] = field(default_factory=list)
-    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    #: where the p2p daemon listens; empty (the default): on loopback when every initial peer is on this
+    #: machine, on every interface (a kernel-chosen port) when one is elsewhere (addresses.listen_maddrs)
+    host_maddrs: List[str] = field(default_factory=list)
     announce_maddrs: List[str] = field(default_factory=list)
     #: private key file giving this peer a stable identity ("" = fresh identity every start)
     identity_path: str = ""

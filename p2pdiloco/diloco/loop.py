@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import faults
+from ..addresses import listen_maddrs
 from ..checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from ..config import RunConfig
 from ..data import BatchStream, evaluate, load_corpus
@@ -152,7 +153,8 @@ class _Peer:
         self.sharded = local is not None and local.sharded
         self.eval_device = "cpu" if self.sharded else self.device
         self.shards = None
-        self.node = SwarmNode(cfg.swarm.initial_peers, host_maddrs=cfg.swarm.host_maddrs,
+        self.node = SwarmNode(cfg.swarm.initial_peers,
+                              host_maddrs=listen_maddrs(cfg.swarm.host_maddrs, cfg.swarm.initial_peers),
                               announce_maddrs=cfg.swarm.announce_maddrs, identity_path=cfg.swarm.identity_path,
                               bootstrap_timeout=cfg.swarm.bootstrap_timeout, reachability=cfg.swarm.reachability)
         self.me = self.node.short_id
