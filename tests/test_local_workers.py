@@ -716,6 +716,10 @@ def _brief_bytes(**change) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
+def _spec(obj) -> dict:
+    return {"\x00tensor": obj}  # a tensor spec as the brief carries it
+
+
 def _ext(code: int, obj) -> "msgpack.ExtType":
     import msgpack
 
@@ -743,17 +747,19 @@ def _opt(state=None, groups=None) -> dict:
     ("opt not a map", lambda: _brief_bytes(opt=[1]), "opt is not a map of 'state' and 'param_groups'"),
     ("state key", lambda: _brief_bytes(opt=_opt(state={"x": {}})), "opt.state has key 'x'"),
     ("state value", lambda: _brief_bytes(opt=_opt(state={0: {"step": "1"}})), "opt.state[0].'step' = '1' is not"),
-    ("dtype", lambda: _brief_bytes(opt=_opt(state={0: {"m": _ext(1, [[2], "complex64", "cpu"])}})),
+    ("dtype", lambda: _brief_bytes(opt=_opt(state={0: {"m": _spec([[2], "complex64", "cpu"])}})),
      "dtype 'complex64' is not one of"),
-    ("device", lambda: _brief_bytes(opt=_opt(state={0: {"m": _ext(1, [[2], "float32", "tpu"])}})),
+    ("device", lambda: _brief_bytes(opt=_opt(state={0: {"m": _spec([[2], "float32", "tpu"])}})),
      "device 'tpu' is not one of"),
-    ("shape", lambda: _brief_bytes(opt=_opt(state={0: {"m": _ext(1, [[-1], "float32", "cpu"])}})),
+    ("shape", lambda: _brief_bytes(opt=_opt(state={0: {"m": _spec([[-1], "float32", "cpu"])}})),
      "shape [-1] is not a list"),
-    ("spec size", lambda: _brief_bytes(opt=_opt(state={0: {"m": _ext(1, [[2], "float32"])}})),
-     "a tensor spec of 2 items, not 3"),
-    ("ext type", lambda: _brief_bytes(opt=_opt(state={0: {"m": _ext(7, [1])}})), "unknown msgpack ext type 7"),
-    ("nested ext", lambda: _brief_bytes(opt=_opt(state={0: {"m": __import__("msgpack").ExtType(
-        2, __import__("msgpack").packb(_ext(2, [1])))}})), "undecodable"),
+    ("spec size", lambda: _brief_bytes(opt=_opt(state={0: {"m": _spec([[2], "float32"])}})),
+     "a tensor spec that is not a list of 3 items"),
+    ("ext type", lambda: _brief_bytes(opt=_opt(state={0: {"m": _ext(7, [1])}})), "undecodable"),
+    ("a former tensor ext", lambda: _brief_bytes(opt=_opt(state={0: {"m": _ext(1, [[2], "float32", "cpu"])}})),
+     "undecodable"),
+    ("tag beside another key", lambda: _brief_bytes(opt=_opt(state={0: {"m": {"\x00tensor": [[2], "float32", "cpu"],
+                                                                              "x": 1}}})), "is not a number"),
     ("params", lambda: _brief_bytes(opt=_opt(groups=[{"lr": 0.1, "params": "all"}])),
      "param_groups[0].params is not a list of parameter indices"),
     ("group value", lambda: _brief_bytes(opt=_opt(groups=[{"lr": {"a": 1}, "params": [0]}])),

@@ -16,10 +16,11 @@ field that is wrong::
                    {"state": {parameter index: {name: tensor spec | number}},
                     "param_groups": [{name: None | bool | number | str | tuple/list of numbers}]}
 
-A tensor spec is msgpack ext type 1 holding ``[shape, dtype, device]``, a tuple (AdamW's betas) ext
-type 2 holding its items; decoded, they are the skeleton's own forms (``("__tensor__", shape, dtype,
-device)`` and a tuple). Sizes are bounded (:data:`MAX_BRIEF_BYTES` and the ``MAX_*`` limits) before
-anything is allocated.
+A tensor spec is a map of one key, ``"\\x00tensor"``, holding ``[shape, dtype, device]``; a tuple
+(AdamW's betas) a map of one key, ``"\\x00tuple"``, holding its items; decoded, they are the skeleton's
+own forms (``("__tensor__", shape, dtype, device)`` and a tuple). No msgpack ext type is accepted (every
+decode in p2pdiloco forbids them). Sizes are bounded (:data:`MAX_BRIEF_BYTES` and the ``MAX_*``
+limits) before anything is allocated.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ MAX_NDIM, MAX_DIM = 8, 1 << 40
 #: dtypes a tensor spec may name (torch attribute names) and the devices
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 DEVICES = ("cpu", "cuda")
-_EXT_TENSOR, _EXT_TUPLE = 1, 2
+#: the keys that mark a tensor spec and a tuple (a NUL first: no optimiser state or group field is named so)
+_TAG_TENSOR, _TAG_TUPLE = "\x00tensor", "\x00tuple"
 _INFO = {"run_dir": str, "me": str, "peer": str, "shard": int, "batches_drawn": int}
 _TENSOR = "__tensor__"
 
@@ -57,10 +59,12 @@ def encode_brief(info: Dict[str, Any], skeleton: Any) -> bytes:
 
 def _to_wire(x: Any) -> Any:
     if isinstance(x, tuple) and len(x) == 4 and x[0] == _TENSOR:
-        return msgpack.ExtType(_EXT_TENSOR, msgpack.packb([list(x[1]), x[2], x[3]]))
+        return {_TAG_TENSOR: [list(x[1]), x[2], x[3]]}
     if isinstance(x, tuple):
-        return msgpack.ExtType(_EXT_TUPLE, msgpack.packb([_to_wire(v) for v in x]))
+        return {_TAG_TUPLE: [_to_wire(v) for v in x]}
     if isinstance(x, dict):
+        if any(isinstance(k, str) and k.startswith("\x00") for k in x):
+            raise ValueError("the local workers' brief cannot carry a field name starting with NUL")
         return {k: _to_wire(v) for k, v in x.items()}
     if isinstance(x, list):
         return [_to_wire(v) for v in x]
@@ -69,30 +73,17 @@ def _to_wire(x: Any) -> Any:
     raise ValueError(f"the local workers' brief cannot carry a {type(x).__name__}")
 
 
-class _Tensor(tuple):
-    """A decoded tensor spec (told apart from a tuple until validated)."""
+def _tagged(v: Any, tag: str) -> Any:
+    """The payload of a tagged map ``{tag: payload}``, or None when ``v`` is not one."""
+    if isinstance(v, dict) and len(v) == 1 and tag in v:
+        return v[tag]
+    return None
 
 
-def _unpack(data: bytes, ext: bool = True) -> Any:
-    """msgpack with every size bounded; ``ext``: the outer message, whose tensor specs and tuples hold
-    plain values only (no ext inside an ext: no unbounded nesting of decoders)."""
-    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True, ext_hook=_ext if ext else _no_ext,
-                           max_str_len=MAX_STR, max_bin_len=0,
-                           max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS, max_ext_len=MAX_BRIEF_BYTES if ext else 0)
-
-
-def _ext(code: int, data: bytes) -> Any:
-    if code not in (_EXT_TENSOR, _EXT_TUPLE):
-        raise WireError(f"the local workers' brief holds an unknown msgpack ext type {code}")
-    items = _unpack(data, ext=False)
-    if not isinstance(items, list):
-        raise WireError(f"the local workers' brief holds a {'tensor spec' if code == _EXT_TENSOR else 'tuple'} "
-                        "that is not an array")
-    return _Tensor(items) if code == _EXT_TENSOR else tuple(items)
-
-
-def _no_ext(code: int, data: bytes) -> Any:
-    raise WireError("the local workers' brief nests a msgpack ext type inside another")
+def _unpack(data: bytes) -> Any:
+    """msgpack with every size bounded and no ext type."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True, max_str_len=MAX_STR,
+                           max_bin_len=0, max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS, max_ext_len=0)
 
 
 def decode_brief(data: bytes) -> Dict[str, Any]:
@@ -142,7 +133,8 @@ def _skeleton(opt: Any) -> Dict[str, Any]:
             at = f"{where}.state[{i}].{k!r:.40}"
             if type(k) is not str:
                 raise WireError(f"the local workers' brief: {at}: the name is not a string")
-            out_state[i][k] = _tensor(v, at) if isinstance(v, _Tensor) else _number(v, at)
+            spec = _tagged(v, _TAG_TENSOR)
+            out_state[i][k] = _tensor(spec, at) if spec is not None else _number(v, at)
     if not isinstance(groups, list):
         raise WireError(f"the local workers' brief: {where}.param_groups is not a list")
     out_groups: List[Dict[str, Any]] = []
@@ -154,8 +146,11 @@ def _skeleton(opt: Any) -> Dict[str, Any]:
             at = f"{where}.param_groups[{g}].{k!r:.40}"
             if type(k) is not str:
                 raise WireError(f"the local workers' brief: {at}: the name is not a string")
-            if isinstance(v, (list, tuple)) and not isinstance(v, _Tensor):
-                checked[k] = type(v)(_number(x, f"{at}[{j}]") for j, x in enumerate(v))
+            items = _tagged(v, _TAG_TUPLE)
+            if isinstance(items, list):
+                checked[k] = tuple(_number(x, f"{at}[{j}]") for j, x in enumerate(items))
+            elif isinstance(v, list):
+                checked[k] = [_number(x, f"{at}[{j}]") for j, x in enumerate(v)]
             elif v is None or type(v) is str:
                 checked[k] = v
             else:
@@ -174,9 +169,9 @@ def _number(v: Any, at: str) -> Any:
     raise WireError(f"the local workers' brief: {at} = {v!r:.80} is not a number")
 
 
-def _tensor(spec: _Tensor, at: str) -> tuple:
-    if len(spec) != 3:
-        raise WireError(f"the local workers' brief: {at}: a tensor spec of {len(spec)} items, not 3")
+def _tensor(spec: Any, at: str) -> tuple:
+    if not isinstance(spec, list) or len(spec) != 3:
+        raise WireError(f"the local workers' brief: {at}: a tensor spec that is not a list of 3 items")
     shape, dtype, device = spec
     if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
             type(d) is int and 0 <= d <= MAX_DIM for d in shape):
