@@ -83,11 +83,23 @@ def test_second_process_with_the_same_key_is_refused(tmp_path):
     release_identity(path)
 
 
-def test_default_listen_addresses_are_loopback():
+def test_default_listen_addresses_are_loopback_unless_the_swarm_is_elsewhere():
+    """A bootstrap, and a volunteer whose swarm is on this machine, listen on loopback; a volunteer whose
+    initial peer is on another machine listens on every interface (that peer and its swarm must dial it;
+    the p2p daemon authenticates every connection), unless told where."""
+    from p2pdiloco.addresses import listen_maddrs
     from p2pdiloco.cli import build_parser
     from p2pdiloco.config import BootstrapConfig, RunConfig
 
-    assert RunConfig().swarm.host_maddrs == ["/ip4/127.0.0.1/tcp/0"]
+    peer = "/p2p/12D3KooWRqEip4Qjkz81uhEjW1R2z3w5fP7f9HkpSDCkpJ7Gvnvt"
+    assert RunConfig().swarm.host_maddrs == []
+    assert listen_maddrs([], []) == ["/ip4/127.0.0.1/tcp/0"]
+    assert listen_maddrs([], ["/ip4/127.0.0.1/tcp/31337" + peer, "/dns/localhost/tcp/1" + peer]) == [
+        "/ip4/127.0.0.1/tcp/0"]
+    assert listen_maddrs([], ["/ip4/127.0.0.1/tcp/31337" + peer, "/ip4/192.0.2.7/tcp/31337" + peer]) == [
+        "/ip4/0.0.0.0/tcp/0"]
+    assert listen_maddrs([], ["/ip6/2001:db8::7/tcp/31337" + peer]) == ["/ip6/::/tcp/0"]
+    assert listen_maddrs(["/ip4/127.0.0.1/tcp/5"], ["/ip4/192.0.2.7/tcp/31337" + peer]) == ["/ip4/127.0.0.1/tcp/5"]
     assert BootstrapConfig().host_maddrs == ["/ip4/127.0.0.1/tcp/0"]
     assert RunConfig().swarm.announce_maddrs == [] and BootstrapConfig().announce_maddrs == []
     args = build_parser().parse_args(["bootstrap"])

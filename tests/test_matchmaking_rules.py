@@ -36,9 +36,14 @@ def _group(members, gid: str = "") -> Group:
 #: those), or the exception raised
 ROWS: List[Dict[str, Any]] = [
     dict(case="a verified sync of the swarm at or past our step: behind, nothing announced",
-         records={"t:progress": {p: {"synced_step": 120, "digest": DIGEST, "next_sync": 140, "t": 1.0}
+         records={"t:progress": {p: {"synced_step": 120, "digest": DIGEST, "next_sync": 140, "t": 1.0, "gid": "g"}
                                  for p in ("a", "b")}},
          announce=False, raises=RoundMissed),
+    dict(case="identities that are not our partners claim a sync past our step: not behind, we form our own",
+         records={"t:progress": dict({p: {"synced_step": 120, "digest": DIGEST, "next_sync": 140, "t": 1.0,
+                                          "gid": "g-fake"} for p in ("s1", "s2")},
+                                     z=dict(_due("z")["z"], synced_step=80, digest=DIGEST, gid="g-ours"))},
+         partners=["z"], asked=[], result="lead: unseen ['z']"),
     dict(case="the round's group closed without us, based on our history: missed",
          records={"t:group:0:5": {"a": {"members": ["a", "b"], "base": "g-ours"}}},
          lineage=["g-ours"], raises=RoundMissed),
@@ -78,6 +83,8 @@ def _run(row: Dict[str, Any]):
         mm.add_lineage(gid)
     if row.get("companions"):
         mm.set_companions(row["companions"] + ["me"])
+    if row.get("partners"):  # peers we completed verified rounds with earlier (swarm/standing.py)
+        mm.partners.add(row["partners"])
     asked: List[str] = []
     answers = row.get("answers", {})
 
