@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--announce-maddrs", nargs="+", default=None, metavar="MULTIADDR",
                    help="public addresses to announce (behind NAT / port forwarding)")
     b.add_argument("--config", help="bootstrap TOML config (see bootstrap/bootstrap.toml)")
+    b.add_argument("--no-relay", dest="relay", action="store_false", default=None,
+                   help="do not relay for volunteers behind NAT (bootstrap.relay = false)")
     b.add_argument("--initial-peers", nargs="+", default=None, metavar="MULTIADDR",
                    help="other bootstrap peers to connect to (optional)")
 
@@ -152,12 +154,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from .config import load_bootstrap_config
+    from .metrics import format_bytes
     from .swarm.node import SwarmNode
 
     cfg = load_bootstrap_config(args.config, identity=args.identity, host_maddrs=args.host_maddrs,
-                                announce_maddrs=args.announce_maddrs, initial_peers=args.initial_peers)
+                                announce_maddrs=args.announce_maddrs, initial_peers=args.initial_peers,
+                                relay=args.relay)
     node = SwarmNode(cfg.initial_peers, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
-                     identity_path=cfg.identity, bootstrap_timeout=cfg.bootstrap_timeout)
+                     identity_path=cfg.identity, bootstrap_timeout=cfg.bootstrap_timeout, relay=cfg.relay_limits())
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -165,8 +169,20 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
         print(f"bootstrap peer {node.peer_id_str} is up; give volunteers one of these addresses:", file=sys.stderr)
         for maddr in node.visible_maddrs():
             print(maddr, flush=True)
+        if node.relay_server is not None:
+            lim = node.relay_server.limits
+            print(f"relaying for peers behind NAT: up to {lim.max_reservations} peers, {lim.max_circuits} streams at "
+                  "once (bootstrap.relay = false turns it off)", file=sys.stderr, flush=True)
+        last, shown = time.monotonic(), None
         while not stop.wait(1.0):
-            pass
+            if node.relay_server is not None and time.monotonic() - last >= 60:
+                last = time.monotonic()
+                st = node.relay_server.stats
+                now = (len(node.relay_server.reserved()), st["circuits"], st["bytes"])
+                if now != shown:
+                    shown = now
+                    print(f"relay: {now[0]} peer(s) reserved, {now[1]} stream(s) forwarded, "
+                          f"{format_bytes(now[2])} carried", file=sys.stderr, flush=True)
         print("shutting down", file=sys.stderr, flush=True)
     finally:
         node.shutdown()

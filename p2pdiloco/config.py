@@ -320,6 +320,9 @@ class SwarmConfig:
     #: "public" or "private" (behind NAT: trains as a full member, owns no all-reduce shard, never
     #: leads a group); see swarm/reachability.py. Local: not part of the fingerprint
     reachability: str = "auto"
+    #: when public, also relay for peers behind NAT (swarm/relay.py; the bootstrap relays by default).
+    #: Local: not part of the fingerprint
+    relay: bool = False
 
     def validate(self) -> None:
         if self.reachability not in ("auto", "public", "private"):
@@ -754,9 +757,36 @@ class BootstrapConfig:
     announce_maddrs: List[str] = field(default_factory=list)
     initial_peers: List[str] = field(default_factory=list)
     bootstrap_timeout: float = 20.0
+    #: relay for volunteers behind NAT (swarm/relay.py): they reach each other through this peer
+    relay: bool = True
+    #: private peers holding a slot at once, and streams forwarded at once
+    relay_max_reservations: int = 128
+    relay_max_circuits: int = 64
+    #: MB one forwarded stream may carry (both ways), and GB all of them together per hour (0: no cap)
+    relay_max_mb_per_stream: float = 4096.0
+    relay_max_gb_per_hour: float = 0.0
+
+    def relay_limits(self):
+        """The relay's limits (swarm/relay.py), or None when relaying is off."""
+        from .swarm.relay import RelayLimits
+
+        if not self.relay:
+            return None
+        return RelayLimits(max_reservations=self.relay_max_reservations, max_circuits=self.relay_max_circuits,
+                           max_circuit_bytes=int(self.relay_max_mb_per_stream * 1e6),
+                           max_bytes_per_hour=int(self.relay_max_gb_per_hour * 1e9))
 
     def validate(self) -> "BootstrapConfig":
         from .addresses import parse_maddrs
+
+        for key in ("relay_max_reservations", "relay_max_circuits"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"bootstrap.{key} ({v!r}) must be an integer >= 1")
+        for key in ("relay_max_mb_per_stream", "relay_max_gb_per_hour"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(f"bootstrap.{key} ({v!r}) must be a number >= 0 (0: no cap)")
 
         if not self.identity:
             raise ConfigError("bootstrap.identity must name a key file")

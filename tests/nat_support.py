@@ -24,7 +24,6 @@ from typing import List
 
 from p2pdiloco.bench.wan import EmulatedWAN, Host, LinkSpec, _prep_netns, _sh
 
-LAN = "192.168.77"
 RULES = """
 table ip nat {
   chain postrouting {
@@ -82,15 +81,18 @@ def ensure_nft() -> str:
 
 
 class NatNet:
-    """``n_public`` public hosts, a router, ``n_private`` hosts behind its NAT (context manager)."""
+    """``n_public`` public hosts, ``routers`` NAT routers, ``n_private`` hosts behind them (private host k
+    behind router k % routers, on LAN ``192.168.(77 + r).0/24``); a context manager."""
 
-    def __init__(self, n_public: int, n_private: int):
+    def __init__(self, n_public: int, n_private: int, routers: int = 1):
         self.nft = ensure_nft()
-        self.wan = EmulatedWAN(n_public + 1, LinkSpec(rate_mbit=1000))
-        self.n_public, self.n_private = n_public, n_private
+        self.wan = EmulatedWAN(n_public + routers, LinkSpec(rate_mbit=1000))
+        self.n_public, self.n_private, self.n_routers = n_public, n_private, routers
         self.public: List[Host] = []
         self.private: List[Host] = []
-        self.router: Host = None  # type: ignore[assignment]
+        self.routers: List[Host] = []
+        self.router: Host = None  # type: ignore[assignment]  # the first router
+        self.behind: List[Host] = []  # the router of each private host
 
     def __enter__(self) -> "NatNet":
         wan = self.wan.start()
@@ -104,31 +106,42 @@ class NatNet:
     def __exit__(self, *exc) -> None:
         self.wan.close()
 
+    @staticmethod
+    def lan(r: int) -> str:
+        return f"192.168.{77 + r}"
+
     def _build(self) -> None:
         wan = self.wan
-        *self.public, self.router = wan.hosts
-        r = self.router.netns
-        _sh(["ip", "-n", r, "link", "add", "lan0", "type", "bridge"])
-        _sh(["ip", "-n", r, "addr", "add", f"{LAN}.1/24", "dev", "lan0"])
-        _sh(["ip", "-n", r, "link", "set", "lan0", "up"])
+        self.public, self.routers = wan.hosts[:self.n_public], wan.hosts[self.n_public:]
+        self.router = self.routers[0]
+        for r, router in enumerate(self.routers):
+            ns, lan = router.netns, self.lan(r)
+            _sh(["ip", "-n", ns, "link", "add", "lan0", "type", "bridge"])
+            _sh(["ip", "-n", ns, "addr", "add", f"{lan}.1/24", "dev", "lan0"])
+            _sh(["ip", "-n", ns, "link", "set", "lan0", "up"])
         for k in range(self.n_private):
+            r = k % self.n_routers
+            router, lan = self.routers[r], self.lan(r)
             ns = f"{wan._tag}-p{k}"
             wan._ns_add(ns)
-            _sh(["ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"l{k}", "netns", r])
-            _sh(["ip", "-n", r, "link", "set", f"l{k}", "master", "lan0"])
-            _sh(["ip", "-n", r, "link", "set", f"l{k}", "up"])
+            _sh(["ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"l{k}", "netns", router.netns])
+            _sh(["ip", "-n", router.netns, "link", "set", f"l{k}", "master", "lan0"])
+            _sh(["ip", "-n", router.netns, "link", "set", f"l{k}", "up"])
             _prep_netns(ns, ["eth0"])
-            address = f"{LAN}.{k + 2}"
+            address = f"{lan}.{k // self.n_routers + 2}"
             _sh(["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0"])
             for dev in ("lo", "eth0"):
                 _sh(["ip", "-n", ns, "link", "set", dev, "up"])
-            _sh(["ip", "-n", ns, "route", "add", "default", "via", f"{LAN}.1"])
+            _sh(["ip", "-n", ns, "route", "add", "default", "via", f"{lan}.1"])
             self.private.append(Host(wan, 100 + k, ns, address, LinkSpec(rate_mbit=1000)))
-        _sh(["ip", "netns", "exec", r, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"])
-        subprocess.run(["ip", "netns", "exec", r, self.nft, "-f", "-"], input=RULES, text=True, check=True,
-                       capture_output=True, timeout=30)
-        for host in self.public:  # a route to the LAN through the router: only the NAT keeps them out
-            _sh(["ip", "-n", host.netns, "route", "add", f"{LAN}.0/24", "via", self.router.address])
+            self.behind.append(router)
+        for r, router in enumerate(self.routers):
+            _sh(["ip", "netns", "exec", router.netns, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"])
+            subprocess.run(["ip", "netns", "exec", router.netns, self.nft, "-f", "-"], input=RULES, text=True,
+                           check=True, capture_output=True, timeout=30)
+            # a route to the LAN through its router for every other WAN host: only the NAT keeps them out
+            for host in self.public + [x for x in self.routers if x is not router]:
+                _sh(["ip", "-n", host.netns, "route", "add", f"{self.lan(r)}.0/24", "via", router.address])
 
     # ---- probes ---------------------------------------------------------------------------------
     def listen(self, host: Host, address: str, out_path) -> subprocess.Popen:

@@ -77,7 +77,8 @@ def test_private_peers_behind_a_real_nat_train_as_full_members(tmp_path):
             p.wait(10)
 
         # 2. a swarm: bootstrap + a, b public, c, d private (d is killed mid-round later), all auto
-        boot = peers.start(h0, "boot", "bootstrap", "--identity", str(tmp_path / "boot.key"),
+        # (a bootstrap that does not relay: private peers stay private; test_relay.py has the relayed ones)
+        boot = peers.start(h0, "boot", "bootstrap", "--identity", str(tmp_path / "boot.key"), "--no-relay",
                            "--host-maddrs", f"/ip4/{h0.address}/tcp/0")
         addr = wait_for(lambda: next((l.strip() for l in (tmp_path / "boot.out").read_text().splitlines()
                                       if h0.address in l and "/p2p/" in l), None), 90, "the bootstrap address")

@@ -301,7 +301,7 @@ def _fake(me, records, reach):
     async def astore(key, value, ttl, subkey):
         records.setdefault(key, {})[subkey] = value
 
-    node = SimpleNamespace(peer_id_str=me, short_id=me, traffic=None, add_handler=lambda *a: None,
+    node = SimpleNamespace(peer_id_str=me, short_id=me, traffic=None, add_handler=lambda *a: None, relay_routes={},
                            aget_subkeys=aget_subkeys, astore=astore, reachability=reach,
                            gate=SimpleNamespace(banned=lambda pid: False))
     return Matchmaker(node, "t", matchmaking_timeout=5, join_grace=0.2)
@@ -336,7 +336,7 @@ def test_private_peers_without_a_public_one_fail_at_once_with_one_clear_message(
 
     mm._join = join
     t0 = time.monotonic()
-    with pytest.raises(MatchmakingFailed, match="no public peer is ready .* private peers cannot reach each other"):
+    with pytest.raises(MatchmakingFailed, match="no public peer is ready .* no relay took it.* a bootstrap that relays"):
         asyncio.run(mm.form_group(0, 5, 2, sync_step=100))
     assert time.monotonic() - t0 < 5 and asked == []  # not a timeout; no dial to another private peer
     # alone, a private peer syncs alone like anyone (no dial needed)
@@ -359,3 +359,19 @@ def test_reachability_setting_is_validated_and_not_fingerprinted():
     a, b = load_config(None, ["swarm.reachability=private"]), load_config(None, [])
     assert a.swarm.reachability == "private" and b.swarm.reachability == "auto"
     assert a.fingerprint() == b.fingerprint()
+
+
+def test_relayed_peers_lead_and_own_shards_only_when_no_direct_peer_can():
+    """Leadership and shard ownership by tier: public (dialed directly), then relayed (through their
+    relay), never private (nobody can reach them)."""
+    records = {"t:progress": {"a": {"reach": "relayed", "via": "R" * 52}, "b": {"reach": "private"},
+                              "c": {"reach": "public"}, "d": {"reach": "relayed", "via": "R" * 52}}}
+    mm = _fake("me", records, "relayed")
+    mm._note_reach(records["t:progress"])
+    assert sorted(["me", "a", "b", "c", "d"], key=mm._rank) == ["c", "a", "d", "me", "b"]
+    assert mm._owners(("a", "b", "c", "d", "me")) == ("c",)  # a direct member: it owns
+    assert mm._owners(("a", "b", "d", "me")) == ("a", "d", "me")  # none: the relayed members own
+    assert mm._owners(("a", "d", "me")) is None  # every member owns
+    assert mm.node.relay_routes == {"a": "R" * 52, "d": "R" * 52}  # where streams to them go
+    mm._note_reach({"a": {"reach": "public"}})  # a got an open port: dialed directly again
+    assert "a" not in mm.node.relay_routes

@@ -25,6 +25,7 @@ from ..data import BatchStream, evaluate, load_corpus
 from ..metrics import MetricsWriter, format_bytes
 from ..model import build_model, count_parameters
 from ..errors import JoinFailed, SyncFailed
+from ..swarm.relay import RelayLimits
 from ..swarm.state_sync import StateServer, download_state, in_minority, pick_target, rival_lineage
 from ..local.worker import local_stream
 from .core import DiLoCo, SyncReport
@@ -156,7 +157,8 @@ class _Peer:
         self.node = SwarmNode(cfg.swarm.initial_peers,
                               host_maddrs=listen_maddrs(cfg.swarm.host_maddrs, cfg.swarm.initial_peers),
                               announce_maddrs=cfg.swarm.announce_maddrs, identity_path=cfg.swarm.identity_path,
-                              bootstrap_timeout=cfg.swarm.bootstrap_timeout, reachability=cfg.swarm.reachability)
+                              bootstrap_timeout=cfg.swarm.bootstrap_timeout, reachability=cfg.swarm.reachability,
+                              relay=RelayLimits() if cfg.swarm.relay else None)
         self.me = self.node.short_id
         self.swarm = None
         self.metrics: Optional[MetricsWriter] = None
@@ -583,7 +585,8 @@ class _Peer:
                            sync_bytes_received=rep.bytes_received, digest=rep.digest, error=rep.error or None,
                            applied_step=rep.applied_step, wait_seconds=round(rep.wait_seconds, 4),
                            overlapped_steps=rep.overlapped_steps, sync_bytes=rep.bytes_sent + rep.bytes_received,
-                           peak_bytes_per_s=round(rep.peak_bytes_per_s, 1), **rep.extra)
+                           peak_bytes_per_s=round(rep.peak_bytes_per_s, 1),
+                           relayed_bytes=self.node.relay_stats["bytes"], **rep.extra)
         if rep.ok and rep.extra.get("round_samples"):  # our share of the round's samples (status, dashboard)
             swarm.update_progress(share=rep.samples / float(rep.extra["round_samples"]))
         synced_step, digest = diloco.sync_point()  # read together: a background sync may land any time

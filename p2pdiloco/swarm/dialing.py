@@ -77,8 +77,14 @@ async def ensure_connected(node: Any, peer: str, deadline: float, first_error: O
     """Make sure a libp2p connection to ``peer`` is open by ``deadline`` (event loop time).
 
     Returns None once connected, else the last failure's reason (nothing raised). ``first_error``: a
-    dial that already failed (the caller's stream open), so its cause is logged as the first."""
+    dial that already failed (the caller's stream open), so its cause is logged as the first. A peer
+    reached through a relay (``node.relay_routes``) is reached over our connection to its relay."""
     from hivemind.p2p import PeerID
+
+    relay = getattr(node, "relay_routes", {}).get(peer)
+    if relay is not None and relay != node.peer_id_str:
+        why = f"{why} (relay of {peer[-6:]})"
+        peer = relay
 
     loop = asyncio.get_running_loop()
     stats = _stats(node)
@@ -129,13 +135,19 @@ async def open_stream(node: Any, peer: str, handler: str, deadline: float,
     """``node.p2p.call_binary_stream_handler(peer, handler)``, waiting out a failed or backed-off dial
     until ``deadline`` (event loop time; see the module docstring). Errors other than a failed dial
     are raised at once; a dial still failing at the deadline raises ConnectionError with its cause.
-    ``stats["dial_retries"]`` (when given) counts the dials that failed and were waited out here."""
+    ``stats["dial_retries"]`` (when given) counts the dials that failed and were waited out here. A peer
+    that is reached through a relay (``node.relay_routes``) gets the stream through it (swarm/relay.py)."""
     from hivemind.p2p import PeerID
+
+    from .relay import open_relayed
 
     pid = PeerID.from_base58(peer)
     loop = asyncio.get_running_loop()
     while True:
+        relay = getattr(node, "relay_routes", {}).get(peer)
         try:
+            if relay is not None and relay != node.peer_id_str:
+                return await open_relayed(node, relay, peer, handler, timeout=max(1.0, deadline - loop.time()))
             return await node.p2p.call_binary_stream_handler(pid, handler)
         except asyncio.CancelledError:
             raise

@@ -91,7 +91,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Set, Tuple
 from ..errors import MatchmakingFailed, RoundMissed, WireError
 from .allreduce import Group, make_group_id
 from .dialing import dial_reason, ensure_connected, open_stream
-from .reachability import REACHABILITY, is_private
+from .reachability import REACHABILITY
 from .protocol import (PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header,
                        refuse_bad_request, write_frame)
 from .standing import Partners, voters
@@ -285,18 +285,34 @@ class Matchmaker:
     # ---- reachability (module docstring, item 8) ---------------------------------------------------
     def _note_reach(self, records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         for pid, v in records.items():
-            if v.get("reach") in REACHABILITY:
-                self._reach[pid] = v["reach"]
+            self._learn_reach(pid, v.get("reach"), v.get("via"))
         return records
 
-    def _private(self, peer: str) -> bool:
-        if peer == self.node.peer_id_str:
-            return is_private(getattr(self.node, "reachability", "public"))
-        return is_private(self._reach.get(peer))
+    def _learn_reach(self, pid: str, reach: Any, via: Any) -> None:
+        """A peer's reachability (and, relayed, its relay: where ``open_stream`` sends our streams to it)."""
+        if pid == self.node.peer_id_str or reach not in REACHABILITY:
+            return
+        self._reach[pid] = reach
+        routes = getattr(self.node, "relay_routes", None)
+        if routes is None:
+            return
+        if reach == "relayed" and isinstance(via, str) and 20 <= len(via) <= 128 and via != pid:
+            routes[pid] = via
+        else:
+            routes.pop(pid, None)
 
-    def _rank(self, peer: str) -> Tuple[bool, str]:
-        """Who leads: public peers before private ones, then the smallest id."""
-        return self._private(peer), peer
+    def _tier(self, peer: str) -> int:
+        """0: others dial it directly (public); 1: through its relay (relayed); 2: nobody can (private)."""
+        reach = getattr(self.node, "reachability", "public") if peer == self.node.peer_id_str else self._reach.get(peer)
+        return {"relayed": 1, "private": 2}.get(reach, 0)
+
+    def _private(self, peer: str) -> bool:
+        """Nobody can open a stream to it: it can neither lead nor own a shard."""
+        return self._tier(peer) == 2
+
+    def _rank(self, peer: str) -> Tuple[int, str]:
+        """Who leads: public peers, then relayed ones, then private ones; then the smallest id."""
+        return self._tier(peer), peer
 
     async def _ready_read(self, key: str) -> Set[str]:
         """The (unbanned) peers with a ready record under ``key``; notes their reachability."""
@@ -336,6 +352,12 @@ class Matchmaker:
     def _my_reach(self) -> str:
         reach = getattr(self.node, "reachability", "public")
         return reach if reach in REACHABILITY else "public"
+
+    def _my_reach_fields(self) -> Dict[str, str]:
+        """What our ready records and join requests say of how to reach us."""
+        reach = self._my_reach()
+        via = getattr(self.node, "via", "")
+        return {"reach": reach, "via": via} if reach == "relayed" and via else {"reach": reach}
 
     def _unbanned(self, peers: Iterable[str]) -> Set[str]:
         return {p for p in peers if not self.node.gate.banned(p)}
@@ -413,7 +435,7 @@ class Matchmaker:
                      slot=self._slot(frag, round_), key=self._key(frag, round_), t_enter=t_enter, start=start,
                      hard_deadline=start + self.matchmaking_timeout)
         a.deadline = a.hard_deadline
-        self._background(self.node.astore(a.key, {"t": time.time(), "reach": self._my_reach()},
+        self._background(self.node.astore(a.key, {"t": time.time(), **self._my_reach_fields()},
                                           ttl=self.matchmaking_timeout * 3, subkey=me), "ready record")
         if sync_step is not None:
             self._evaluate(a, live)  # read just now
@@ -559,9 +581,10 @@ class Matchmaker:
             a.slot.closed = True
             raise MatchmakingFailed(
                 f"no public peer is ready for fragment {frag} round {round_}: this peer is private (behind NAT, "
-                f"nobody can dial it) and so are the other ready peers ({', '.join(others)}); private peers "
-                "cannot reach each other, and a group needs a public peer to lead it and reduce its shards. "
-                "Run at least one peer with an open port (see bootstrap/README.md)")
+                f"nobody can dial it, and no relay took it) and so are the other ready peers "
+                f"({', '.join(others)}); a group needs a peer others can reach to lead it and reduce its shards. "
+                "Use a bootstrap that relays (the default) or run at least one peer with an open port "
+                "(see bootstrap/README.md)")
         led = await self._lead(a.slot, frag, round_, (set(candidates) & a.ready) - {me},
                                set() if self._private(me) else unseen, a.expected, skip=tried)
         return self._remember(led, a.t_enter) if isinstance(led, Group) else led
@@ -699,8 +722,11 @@ class Matchmaker:
         return group
 
     def _owners(self, members: Tuple[str, ...]) -> Optional[Tuple[str, ...]]:
-        """The shard owners: the members others can dial (None: all of them, or a group of one)."""
-        owners = tuple(m for m in members if not self._private(m)) or None
+        """The shard owners (None: all members, or a group of one): the members others dial directly;
+        when there is none, the relayed ones (their relay carries every part and result: a relayed member
+        never owns a shard a direct member could); never a private one."""
+        best = min((self._tier(m) for m in members), default=2)
+        owners = tuple(m for m in members if self._tier(m) == best) if best < 2 else None
         return None if owners == members or len(members) == 1 else owners
 
     # ---- warm links before the round (module docstring, item 10) -----------------------------------
@@ -924,7 +950,7 @@ class Matchmaker:
             return None, None
         try:
             await write_frame(writer, {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_,
-                                       "reach": self._my_reach()}, traffic=traffic)
+                                       **self._my_reach_fields()}, traffic=traffic)
             reply, _ = await asyncio.wait_for(read_frame(reader, 0, traffic, leader),
                                               timeout=timeout or self.matchmaking_timeout + self.join_grace + 10)
             if reply.get("t") == "warm":  # the group is closing: warm our links first (item 10)
@@ -972,8 +998,8 @@ class Matchmaker:
             if refusal is not None:
                 await write_frame(writer, {"t": "refuse", "reason": refusal}, traffic=traffic)
                 return
-            if header.get("reach") in REACHABILITY:  # its own word: whether we may dial it (item 8)
-                self._reach[sender] = header["reach"]
+            # its own word: whether we may dial it, and through which relay (item 8)
+            self._learn_reach(sender, header.get("reach"), header.get("via"))
             # The joiner sends nothing more until our reply: its end closing means it stopped waiting (its
             # join timeout passed, or it chose another leader). It must not become a member: the group would
             # wait on a peer that is not in it (straggler test: the round's all-reduce timed out).

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from functools import partial
 from typing import Any, Awaitable, Callable, Dict, List, Optional
 
@@ -30,10 +31,12 @@ from ..errors import BootstrapUnreachable, UserError
 from ..identity import (discard_ephemeral, ephemeral_identity, load_signing_key, note_helpers, prepare_identity,
                         release_identity)
 from . import ledger
+from . import relay as relay_mod
 from .lifeline import descendants, start_dht
 from .protocol import PeerGate, Traffic
 from .reachability import SETTINGS, detect, helper_candidates, listen_ports, serve_reach
 from .records import RecordBook
+from .relay import RelayLimits
 
 __all__ = ["SwarmNode", "pack", "unpack"]
 
@@ -241,6 +244,10 @@ class SwarmNode:
     :param reachability: ``public`` / ``private`` (taken as given) or ``auto`` (detected by a dial-back
         through the initial peers; see the module docstring). The result is :attr:`reachability`.
     :param client_mode: only a client of the DHT and of the swarm (``p2pdiloco status``): no check.
+    :param relay: serve as a relay for private peers within these limits (swarm/relay.py) when we are
+        public; None: do not relay.
+    :param relays: peer ids of the relays a private node asks for a reservation, in order (default: its
+        initial peers); a private node that gets one is ``relayed`` (reachable through it).
     """
 
     def __init__(
@@ -253,6 +260,8 @@ class SwarmNode:
         bootstrap_timeout: float = 20.0,
         client_mode: bool = False,
         reachability: str = "public",
+        relay: Optional["RelayLimits"] = None,
+        relays: Optional[List[str]] = None,
     ):
         from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
@@ -333,13 +342,60 @@ class SwarmNode:
         self.short_id = self.peer_id_str[-6:]
         self.gate.short_id = self.short_id
         self._closed = False
-        #: ``public`` or ``private`` (reachability.py); published in our progress record
+        #: ``public``, ``relayed`` or ``private`` (reachability.py); published in our progress record
         self.reachability = "private" if client_mode else reachability
+        #: the relay we hold a reservation with while ``relayed`` (its peer id), else ""
+        self.via = ""
+        #: other relayed peers' relays, from their records and join requests (matchmaking keeps it)
+        self.relay_routes: Dict[str, str] = {}
+        #: streams our relayed traffic took: inbound / outbound count, bytes we wrote on them
+        self.relay_stats: Counter = Counter()
+        self.relay_server = None
+        self._handlers: Dict[str, Callable] = {}  # name -> the gated handler (relayed streams call it too)
+        if not client_mode:
+            self.call(self.p2p.add_binary_stream_handler(relay_mod.INBOUND, self._inbound), timeout=30)
         #: whether our DHT node is only a client (not in others' routing tables)
         self.dht_client = dht_client
         if not client_mode:
             serve_reach(self)
             self._resolve_reachability(reachability, initial_peers, announce_maddrs)
+            if self.reachability == "public" and relay is not None and relay.enabled:
+                self.relay_server = relay_mod.RelayServer(self, relay)
+            elif self.reachability == "private":
+                initial = [str(m).rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in str(m)]
+                self._find_relay(list(relays) if relays is not None else initial)
+
+    async def _inbound(self, info, reader, writer) -> None:
+        """A stream our relay forwards (relay.serve_inbound); nothing escapes onto the event loop."""
+        try:
+            await relay_mod.serve_inbound(self, lambda: {self.via} if self.via else set(), self._handlers,
+                                          info, reader, writer)
+        except Exception as e:  # noqa: BLE001 - a malformed forward from our relay, a dropped stream
+            logger.info(f"[{self.short_id}] a relayed stream failed: {type(e).__name__}: {str(e)[:200]}")
+            writer.close()
+
+    def _find_relay(self, candidates: List[str]) -> None:
+        """Private: reserve a slot on the first relay that grants one, become ``relayed`` through it and
+        renew the reservation in the background (which also keeps our connection to it open)."""
+        refusals = []
+        for relay in candidates:
+            why = self.call(relay_mod.reserve(self, relay), timeout=15)
+            if why is None:
+                self.reachability, self.via = "relayed", relay
+                self._renewer = asyncio.run_coroutine_threadsafe(self._renew(relay), self.loop)
+                logger.info(f"[{self.short_id}] relayed through {relay[-6:]}: other peers reach us through it")
+                return
+            refusals.append(f"{relay[-6:]}: {why}")
+        if candidates:
+            logger.warning(f"[{self.short_id}] no relay took us ({'; '.join(refusals)}): we stay private "
+                           "(we train, but cannot lead a group or own a shard)")
+
+    async def _renew(self, relay: str) -> None:
+        while True:
+            await asyncio.sleep(relay_mod.RESERVATION_TTL / 3)
+            why = await relay_mod.reserve(self, relay)
+            if why is not None:
+                logger.warning(f"[{self.short_id}] renewing our relay reservation with {relay[-6:]} failed: {why}")
 
     def _resolve_reachability(self, setting: str, initial_peers: List[str], announce_maddrs: List[str]) -> None:
         """Decide :attr:`reachability` (detecting it for ``auto``) and serve the DHT when public."""
@@ -370,8 +426,11 @@ class SwarmNode:
         return self.submit(coro).result(timeout)
 
     def add_handler(self, name: str, handler: Callable) -> None:
-        """Serve ``name``; the handler runs behind :attr:`gate` (bans, request limits, no crash)."""
-        self.call(self.p2p.add_binary_stream_handler(name, self.gate.wrap(handler)), timeout=30)
+        """Serve ``name``; the handler runs behind :attr:`gate` (bans, request limits, no crash), for
+        direct streams and for those our relay forwards."""
+        gated = self.gate.wrap(handler)
+        self._handlers[name] = gated
+        self.call(self.p2p.add_binary_stream_handler(name, gated), timeout=30)
 
     # ---- addresses ----------------------------------------------------------------------------
     def visible_maddrs(self) -> List[str]:

@@ -262,11 +262,11 @@ class Download:
 
 async def _fetch(node, run_id: str, donor: str, frags: List[int], max_bytes: int,
                  timeout: float) -> Tuple[Dict[str, Any], bytes]:
-    from hivemind.p2p import PeerID
+    from .dialing import open_stream
 
     async def go():
-        _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(donor),
-                                                                      f"p2pdiloco.{run_id}.state")
+        _, reader, writer = await open_stream(node, donor, f"p2pdiloco.{run_id}.state",
+                                              asyncio.get_running_loop().time() + timeout)
         try:
             await write_frame(writer, {"t": "state", "v": PROTOCOL_VERSION, "frags": frags}, traffic=node.traffic)
             return await read_frame(reader, max_bytes, node.traffic, donor)

@@ -67,6 +67,8 @@ class Swarm:
         #: derives the all-reduce / state-download timeouts from measured speed (swarm/timeouts.py)
         self.timeouts = Timeouts(allreduce_timeout)
         self._progress: Dict[str, Any] = {"reach": getattr(node, "reachability", "public")}
+        if getattr(node, "via", ""):  # relayed: the relay others reach us through (swarm/relay.py)
+            self._progress["via"] = node.via
         self._progress_lock = threading.Lock()
         self._view: Optional[Dict[str, Dict[str, Any]]] = None
         self._fingerprint: Optional[Dict[str, Any]] = None
@@ -175,6 +177,9 @@ class Swarm:
                 return
             self._dirty = False
             value = dict(self._progress, t=time.time())
+            relayed = getattr(self.node, "relay_stats", {}).get("bytes", 0)
+            if relayed:  # bytes we sent on relayed streams (status, dashboard)
+                value["rb"] = int(relayed)
             fut = self.node.submit(self.node.astore_near(f"{self.run_id}:progress", value,
                                                          ttl=self.matchmaker.record_lifetime))
             self._in_flight.add(fut)

@@ -1,0 +1,293 @@
+"""Relays: how peers that nobody can dial (behind NAT) are reached, through a public peer they trust.
+
+A private peer (``swarm/reachability.py``) can dial out but cannot be dialed. It *reserves* a slot on
+a relay, one of its initial peers (the bootstrap the user typed, or public volunteers listed in
+``swarm.relays``), keeps that connection open and publishes ``reach = "relayed"`` and ``via = <the
+relay's peer id>`` in its records. A peer that must open a stream to it (to its group leader, its
+shard owner, a state donor) asks the relay to *forward*: the relay opens a stream to the private peer
+over the connection the private peer holds to it (libp2p carries streams both ways over one
+connection), tells it who is calling and for which handler, and then copies bytes both ways until
+either end closes. Every protocol runs unchanged over such a stream.
+
+Why our own forwarding and not libp2p's circuit relay: in the p2p daemon hivemind ships, a circuit is
+cut after 128 KiB unless the relay's own AutoNAT already found it public (which takes another public
+peer on another IP: not the case when the bootstrap is the swarm's only public machine), reservations
+made before that are lost, and auto-relay waits minutes for relay candidates; a pseudo-gradient part
+is megabytes. Hole punching (DCUtR) needs TCP reuseport, which our daemons run without (simultaneous
+dials of two public peers failed with it), and its QUIC path lost large streams in our tests. So
+relayed traffic is what a private peer gets; two private peers that can reach each other otherwise (a
+LAN) are public to each other's detection and talk directly.
+
+Trust: a private peer trusts its relay as it trusts its bootstrap: the relay names each caller (the
+handlers' quotas, offences and group checks use that name), sees the bytes and could drop or alter
+them. A relay accepts forwards only to peers holding a reservation with it, and only to p2pdiloco
+handlers. Bounds (:class:`RelayLimits`, set on the bootstrap with ``--relay-*`` options or
+``relay_*`` keys): reservations, circuits open at once, bytes per circuit, bytes per hour; relaying
+can be turned off. What it carries is counted (:attr:`RelayServer.stats`): the bootstrap logs it, a
+private peer publishes the bytes its relayed streams carried (``rb``) for ``status`` and the
+dashboard.
+
+Wire (protocol.py framing), on ``p2pdiloco.relay`` (the relay's handler):
+  ``{t: "reserve", v}``                 -> ``{t: "ok", ttl}`` | ``{t: "refuse", reason}``
+  ``{t: "fwd", v, to, h}``              -> ``{t: "ok"}`` then raw bytes both ways | ``{t: "refuse", reason}``
+and on ``p2pdiloco.relayed`` (a private peer's, called by its relay only):
+  ``{t: "in", v, from, h}`` then raw bytes both ways: the stream of handler ``h`` from caller ``from``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Set, Tuple
+
+from ..errors import WireError
+from .protocol import PROTOCOL_VERSION, check_version, read_frame, read_header, write_frame
+
+__all__ = ["HANDLER", "INBOUND", "RelayLimits", "RelayServer", "reserve", "open_relayed", "serve_inbound",
+           "RESERVATION_TTL"]
+
+logger = logging.getLogger(__name__)
+
+HANDLER = "p2pdiloco.relay"
+INBOUND = "p2pdiloco.relayed"
+#: a reservation lasts this long (seconds); the private peer renews it every third of it
+RESERVATION_TTL = 60.0
+#: bytes copied per read while forwarding
+CHUNK = 1 << 16
+#: how long a relay waits for the private peer to take a forwarded stream (seconds)
+OPEN_TIMEOUT = 10.0
+
+
+@dataclass
+class RelayLimits:
+    """What one relay carries at most (0: no limit)."""
+
+    enabled: bool = True
+    max_reservations: int = 128
+    max_circuits: int = 64
+    #: bytes of one forwarded stream, both directions together (a pseudo-gradient part and its result
+    #: for models of a few hundred million parameters fit in the default)
+    max_circuit_bytes: int = 4 << 30
+    #: bytes all circuits together may carry per hour (0: no limit)
+    max_bytes_per_hour: int = 0
+
+
+class RelayServer:
+    """Serves reservations and forwards on a public peer (the bootstrap, or a volunteer that relays)."""
+
+    def __init__(self, node, limits: Optional[RelayLimits] = None):
+        self.node = node
+        self.limits = limits or RelayLimits()
+        self._reserved: Dict[str, float] = {}  # peer -> reservation end (monotonic)
+        self._circuits = 0
+        self._hour: Tuple[float, int] = (time.monotonic(), 0)  # (window start, bytes in it)
+        self._lock = threading.Lock()
+        #: reservations, circuits, bytes forwarded, refusals by reason
+        self.stats: Counter = Counter()
+        node.add_handler(HANDLER, self._handle)
+
+    def reserved(self) -> Set[str]:
+        now = time.monotonic()
+        with self._lock:
+            return {p for p, until in self._reserved.items() if until > now}
+
+    def _refusal(self, kind: str, peer: str, target: str = "") -> Optional[str]:
+        lim, now = self.limits, time.monotonic()
+        if not lim.enabled:
+            return "this peer does not relay"
+        with self._lock:
+            self._reserved = {p: t for p, t in self._reserved.items() if t > now}
+            if kind == "reserve":
+                if peer not in self._reserved and lim.max_reservations and len(self._reserved) >= lim.max_reservations:
+                    return f"relay full ({lim.max_reservations} reservations)"
+                return None
+            if target not in self._reserved:
+                return "no reservation for that peer here"
+            if lim.max_circuits and self._circuits >= lim.max_circuits:
+                return f"relay busy ({lim.max_circuits} circuits open)"
+            start, used = self._hour
+            if now - start >= 3600:
+                self._hour = (now, 0)
+            elif lim.max_bytes_per_hour and used >= lim.max_bytes_per_hour:
+                return f"relay over its hourly budget ({lim.max_bytes_per_hour} bytes)"
+            return None
+
+    async def _handle(self, info, reader, writer) -> None:
+        sender = info.peer_id.to_base58()
+        try:
+            header = await read_header(reader, self.node.traffic, sender)
+            refusal = check_version(header)
+            kind = header.get("t")
+            if refusal is None and kind not in ("reserve", "fwd"):
+                refusal = "expected reserve or fwd"
+            target, handler = header.get("to"), header.get("h")
+            if refusal is None and kind == "fwd" and (
+                    not isinstance(target, str) or not 20 <= len(target) <= 128 or not isinstance(handler, str)
+                    or not handler.startswith("p2pdiloco.") or len(handler) > 256):
+                refusal = "malformed forward"
+            refusal = refusal or self._refusal(kind, sender, target or "")
+            if refusal is not None:
+                self.stats[f"refused: {refusal.split(' (')[0]}"] += 1
+                await write_frame(writer, {"t": "refuse", "reason": refusal}, traffic=self.node.traffic)
+                return
+            if kind == "reserve":
+                with self._lock:
+                    self._reserved[sender] = time.monotonic() + RESERVATION_TTL
+                self.stats["reservations"] += 1
+                await write_frame(writer, {"t": "ok", "ttl": RESERVATION_TTL}, traffic=self.node.traffic)
+                return
+            await self._forward(sender, target, handler, reader, writer)
+        except (WireError, asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as e:
+            logger.info(f"[{self.node.short_id}] relay request from {sender[-6:]} failed: {e}")
+        finally:
+            writer.close()
+
+    async def _forward(self, caller: str, target: str, handler: str, reader, writer) -> None:
+        from hivemind.p2p import PeerID
+
+        try:
+            _, t_reader, t_writer = await asyncio.wait_for(
+                self.node.p2p.call_binary_stream_handler(PeerID.from_base58(target), INBOUND), OPEN_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - the private peer is gone, or its connection to us is
+            self.stats["refused: target unreachable"] += 1
+            await write_frame(writer, {"t": "refuse", "reason": f"cannot reach {target[-6:]} from the relay: "
+                                                                 f"{type(e).__name__}"}, traffic=self.node.traffic)
+            return
+        with self._lock:
+            self._circuits += 1
+        self.stats["circuits"] += 1
+        try:
+            await write_frame(t_writer, {"t": "in", "v": PROTOCOL_VERSION, "from": caller, "h": handler})
+            await write_frame(writer, {"t": "ok"}, traffic=self.node.traffic)
+            budget = self.limits.max_circuit_bytes or (1 << 62)
+            moved = await pipe(reader, writer, t_reader, t_writer, budget, self._count)
+            if moved >= budget:
+                self.stats["refused: circuit over its byte limit"] += 1
+        finally:
+            with self._lock:
+                self._circuits -= 1
+            t_writer.close()
+
+    def _count(self, n: int) -> None:
+        self.stats["bytes"] += n
+        with self._lock:
+            start, used = self._hour
+            self._hour = (start, used + n)
+
+
+async def pipe(a_reader, a_writer, b_reader, b_writer, budget: int, count: Callable[[int], None]) -> int:
+    """Copy bytes a -> b and b -> a until either side ends (or ``budget`` bytes were copied in all);
+    returns the bytes copied. Our protocols never half-close a stream, so the first end ends both."""
+    moved = 0
+
+    async def one(src, dst):
+        nonlocal moved
+        while moved < budget:
+            data = await src.read(CHUNK)
+            if not data:
+                return
+            dst.write(data)
+            await dst.drain()
+            moved += len(data)
+            count(len(data))
+
+    tasks = [asyncio.ensure_future(one(a_reader, b_writer)), asyncio.ensure_future(one(b_reader, a_writer))]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return moved
+
+
+# ---- the private peer's side --------------------------------------------------------------------------
+async def reserve(node, relay: str, timeout: float = 10.0) -> Optional[str]:
+    """Ask ``relay`` for a slot; None when granted, else why not."""
+    from hivemind.p2p import PeerID
+
+    try:
+        _, reader, writer = await asyncio.wait_for(
+            node.p2p.call_binary_stream_handler(PeerID.from_base58(relay), HANDLER), timeout)
+    except Exception as e:  # noqa: BLE001 - an old bootstrap without the handler, or unreachable
+        return f"{type(e).__name__}: {str(e)[:160]}"
+    try:
+        await write_frame(writer, {"t": "reserve", "v": PROTOCOL_VERSION}, traffic=node.traffic)
+        reply, _ = await asyncio.wait_for(read_frame(reader, 0, node.traffic, relay), timeout)
+        return None if reply.get("t") == "ok" else str(reply.get("reason", "refused"))[:200]
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:160]}"
+    finally:
+        writer.close()
+
+
+async def serve_inbound(node, trusted: Callable[[], Set[str]], handlers: Dict[str, Callable], info, reader,
+                        writer) -> None:
+    """``p2pdiloco.relayed``: a stream our relay forwards. Only a relay we reserved with may call it; the
+    stream then runs the named handler as if the caller had dialed us (its quotas, offences and checks
+    apply to the caller the relay names)."""
+    from hivemind.p2p import PeerID
+
+    relay = info.peer_id.to_base58()
+    if relay not in trusted():
+        await write_frame(writer, {"t": "refuse", "reason": "not our relay"})
+        writer.close()
+        return
+    header = await read_header(reader, node.traffic, relay)
+    caller, name = header.get("from"), header.get("h")
+    handler = handlers.get(name) if isinstance(name, str) else None
+    if header.get("t") != "in" or not isinstance(caller, str) or handler is None:
+        writer.close()
+        return
+    try:
+        pid = PeerID.from_base58(caller)
+    except Exception:  # noqa: BLE001 - a malformed id from our relay
+        writer.close()
+        return
+    node.relay_stats["inbound"] += 1
+    await handler(_Info(pid), reader, _Counted(writer, node.relay_stats))
+
+
+class _Info:
+    """What a handler reads of its stream's origin: the caller the relay names."""
+
+    def __init__(self, peer_id):
+        self.peer_id = peer_id
+
+
+class _Counted:
+    """A stream writer that counts what it writes (the bytes our relayed streams carried)."""
+
+    def __init__(self, writer, stats: Counter):
+        self._w, self._stats = writer, stats
+
+    def write(self, data) -> None:
+        self._stats["bytes"] += len(data)
+        self._w.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._w, name)
+
+
+async def open_relayed(node, relay: str, peer: str, handler: str, timeout: float):
+    """A stream to ``handler`` of the private ``peer`` through ``relay``: (info, reader, writer), as
+    ``call_binary_stream_handler`` returns them. Raises ConnectionError naming the relay's refusal."""
+    from hivemind.p2p import PeerID
+
+    info, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(relay), HANDLER)
+    try:
+        await write_frame(writer, {"t": "fwd", "v": PROTOCOL_VERSION, "to": peer, "h": handler},
+                          traffic=node.traffic)
+        reply, _ = await asyncio.wait_for(read_frame(reader, 0, node.traffic, relay), timeout)
+    except BaseException:
+        writer.close()
+        raise
+    if reply.get("t") != "ok":
+        writer.close()
+        raise ConnectionError(f"relay {relay[-6:]} did not forward to {peer[-6:]}: "
+                              f"{str(reply.get('reason', 'refused'))[:200]}")
+    node.relay_stats["outbound"] += 1
+    return info, reader, _Counted(writer, node.relay_stats)

@@ -1,0 +1,79 @@
+"""Home volunteers only: private peers behind two different NATs train together through the bootstrap's
+relay, with no public trainer (reliability.md row 19), through the real CLI.
+
+Topology (tests/nat_support.py): a bootstrap on a public bridge; two routers, each masquerading
+(nftables, connection tracking, inbound dropped) for its own LAN with one volunteer. Nobody forwards a
+port, nobody sets an address or a reachability: both volunteers run ``join --initial-peers <bootstrap>``.
+Shown: the NATs are in effect (neither volunteer can open a connection to the other, nor the bootstrap
+to either); each volunteer is detected private and takes a slot on the bootstrap's relay (``relayed``);
+every round is a group of the two with one digest after every sync, their all-reduce streams carried by
+the relay (the relayed bytes in their metrics, the relay's own count in the bootstrap's log); ``status``
+shows both as relayed.
+
+Hole punching is not used (swarm/relay.py says why): every private-to-private stream is relayed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from elastic_support import NsPeers, assert_agree, join_args, ns_cli, ok_syncs, read_events, wait_for
+
+pytestmark = [pytest.mark.netem]
+
+H = 20
+_missing = [tool for tool in ("ip",) if subprocess.run(["which", tool], capture_output=True).returncode]
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.skipif(os.geteuid() != 0 or bool(_missing), reason="needs root and iproute2 (ip netns) for the NATs")
+def test_private_peers_behind_two_nats_train_through_the_bootstraps_relay(tmp_path):
+    from nat_support import NatNet
+
+    peers = NsPeers(tmp_path)
+    dirs = {n: tmp_path / n for n in "ab"}
+    with NatNet(n_public=1, n_private=2, routers=2) as net:
+        (h0,), (pa, pb) = net.public, net.private
+        assert net.behind[0] is not net.behind[1]
+
+        # control: each NAT keeps inbound connections out, from the other home and from the public side
+        lp = net.listen(pb, "0.0.0.0", tmp_path / "listen_b.out")
+        port = int(wait_for(lambda: next((l.split()[1] for l in (tmp_path / "listen_b.out").read_text()
+                                          .splitlines() if l.startswith("PORT")), None), 30, "b's listener"))
+        assert net.can_connect(net.behind[1], pb.address, port), "b's listener is not up"
+        assert not net.can_connect(pa, pb.address, port, timeout=2), "a opened a connection into b's home"
+        assert not net.can_connect(h0, pb.address, port, timeout=2), "the public side reached into b's home"
+        lp.kill()
+        lp.wait(10)
+
+        boot = peers.start(h0, "boot", "bootstrap", "--identity", str(tmp_path / "boot.key"),
+                           "--host-maddrs", f"/ip4/{h0.address}/tcp/0")
+        addr = wait_for(lambda: next((l.strip() for l in (tmp_path / "boot.out").read_text().splitlines()
+                                      if h0.address in l and "/p2p/" in l), None), 90, "the bootstrap address")
+        settings = ["swarm.run_id=homes", f"inner.sync_every={H}", "train.max_outer_steps=40",
+                    "swarm.min_peers_to_start=2"]
+        for host, n in ((pa, "a"), (pb, "b")):
+            peers.start(host, n, *join_args(addr, dirs[n], *settings))
+        wait_for(lambda: all(len(ok_syncs(dirs[n])) >= 2 for n in "ab"), 200, "relayed syncs", peers, ["a", "b"])
+        status = h0.run(ns_cli("status", "--initial-peers", addr, "--run-id", "homes", "--json"), timeout=60,
+                        cwd=str(tmp_path))
+        listed = {pid: v.get("reach") for pid, v in json.loads(status.stdout).items()}
+        for n in "ab":
+            assert peers.wait(peers.procs[n], 240) == 0, peers.err(n)[-3000:]
+        boot.send_signal(signal.SIGTERM)
+        boot.wait(30)
+
+    ids = {n: read_events(dirs[n], "start")[0]["peer"] for n in "ab"}
+    assert {ids[n]: listed.get(ids[n]) for n in "ab"} == {ids["a"]: "relayed", ids["b"]: "relayed"}, listed
+    for n in "ab":
+        err = peers.err(n)
+        assert "reachability: private" in err and "relayed through" in err, err[-2000:]
+        syncs = read_events(dirs[n], "sync")
+        assert len(syncs) == 40 and all(r["ok"] and r["group_size"] == 2 for r in syncs), \
+            [(r["step"], r["ok"], r["group_size"], r.get("error")) for r in syncs]
+        assert syncs[-1]["relayed_bytes"] > 0, syncs[-1]  # its streams went through the relay
+    assert assert_agree([dirs["a"], dirs["b"]], min_common=40) == 40
