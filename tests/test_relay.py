@@ -77,3 +77,132 @@ def test_private_peers_behind_two_nats_train_through_the_bootstraps_relay(tmp_pa
             [(r["step"], r["ok"], r["group_size"], r.get("error")) for r in syncs]
         assert syncs[-1]["relayed_bytes"] > 0, syncs[-1]  # its streams went through the relay
     assert assert_agree([dirs["a"], dirs["b"]], min_common=40) == 40
+
+
+# ---- the relay's rules, in process (real nodes on 127.0.0.1) ---------------------------------------------
+LOOP = ["/ip4/127.0.0.1/tcp/0"]
+
+
+@pytest.fixture(scope="module")
+def relayed():
+    """A relay R and two peers configured private, both holding a slot on R."""
+    from p2pdiloco.swarm.node import SwarmNode
+    from p2pdiloco.swarm.relay import RelayLimits
+
+    r = SwarmNode([], host_maddrs=LOOP, relay=RelayLimits(max_reservations=3, max_circuits=2,
+                                                          max_circuit_bytes=5_000_000))
+    nodes = [r]
+    try:
+        for _ in range(2):
+            nodes.append(SwarmNode(r.visible_maddrs(), host_maddrs=LOOP, reachability="private"))
+        yield nodes
+    finally:
+        for n in nodes:
+            n.shutdown()
+
+
+def _echo_handler(seen):
+    import asyncio
+
+    from p2pdiloco.swarm.protocol import read_frame, write_frame
+
+    async def echo(info, reader, writer):
+        header, payload = await read_frame(reader, 1 << 28)
+        seen.append(info.peer_id.to_base58())
+        await write_frame(writer, {"t": "echo"}, payload)
+        await asyncio.sleep(0.1)
+        writer.close()
+    return echo
+
+
+def _call(node, peer, payload: bytes, handler="p2pdiloco.t.echo"):
+    import asyncio
+
+    from p2pdiloco.swarm.dialing import open_stream
+    from p2pdiloco.swarm.protocol import read_frame, write_frame
+
+    async def go():
+        _, reader, writer = await open_stream(node, peer, handler, asyncio.get_running_loop().time() + 5)
+        try:
+            await write_frame(writer, {"t": "hi"}, payload)
+            return (await asyncio.wait_for(read_frame(reader, 1 << 28), 10))[1]
+        finally:
+            writer.close()
+    return node.call(go(), timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_a_relay_forwards_to_reserved_peers_names_the_caller_and_enforces_its_limits(relayed):
+    import asyncio
+
+    from hivemind.p2p import PeerID
+
+    from p2pdiloco.swarm import relay
+    from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, read_frame, write_frame
+
+    r, a, b = relayed
+    assert (a.reachability, a.via, b.reachability, b.via) == ("relayed", r.peer_id_str, "relayed", r.peer_id_str)
+    seen = []
+    b.add_handler("p2pdiloco.t.echo", _echo_handler(seen))
+    a.relay_routes[b.peer_id_str] = r.peer_id_str
+    before = r.relay_server.stats["bytes"]
+    assert _call(a, b.peer_id_str, b"x" * 1_000_000) == b"x" * 1_000_000
+    assert seen == [a.peer_id_str]  # b's handler saw a as the caller, not the relay
+    assert r.relay_server.stats["bytes"] - before >= 2_000_000 and b.relay_stats["inbound"] >= 1
+
+    def ask(header):
+        async def go():
+            _, reader, writer = await a.p2p.call_binary_stream_handler(PeerID.from_base58(r.peer_id_str),
+                                                                       relay.HANDLER)
+            try:
+                await write_frame(writer, dict(header, v=PROTOCOL_VERSION))
+                return (await asyncio.wait_for(read_frame(reader, 0), 10))[0]
+            finally:
+                writer.close()
+        return a.call(go(), timeout=20)
+
+    # only to peers holding a slot, only to p2pdiloco handlers
+    assert "no reservation" in ask({"t": "fwd", "to": r.peer_id_str, "h": "p2pdiloco.t.echo"})["reason"]
+    assert ask({"t": "fwd", "to": b.peer_id_str, "h": "/ipfs/ping/1.0.0"})["reason"] == "malformed forward"
+    # a stream over the per-stream byte limit is cut: the reply never comes back whole
+    with pytest.raises((ConnectionError, EOFError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError)):
+        _call(a, b.peer_id_str, b"y" * 6_000_000)
+    assert r.relay_server.stats["refused: circuit over its byte limit"] >= 1
+    # a renewal keeps a's slot; with the cap at the slots held, a newcomer is refused and stays private
+    assert a.call(relay.reserve(a, r.peer_id_str), timeout=20) is None
+    r.relay_server.limits.max_reservations = 2
+    from p2pdiloco.swarm.node import SwarmNode
+
+    c = SwarmNode(r.visible_maddrs(), host_maddrs=LOOP, reachability="private")
+    try:
+        assert c.reachability == "private" and not c.via  # refused: it stays private, and says so
+    finally:
+        c.shutdown()
+        r.relay_server.limits.max_reservations = 3
+
+
+@pytest.mark.timeout(60)
+def test_only_our_relay_may_hand_us_a_stream(relayed):
+    """The inbound side names the caller on the relay's word: a peer that is not our relay is refused."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+
+    from p2pdiloco.swarm import relay
+    from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, read_frame, write_frame
+
+    r, a, b = relayed
+    seen = []
+    b.add_handler("p2pdiloco.t.echo2", _echo_handler(seen))
+
+    async def impersonate():  # a claims to be r, forwarding a stream "from" r
+        _, reader, writer = await a.p2p.call_binary_stream_handler(PeerID.from_base58(b.peer_id_str), relay.INBOUND)
+        try:
+            await write_frame(writer, {"t": "in", "v": PROTOCOL_VERSION, "from": r.peer_id_str, "h": "p2pdiloco.t.echo2"})
+            await write_frame(writer, {"t": "hi"}, b"z")
+            return (await asyncio.wait_for(read_frame(reader, 0), 10))[0]
+        finally:
+            writer.close()
+
+    assert a.call(impersonate(), timeout=20) == {"t": "refuse", "reason": "not our relay"}
+    assert seen == []

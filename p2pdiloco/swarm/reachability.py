@@ -39,8 +39,8 @@ at least two colluding helpers that outnumber the honest answers among the ones 
 that cannot check (busy, its dialer did not start) refuses instead of answering no; it counts as
 not answered.
 
-``relayed`` (reachable only through a libp2p circuit relay) is a value records and ``status``
-accept for peers that announce ``/p2p-circuit`` addresses; p2pdiloco does not set up relays itself.
+A private peer then takes a slot on a relay (its initial peers, swarm/relay.py) and is ``relayed``:
+others reach it through that relay, so it can lead a group and own shards when no public member can.
 
 ``swarm.reachability = "public"`` / ``"private"`` skip the detection (a port forward the helpers
 cannot see, or a network you know). A peer lying about being public only breaks rounds it takes
