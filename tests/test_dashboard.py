@@ -328,7 +328,7 @@ def test_status_prints_any_valid_record(monkeypatch, capsys):
     code, out, err, _ = _status_main(monkeypatch, capsys, odd)
     assert code == 0 and "Traceback" not in err, err
     head, *rows = out.splitlines()
-    assert len(rows) == 4 and all(len(line) <= 120 for line in rows), out
+    assert len(rows) == 4 and all(len(line) <= 132 for line in rows), out
     cells = {row.split()[0]: row.split() for row in rows}
     assert cells[_pid(0)[-6:]][3:5] == ["-", "-"]  # null round and step
     assert cells[_pid(1)[-6:]][2:5] == ["4096", "-", "4.61e+18"] and cells[_pid(1)[-6:]][-2:] == ["nan", "-inf"]

@@ -62,6 +62,8 @@ def test_private_peers_behind_two_nats_train_through_the_bootstraps_relay(tmp_pa
         status = h0.run(ns_cli("status", "--initial-peers", addr, "--run-id", "homes", "--json"), timeout=60,
                         cwd=str(tmp_path))
         listed = {pid: v.get("reach") for pid, v in json.loads(status.stdout).items()}
+        relayed_bytes = {pid: v.get("rb") for pid, v in json.loads(status.stdout).items()}
+        table = h0.run(ns_cli("status", "--initial-peers", addr, "--run-id", "homes"), timeout=60, cwd=str(tmp_path))
         for n in "ab":
             assert peers.wait(peers.procs[n], 240) == 0, peers.err(n)[-3000:]
         boot.send_signal(signal.SIGTERM)
@@ -69,6 +71,9 @@ def test_private_peers_behind_two_nats_train_through_the_bootstraps_relay(tmp_pa
 
     ids = {n: read_events(dirs[n], "start")[0]["peer"] for n in "ab"}
     assert {ids[n]: listed.get(ids[n]) for n in "ab"} == {ids["a"]: "relayed", ids["b"]: "relayed"}, listed
+    assert all(isinstance(relayed_bytes.get(ids[n]), int) and relayed_bytes[ids[n]] > 0 for n in "ab"), relayed_bytes
+    rows = {line.split()[0]: line for line in table.stdout.splitlines()[1:]}
+    assert all(" relayed " in rows[ids[n][-6:]] for n in "ab") and "relayed" in table.stdout.splitlines()[0], table.stdout
     for n in "ab":
         err = peers.err(n)
         assert "reachability: private" in err and "relayed through" in err, err[-2000:]

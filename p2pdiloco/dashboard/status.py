@@ -18,7 +18,7 @@ __all__ = ["status_json", "status_table"]
 
 _COLUMNS = (("peer", "<8"), ("reach", "<8"), ("workers", ">7"), ("outer", ">5"), ("step", ">7"),
             ("samples/s", ">9"), ("share", ">5"), ("samples", ">9"), ("sent", ">9"), ("recv", ">9"),
-            ("last sync", ">9"), ("loss", ">7"), ("val", ">7"))
+            ("relayed", ">8"), ("last sync", ">9"), ("loss", ">7"), ("val", ">7"))
 
 
 def _is_num(v: Any) -> bool:
@@ -35,7 +35,7 @@ def _count(v: Any) -> str:
 def _bytes(v: Any) -> str:
     if not _is_num(v) or not math.isfinite(v):
         return "-"
-    return format_bytes(v) if abs(v) < 1e15 else f"{v:.3g} B"
+    return format_bytes(v) if abs(v) < 1e15 else f"{v:.2g} B"
 
 
 def _fixed(v: Any, digits: int, nonfinite: bool = False) -> str:
@@ -71,7 +71,8 @@ def status_table(peers: Dict[str, Dict[str, Any]], now: float) -> List[str]:
         reach = reach[:8] if isinstance(reach, str) and reach else "?"  # public / private / relayed
         cells = (str(pid)[-6:], reach, str(local_workers(v)), _count(v.get("round")), _count(v.get("step")),
                  _fixed(v.get("rate"), 1), _share(v.get("share")), _count(v.get("samples")),
-                 _bytes(v.get("sent")), _bytes(v.get("recv")), _ago(v.get("last_sync"), now),
+                 _bytes(v.get("sent")), _bytes(v.get("recv")),
+                 _bytes(v.get("rb")) if v.get("reach") == "relayed" else "-", _ago(v.get("last_sync"), now),
                  _fixed(v.get("loss"), 3, True), _fixed(v.get("val_loss"), 3, True))
         lines.append(" ".join(f"{c:{fmt}}" for c, (_, fmt) in zip(cells, _COLUMNS)))
     return lines

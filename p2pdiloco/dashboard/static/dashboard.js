@@ -266,7 +266,9 @@
       tr.appendChild(idCell);
       const reach = typeof v.reach === "string" ? v.reach : "?";
       const rc = el("td");
-      rc.appendChild(el("span", {class: "badge " + (reach === "public" || reach === "private" ? reach : "")}, reach));
+      const badge = ["public", "private", "relayed"].includes(reach) ? reach : "";
+      // a relayed peer: the bytes it sent through its relay (its record's rb)
+      rc.appendChild(el("span", {class: "badge " + badge}, reach === "relayed" && isNum(v.rb) ? "relayed " + fmtBytes(v.rb) : reach));
       tr.appendChild(rc);
       const lastSync = isNum(v.last_sync) ? fmtAgo(doc.time - v.last_sync) : "never";
       const workers = doc.local_workers && isNum(doc.local_workers[pid]) ? doc.local_workers[pid] : 1;
