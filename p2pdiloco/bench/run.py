@@ -99,6 +99,9 @@ MODES: Dict[str, Tuple[str, ...]] = {
     "diloco-fp32-halfprivate": (),
     "streaming4-tau4-e3m0-halfprivate": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5",
                                          "compression.codec=e3m0"),
+    # every trainer private (ALL_PRIVATE): they reach each other only through the bootstrap's relay
+    "streaming4-tau4-e3m0-allprivate": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5",
+                                        "compression.codec=e3m0"),
     # issue 23 (peers of different speeds, --speeds): rounds by the swarm's samples, a round being as many
     # samples as the step-based rounds of all peers ("auto": peers * H * batch); and the step-based
     # rounds of the full-speed peers alone (FAST_ONLY), the slower ones left out, for as many tokens
@@ -119,6 +122,8 @@ SPEEDS_DEFAULT = (1.0, 1.0, 0.5, 0.2)
 #: NAT). They find out with swarm.reachability=auto (nobody can dial them back) and train as members
 #: that own no all-reduce shard (swarm/reachability.py).
 HALF_PRIVATE = frozenset({"diloco-fp32-halfprivate", "streaming4-tau4-e3m0-halfprivate"})
+#: modes whose peers are all private that way: no trainer can be dialed, the bootstrap relays (swarm/relay.py)
+ALL_PRIVATE = frozenset({"streaming4-tau4-e3m0-allprivate"})
 _PRIVATE_TABLE = "p2pdiloco_private"
 _PRIVATE_RULES = f"""table inet {_PRIVATE_TABLE} {{
   chain input {{
@@ -149,7 +154,8 @@ MATRICES: Dict[str, Tuple[str, ...]] = {
     # the same at the papers' longer rounds: run with --set inner.sync_every=40 (tau 8 < H/P = 10)
     "overlap-h40": ("streaming4-e3m0", "streaming4-tau8-e3m0"),
     # issue 16: half the peers private (behind a stateful firewall) beside all public
-    "private": ("diloco-fp32", "diloco-fp32-halfprivate", "streaming4-tau4-e3m0", "streaming4-tau4-e3m0-halfprivate"),
+    "private": ("diloco-fp32", "diloco-fp32-halfprivate", "streaming4-tau4-e3m0", "streaming4-tau4-e3m0-halfprivate",
+                "streaming4-tau4-e3m0-allprivate"),
     # issue 23: peers of different speeds (--speeds, default 1,1,0.5,0.2): rounds of H steps on every peer,
     # rounds by the swarm's samples, and the full-speed peers alone
     "speeds": ("diloco-fp32", "rounds-samples", "fast-only"),
@@ -427,8 +433,9 @@ def _run_mode(plan: _Plan, mode: _ModeRun, wan: EmulatedWAN, sampler: _Sampler, 
     boot = None
     try:
         mode.t_begin = time.time()
-        if mode.name in HALF_PRIVATE:
-            _make_private([wan.hosts[i] for i in range(1, plan.peers, 2)])
+        if mode.name in HALF_PRIVATE | ALL_PRIVATE:
+            _make_private([wan.hosts[i] for i in range(1 if mode.name in HALF_PRIVATE else 0, plan.peers,
+                                                       2 if mode.name in HALF_PRIVATE else 1)])
         boot, maddr = _start_bootstrap(wan.hosts[plan.peers], mode_dir, files)
         for i in peers:
             log = open(os.path.join(mode_dir, f"peer{i}.log"), "w")
@@ -477,8 +484,8 @@ def _run_mode(plan: _Plan, mode: _ModeRun, wan: EmulatedWAN, sampler: _Sampler, 
             _kill_group(boot)
         for f in files:
             f.close()
-        if mode.name in HALF_PRIVATE:
-            for i in range(1, plan.peers, 2):
+        if mode.name in HALF_PRIVATE | ALL_PRIVATE:
+            for i in range(plan.peers):
                 wan.hosts[i].run([_nft(), "delete", "table", "inet", _PRIVATE_TABLE], check=False)
 
 
@@ -633,6 +640,7 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
         dht_ledger = {k: [round(sum(lg.get(k, [0, 0, 0])[j] for lg in ledgers) / len(ledgers), 1) for j in range(3)]
                       for k in sorted(set().union(*ledgers))}
     syncs = [int(s.get("syncs") or 0) for s in summaries if s]
+    relayed = [int(s.get("relayed_bytes") or 0) for s in summaries if s]
     return {
         "peers": n,
         "wall_seconds": round(wall, 2),
@@ -660,6 +668,8 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
         "curve": curve,
         "bytes_series": series,
         "syncs_per_peer": sum(syncs) / len(syncs) if syncs else None,
+        # bytes each peer sent on streams through a relay (private peers reached through the bootstrap)
+        "relayed_bytes_per_peer": sum(relayed) / len(relayed) if relayed else 0,
         "dht_ledger_per_peer": dht_ledger,
     }
 
@@ -705,6 +715,14 @@ def format_table(results: Dict[str, Any]) -> str:
             f"| {_fmt_bytes(m['peak_bytes_per_s_per_peer'])}/s | {100 * m['utilization']:.1f}% "
             f"| {'-' if ttt is None else f'{ttt:.0f}'} |"
         )
+    relayed = {name: m for name, m in modes.items() if m.get("status") == "ok" and m.get("relayed_bytes_per_peer")}
+    if relayed:
+        rows += ["", "| mode | relayed sent/peer | share of sent | s per sync |", "|---|---|---|---|"]
+        for name, m in relayed.items():
+            per_sync = m["wall_seconds"] / m["syncs_per_peer"] if m.get("syncs_per_peer") else None
+            rows.append(f"| {name} | {_fmt_bytes(m['relayed_bytes_per_peer'])} "
+                        f"| {100 * m['relayed_bytes_per_peer'] / max(m['bytes_sent_per_peer'], 1):.0f}% "
+                        f"| {'-' if per_sync is None else f'{per_sync:.1f}'} |")
     windowed = {name: m["peak_bytes_per_s_by_window"] for name, m in modes.items()
                 if m.get("status") == "ok" and m.get("peak_bytes_per_s_by_window")}
     if windowed:

@@ -629,6 +629,7 @@ class _Peer:
                    "val_loss_end": self.val, "outer_steps": diloco.outer_round(), "inner_steps": diloco.local_steps,
                    "schedule_position": diloco.inner_step,
                    "syncs": self.syncs, "failed_syncs": self.failed, "bytes_sent": sent, "bytes_received": recv,
+                   "reachability": self.node.reachability, "relayed_bytes": self.node.relay_stats["bytes"],
                    "seconds": round(time.time() - self.t_start, 2), "digest": diloco.digest(),
                    "run_dir": self.run_dir, "streaming_mode": diloco.mode,
                    "network_wait_seconds": round(diloco.wait_seconds, 3),
