@@ -210,3 +210,31 @@ def test_only_our_relay_may_hand_us_a_stream(relayed):
 
     assert a.call(impersonate(), timeout=20) == {"t": "refuse", "reason": "not our relay"}
     assert seen == []
+
+
+@pytest.mark.timeout(60)
+def test_a_caller_holding_its_share_of_circuits_is_refused_and_others_are_not(relayed):
+    """Silent streams through a relay use up their caller's share (max_circuits_per_caller), not the
+    relay: while a holds its share, a's next stream is refused and b's goes through."""
+    from p2pdiloco.swarm.relay import open_relayed
+
+    r, a, b = relayed
+    seen = []
+    b.add_handler("p2pdiloco.t.echo3", _echo_handler(seen))
+    a.add_handler("p2pdiloco.t.echo3", _echo_handler(seen))
+    b.relay_routes[a.peer_id_str] = r.peer_id_str
+    r.relay_server.limits.max_circuits_per_caller, r.relay_server.limits.max_circuits = 2, 8
+
+    async def open_one():
+        return await open_relayed(a, r.peer_id_str, b.peer_id_str, "p2pdiloco.t.echo3", timeout=5)
+
+    held = [a.call(open_one(), timeout=20) for _ in range(2)]  # silent: nothing sent on them
+    try:
+        with pytest.raises(ConnectionError, match="relay busy for this caller"):
+            a.call(open_one(), timeout=20)
+        assert _call(b, a.peer_id_str, b"still served", handler="p2pdiloco.t.echo3") == b"still served"
+        assert seen == [b.peer_id_str]
+    finally:
+        for _, _, w in held:
+            w.close()
+        r.relay_server.limits.max_circuits_per_caller, r.relay_server.limits.max_circuits = 16, 2

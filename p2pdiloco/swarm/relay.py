@@ -59,6 +59,9 @@ RESERVATION_TTL = 60.0
 CHUNK = 1 << 16
 #: how long a relay waits for the private peer to take a forwarded stream (seconds)
 OPEN_TIMEOUT = 10.0
+#: a forwarded stream that carries no byte either way for this long is closed (seconds): longer than an
+#: owner waits for the other members' parts before it answers
+IDLE_TIMEOUT = 300.0
 
 
 @dataclass
@@ -68,6 +71,8 @@ class RelayLimits:
     enabled: bool = True
     max_reservations: int = 128
     max_circuits: int = 64
+    #: streams one caller may have forwarded at once (a member sends to each relayed owner at once)
+    max_circuits_per_caller: int = 16
     #: bytes of one forwarded stream, both directions together (a pseudo-gradient part and its result
     #: for models of a few hundred million parameters fit in the default)
     max_circuit_bytes: int = 4 << 30
@@ -83,11 +88,16 @@ class RelayServer:
         self.limits = limits or RelayLimits()
         self._reserved: Dict[str, float] = {}  # peer -> reservation end (monotonic)
         self._circuits = 0
+        self._by_caller: Counter = Counter()  # caller -> circuits open
         self._hour: Tuple[float, int] = (time.monotonic(), 0)  # (window start, bytes in it)
         self._lock = threading.Lock()
         #: reservations, circuits, bytes forwarded, refusals by reason
         self.stats: Counter = Counter()
-        node.add_handler(HANDLER, self._handle)
+        # Not behind the node's gate: to a relay every caller is a stranger (it shares no rounds), and the
+        # gate's stranger quota would refuse a member that sends to several relayed owners at once. The
+        # relay has limits of its own (per caller and in all), honours the gate's bans, and never lets an
+        # exception escape.
+        node.call(node.p2p.add_binary_stream_handler(HANDLER, self._handle), timeout=30)
 
     def reserved(self) -> Set[str]:
         now = time.monotonic()
@@ -98,6 +108,9 @@ class RelayServer:
         lim, now = self.limits, time.monotonic()
         if not lim.enabled:
             return "this peer does not relay"
+        gate = getattr(self.node, "gate", None)
+        if gate is not None and gate.banned(peer):
+            return "banned"
         with self._lock:
             self._reserved = {p: t for p, t in self._reserved.items() if t > now}
             if kind == "reserve":
@@ -108,6 +121,8 @@ class RelayServer:
                 return "no reservation for that peer here"
             if lim.max_circuits and self._circuits >= lim.max_circuits:
                 return f"relay busy ({lim.max_circuits} circuits open)"
+            if lim.max_circuits_per_caller and self._by_caller[peer] >= lim.max_circuits_per_caller:
+                return f"relay busy for this caller ({lim.max_circuits_per_caller} circuits open)"
             start, used = self._hour
             if now - start >= 3600:
                 self._hour = (now, 0)
@@ -142,6 +157,10 @@ class RelayServer:
             await self._forward(sender, target, handler, reader, writer)
         except (WireError, asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as e:
             logger.info(f"[{self.node.short_id}] relay request from {sender[-6:]} failed: {e}")
+        except asyncio.CancelledError:  # the relay shuts down
+            pass
+        except Exception as e:  # noqa: BLE001 - a bug must not take the relay down; say who triggered it
+            logger.error(f"[{self.node.short_id}] relay request from {sender[-6:]} failed: {type(e).__name__}: {e}")
         finally:
             writer.close()
 
@@ -158,6 +177,7 @@ class RelayServer:
             return
         with self._lock:
             self._circuits += 1
+            self._by_caller[caller] += 1
         self.stats["circuits"] += 1
         try:
             await write_frame(t_writer, {"t": "in", "v": PROTOCOL_VERSION, "from": caller, "h": handler})
@@ -169,6 +189,9 @@ class RelayServer:
         finally:
             with self._lock:
                 self._circuits -= 1
+                self._by_caller[caller] -= 1
+                if self._by_caller[caller] <= 0:
+                    del self._by_caller[caller]
             t_writer.close()
 
     def _count(self, n: int) -> None:
@@ -179,16 +202,25 @@ class RelayServer:
 
 
 async def pipe(a_reader, a_writer, b_reader, b_writer, budget: int, count: Callable[[int], None]) -> int:
-    """Copy bytes a -> b and b -> a until either side ends (or ``budget`` bytes were copied in all);
-    returns the bytes copied. Our protocols never half-close a stream, so the first end ends both."""
+    """Copy bytes a -> b and b -> a until either side ends, ``budget`` bytes were copied in all, or
+    nothing moved either way for IDLE_TIMEOUT seconds; returns the bytes copied. Our protocols never
+    half-close a stream, so the first end ends both."""
     moved = 0
+    loop = asyncio.get_running_loop()
+    last = loop.time()  # the last byte either way: a stream idle both ways for IDLE_TIMEOUT is closed
 
     async def one(src, dst):
-        nonlocal moved
+        nonlocal moved, last
         while moved < budget:
-            data = await src.read(CHUNK)
+            try:
+                data = await asyncio.wait_for(src.read(CHUNK), IDLE_TIMEOUT / 4)
+            except asyncio.TimeoutError:
+                if loop.time() - last >= IDLE_TIMEOUT:
+                    return
+                continue
             if not data:
                 return
+            last = loop.time()
             dst.write(data)
             await dst.drain()
             moved += len(data)
