@@ -107,3 +107,11 @@ def procs(tmp_path):
     while ps.leftovers() and time.time() < deadline:
         time.sleep(0.2)
     assert not ps.leftovers(), f"processes left behind: {ps.leftovers()}"
+
+
+def reset_gates(nodes) -> None:
+    """Bans, offences and memberships are per node: a clean slate for the next test (module-scoped nodes)."""
+    for n in nodes:
+        n.gate.forgive()
+        n.gate.configure(ban_after=3, ban_seconds=600)
+        n.gate._members.clear()

@@ -165,3 +165,15 @@ def test_two_peers_dialing_each_other_at_once_both_connect(tmp_path):
     print(f"\nsimultaneous dials: with reuseport {len(forced['failed'])} of "
           f"{forced['ok'] + len(forced['failed'])} failed; ours {len(ours['failed'])} of {ours['ok'] + len(ours['failed'])}")
     assert not ours["failed"] and ours["ok"] == 6, ours
+
+
+def test_a_peer_that_answers_without_the_protocol_is_not_a_failed_dial():
+    """A reachable peer without the handler (an old version, a fake identity serving nothing) says so at
+    once: open_stream must not wait it out as if the dial had failed (a joiner facing identities that
+    claim a state nobody serves would lose the stream timeout on each)."""
+    from p2pdiloco.swarm.dialing import _is_dial_error
+
+    assert not _is_dial_error(Exception("Connect failed. msg=failed to negotiate protocol: protocols not supported: "
+                                        "[p2pdiloco.run.state]"))
+    assert _is_dial_error(Exception("Connect failed. msg=all dials failed [/ip4/10.0.0.2/tcp/1] dial backoff"))
+    assert _is_dial_error(Exception("failed to dial: no addresses"))

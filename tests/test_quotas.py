@@ -18,6 +18,7 @@ from typing import Dict, List
 import pytest
 import torch
 
+from conftest import reset_gates
 from p2pdiloco.compression import get_codec
 from p2pdiloco.swarm import allreduce as allreduce_mod
 from p2pdiloco.swarm import protocol
@@ -44,12 +45,8 @@ def peers():
 
 @pytest.fixture(autouse=True)
 def _fresh_gates(request):
-    """Bans, offences and memberships are per node; each test starts with a clean slate."""
     if "peers" in request.fixturenames:
-        for n in request.getfixturevalue("peers"):
-            n.gate.forgive()
-            n.gate.configure(ban_after=3, ban_seconds=600)
-            n.gate._members.clear()
+        reset_gates(request.getfixturevalue("peers"))
     yield
 
 

@@ -20,6 +20,7 @@ import msgpack
 import pytest
 import torch
 
+from conftest import reset_gates
 from p2pdiloco.compression import get_codec
 from p2pdiloco.compression.robust import RobustConfig, centered_clip, screen, weighted_mean
 from p2pdiloco.errors import FingerprintMismatch, SyncFailed
@@ -58,11 +59,8 @@ def nodes():
 
 @pytest.fixture(autouse=True)
 def _fresh_gates(request):
-    """Bans and offences are per node; each test starts with a clean slate."""
     if "nodes" in request.fixturenames:
-        for n in request.getfixturevalue("nodes"):
-            n.gate.forgive()
-            n.gate.configure(ban_after=3, ban_seconds=600)
+        reset_gates(request.getfixturevalue("nodes"))
     yield
 
 

@@ -57,7 +57,11 @@ def dial_reason(exc: BaseException) -> str:
 
 
 def _is_dial_error(exc: BaseException) -> bool:
+    """A failure to reach the peer (worth waiting out), not an answer from it: a peer that does not serve
+    the protocol ("protocols not supported") was reached and said no."""
     text = str(exc).lower()
+    if "protocols not supported" in text or "protocol not supported" in text:
+        return False
     return "dial" in text or "no addresses" in text or "connect failed" in text
 
 
