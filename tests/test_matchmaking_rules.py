@@ -113,3 +113,41 @@ def test_matchmaking_rule(row):
         return
     asked, outcome = _run(row)
     assert (asked, outcome) == (row["asked"], row["result"])
+
+
+def test_a_leader_that_vanishes_after_proposing_our_group_fails_our_round(monkeypatch):
+    """The leader proposed a group with us ('warm') and its stream then broke before the final answer
+    (it was killed mid-round; its other members got the answer, ours was lost): joining or leading
+    another group would split the round into two results, so the round fails on us too."""
+    import msgpack
+
+    from p2pdiloco.swarm import matchmaking
+
+    mm = _fake_matchmaker({})
+    warm = {"t": "warm", "members": ["a", "me"], "owners": None}
+
+    class Writer:
+        def write(self, data): pass
+        async def drain(self): pass
+        def close(self): pass
+
+    def stream(*frames):
+        reader = asyncio.StreamReader()
+        for f in frames:
+            body = msgpack.packb(f)
+            reader.feed_data(len(body).to_bytes(4, "big") + body)
+        reader.feed_eof()  # then the leader is gone
+        return None, reader, Writer()
+
+    async def open_warm(node, peer, handler, deadline, stats=None):
+        return stream(warm)
+
+    async def open_silent(node, peer, handler, deadline, stats=None):
+        return stream()
+
+    monkeypatch.setattr(matchmaking, "open_stream", open_warm)
+    with pytest.raises(MatchmakingFailed, match="vanished after proposing a group with us"):
+        asyncio.run(mm._join("a", 0, 5))
+    # a leader that vanishes before proposing anything: we just try the next one
+    monkeypatch.setattr(matchmaking, "open_stream", open_silent)
+    assert asyncio.run(mm._join("a", 0, 5)) == (None, None)

@@ -948,14 +948,23 @@ class Matchmaker:
             logger.info(f"[{self.node.short_id}] leader {leader[-6:]} unreachable ({type(e).__name__}: "
                         f"{dial_reason(e)[:200]}); trying the next")
             return None, None
+        proposed = False  # the leader proposed a group with us in it (a 'warm')
         try:
             await write_frame(writer, {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_,
                                        **self._my_reach_fields()}, traffic=traffic)
             reply, _ = await asyncio.wait_for(read_frame(reader, 0, traffic, leader),
                                               timeout=timeout or self.matchmaking_timeout + self.join_grace + 10)
             if reply.get("t") == "warm":  # the group is closing: warm our links first (item 10)
+                proposed = True
                 reply = await self._answer_warm(reader, writer, reply, leader)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, WireError) as e:
+            if proposed:
+                # The leader may have closed the group with us in it before it vanished (its other
+                # members got the final answer, ours was lost): leading or joining another group now
+                # would split the round into two results. The round fails here, as it does for them.
+                raise MatchmakingFailed(f"leader {leader[-6:]} of fragment {frag} round {round_} vanished after "
+                                        f"proposing a group with us ({type(e).__name__}); the round may have "
+                                        "closed with us in it, so it fails here") from None
             logger.info(f"[{self.node.short_id}] join with {leader[-6:]} failed ({type(e).__name__}); trying the next")
             return None, None
         finally:
