@@ -5,6 +5,7 @@ with its hivemind DHT process and p2pd daemon; teardown asserts that nothing is 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -115,3 +116,21 @@ def reset_gates(nodes) -> None:
         n.gate.forgive()
         n.gate.configure(ban_after=3, ban_seconds=600)
         n.gate._members.clear()
+
+
+@contextlib.contextmanager
+def loopback_nodes(n: int):
+    """``n`` in-process SwarmNodes on 127.0.0.1 (each with its own DHT process and daemon), the first one
+    the others' initial peer; all shut down afterwards."""
+    from p2pdiloco.swarm.node import SwarmNode
+
+    loop = ["/ip4/127.0.0.1/tcp/0"]
+    first = SwarmNode([], host_maddrs=loop)
+    ns = [first]
+    try:
+        for _ in range(n - 1):
+            ns.append(SwarmNode(first.visible_maddrs(), host_maddrs=loop))
+        yield ns
+    finally:
+        for node in ns:
+            node.shutdown()

@@ -29,13 +29,12 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
+from conftest import loopback_nodes
 from p2pdiloco.errors import FingerprintMismatch
-from p2pdiloco.swarm.node import SwarmNode
 from p2pdiloco.swarm.state_sync import StateServer, download_state, in_minority, pick_target, rival_lineage, \
     state_digest
 from p2pdiloco.swarm.swarm import Swarm
 
-LOOP = ["/ip4/127.0.0.1/tcp/0"]
 NUMELS = [3000, 2000]
 H = 10
 STEP = 40  # the honest peers' synced step; their next sync is at STEP + H
@@ -52,15 +51,8 @@ def make_state(step: int, seed: int):
 
 @pytest.fixture(scope="module")
 def nodes():
-    first = SwarmNode([], host_maddrs=LOOP)
-    ns = [first]
-    try:
-        for _ in range(9):  # 3 honest + 1 joiner + 5 attackers, plus the first (a plain DHT node)
-            ns.append(SwarmNode(first.visible_maddrs(), host_maddrs=LOOP))
+    with loopback_nodes(10) as ns:  # a plain DHT node, 3 honest, 1 joiner, 5 attackers
         yield ns
-    finally:
-        for n in ns:
-            n.shutdown()
 
 
 @dataclass

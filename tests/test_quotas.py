@@ -18,7 +18,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from conftest import reset_gates
+from conftest import loopback_nodes, reset_gates
 from p2pdiloco.compression import get_codec
 from p2pdiloco.swarm import allreduce as allreduce_mod
 from p2pdiloco.swarm import protocol
@@ -32,15 +32,8 @@ _runs = itertools.count()
 
 @pytest.fixture(scope="module")
 def peers():
-    target = SwarmNode([], host_maddrs=LOOP)
-    ns = [target]
-    try:
-        ns.append(SwarmNode(target.visible_maddrs(), host_maddrs=LOOP))  # honest
-        ns.append(SwarmNode(target.visible_maddrs(), host_maddrs=LOOP))  # a member that stalls
+    with loopback_nodes(3) as ns:  # the target, an honest peer, a member that stalls
         yield ns
-    finally:
-        for n in ns:
-            n.shutdown()
 
 
 @pytest.fixture(autouse=True)

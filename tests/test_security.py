@@ -20,7 +20,7 @@ import msgpack
 import pytest
 import torch
 
-from conftest import reset_gates
+from conftest import loopback_nodes, reset_gates
 from p2pdiloco.compression import get_codec
 from p2pdiloco.compression.robust import RobustConfig, centered_clip, screen, weighted_mean
 from p2pdiloco.errors import FingerprintMismatch, SyncFailed
@@ -28,7 +28,6 @@ from p2pdiloco.swarm.allreduce import AllReducer, Group, make_group_id, shard_bo
 from p2pdiloco.swarm.node import SwarmNode
 from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, read_frame, write_frame
 
-LOOP = ["/ip4/127.0.0.1/tcp/0"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _runs = itertools.count()
 
@@ -46,15 +45,8 @@ class EvilAllReducer(AllReducer):
 
 @pytest.fixture(scope="module")
 def nodes():
-    first = SwarmNode([], host_maddrs=LOOP)
-    ns = [first]
-    try:
-        for _ in range(4):
-            ns.append(SwarmNode(first.visible_maddrs(), host_maddrs=LOOP))
+    with loopback_nodes(5) as ns:
         yield ns
-    finally:
-        for n in ns:
-            n.shutdown()
 
 
 @pytest.fixture(autouse=True)
