@@ -6,7 +6,8 @@ and 5 in hivemind-notes.md). Here:
 
 * The vector is cut into one contiguous shard per *owner*, shard ``k`` owned by ``owners[k]``
   (members are sorted peer ids, so every peer cuts identically). The owners are every member,
-  except the members nobody can dial (private peers behind NAT, ``swarm/reachability.py``): the
+  except the members nobody can dial directly (peers behind NAT, ``swarm/reachability.py``; those a
+  relay reaches own shards only when no member can be dialed directly, ``swarm/relay.py``): the
   group's leader lists the owners in the group it sends to every member (``Group.owners``), so
   every member cuts the same shards. A private member owns nothing: it dials each owner, sends its
   part and reads the mean back on the same stream (outbound connections work through NAT), and

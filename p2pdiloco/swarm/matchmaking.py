@@ -46,16 +46,17 @@
    such unseen peers with a smaller id (briefly) before it leads itself, and a peer about to
    sync alone while others are live re-reads the DHT once more before it does: a missed record
    must not split a round into two groups.
-8. Private peers (behind NAT: nobody can dial them, ``swarm/reachability.py``) take part with
-   outbound connections only. Leadership goes by *rank*, public peers first, then the smallest id:
-   ``(private, peer id)``. A private peer therefore never leads a group with others (it can dial
-   the leader, the leader could not dial it; the join reply comes back on the stream it opened),
-   and the leader names the group's shard *owners*, its public members (``Group.owners``): the
-   all-reduce never dials a private member either. Who is private is learned from the progress
-   and ready records (``reach``) and from the join request itself (the leader's source for its
-   joiners). A private peer whose round has other ready peers but no public one fails that round
-   with one clear :class:`MatchmakingFailed` (private peers cannot reach each other; no relays),
-   at once rather than after a timeout; alone, it syncs alone like anyone.
+8. Peers behind NAT (``swarm/reachability.py``) are *relayed* when a relay took them (others reach
+   them through it, ``swarm/relay.py``) and *private* when none did (nobody can reach them).
+   Leadership goes by *rank*: public peers first, then relayed ones, then private ones, then the
+   smallest id. A private peer therefore never leads a group with others (it can dial the leader,
+   the leader could not dial it; the join reply comes back on the stream it opened), and the leader
+   names the group's shard *owners* (``Group.owners``): its public members, or its relayed members
+   when none is public (a relayed owner's traffic all crosses its relay), never a private one. Who
+   is what is learned from the progress and ready records (``reach``, ``via``) and from the join
+   request itself (the leader's source for its joiners). A private peer whose round has other ready
+   peers but no reachable one fails that round with one clear :class:`MatchmakingFailed`, at once
+   rather than after a timeout; alone, it syncs alone like anyone.
 9. Group formation is on the critical path of every sync, and each DHT read or store costs round
    trips. So a peer also asks the presumable leader (the smallest id among itself and the live
    peers due at this sync) to admit it as soon as it is ready, while it polls, and a leader counts

@@ -2,8 +2,8 @@
 
 A peer behind NAT (a home router, a cloud instance without a public port) can dial out, but nobody
 can dial in. libp2p reuses an open connection in both directions, so a peer that *has* talked to us
-can often still reach us; anyone else cannot. p2pdiloco therefore never relies on dialing a
-private peer (matchmaking.py: a private peer never leads; allreduce.py: it owns no shard;
+can often still reach us; anyone else cannot. p2pdiloco therefore never dials a private peer
+directly (it is reached through its relay, or not at all: matchmaking.py ranks and owners;
 state_sync.py: it donates state only when no public donor has it), and a private peer runs its DHT
 node as a client (hivemind ``client_mode``): it reads and stores records through the public nodes
 and is never put into their routing tables, so nobody's DHT read waits on a node it cannot reach.
