@@ -28,7 +28,7 @@ from p2pdiloco.diloco.outer import OuterState
 from p2pdiloco.diloco.overlap import BandwidthMeter, lookahead
 from p2pdiloco.errors import ConfigError, SyncFailed
 from p2pdiloco.model import build_model
-from p2pdiloco.swarm.allreduce import Group
+from p2pdiloco.swarm.allreduce import Coverage, Group
 from p2pdiloco.swarm.protocol import Traffic
 
 # a small model so every test here takes a second or two
@@ -187,7 +187,8 @@ def reference_run(cfg, shards: Sequence[int], outer_steps: int, fail: Sequence[T
       delay: Δ_m = W_m − θ_m at s_k; apply Δ(k−1) to θ; W_m ← θ; θ_m ← W_m
       eager: as delay, but ("fresh_heuristic") W_m ← SGD step on a copy of (θ, momentum) with
              Δ~ = Δ_m(k); or ("paper", the Eager Updates paper as published) W_m ← θ + f with the
-             peer's offset (f, e) stepped by δ = Δ_m(k)/M − Δ_m(k−1)/M (overlap.py's formulation, whose
+             peer's offset (f, e) stepped by δ = Δ'_m(k)/M − (the own term added last: Δ'_m(k−1)/M, even
+             when round k−1 failed and Δ'_m(k) resends it) (overlap.py's formulation, whose
              equality with the paper's per-peer state test_eager_is_the_papers_update_sequence checks
              without inner training: through AdamW, an ulp of difference can flip an update)
     SGD is written out (b ← μ·b + g; θ ← θ − lr·(g + μ·b)), one rounding per operation, as the
@@ -209,9 +210,11 @@ def reference_run(cfg, shards: Sequence[int], outer_steps: int, fail: Sequence[T
     lr, mu, nesterov = cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov
     gbufs = {n: torch.zeros_like(gparams[n]) for n in names}
     peers = [_inner_setup(cfg, s) for s in shards]
-    # eager "paper": each peer's offset (f, e) from the agreed (θ, b), per fragment
+    # eager "paper": each peer's offset (f, e) from the agreed (θ, b), per fragment, and the own term
+    # (flat) it added last
     own = [[([torch.zeros_like(gparams[n]) for n in frag_names[p]], [torch.zeros_like(gparams[n]) for n in frag_names[p]])
             for p in range(P)] for _ in range(M)]
+    own_term = [[torch.zeros(sum(gparams[n].numel() for n in frag_names[p])) for p in range(P)] for _ in range(M)]
     lp = [dict(m.named_parameters()) for m, _, _ in peers]
     start = [[[gparams[n].detach().clone() for n in frag_names[p]] for p in range(P)] for _ in range(M)]
     pending: Dict[int, dict] = {}   # fragment -> {"deltas", "due", "round", "w", "base"}
@@ -283,12 +286,15 @@ def reference_run(cfg, shards: Sequence[int], outer_steps: int, fail: Sequence[T
                             # equality with the paper's own per-peer state: test_eager_is_the_papers_update_sequence)
                             f_m, e_m = own[m][p]
                             gb = [gbufs[n] for n in frag_names[p]]
+                            # δ = Δ'_m(k)/M minus exactly the own term added last (a failed round's too);
+                            # 1/M computed as core.py does (w/W·M_{k−1}/M_k), for the same bits
+                            share = prev["w"] / (prev["w"] * M) * M / M if have_prev else 1.0 / M
+                            term = deltas[m] * share
+                            d = unflat(term - own_term[m][p], f_m)
+                            own_term[m][p] = term
                             if have_prev:
-                                share = prev["w"] / (prev["w"] * M)
-                                d = unflat(deltas[m] * (share * M / M) - prev["deltas"][m] * share, f_m)
                                 sgd(f_m, e_m, d)
                             else:  # the paper's peer steps alone: from (θ + f, b + e), the agreed copy stays
-                                d = unflat(deltas[m] * (1.0 / M), f_m)
                                 for fx, ex, bx, dx in zip(f_m, e_m, gb, d):
                                     bm, fm = bx + ex, fx.clone()
                                     sgd([fm], [bm], [dx])
@@ -614,9 +620,10 @@ def test_global_copies_identical_after_each_correction(mode):
 def test_eager_is_the_papers_update_sequence(fail):
     """Eager Updates as published (Kale et al., arXiv 2502.12996), without inner training in the way:
     3 peers with chosen pseudo-gradients Δ_m(k); each peer's phase start W_m must follow the paper's
-    own per-peer outer state, θ_m ← NesterovSGD(θ_m, Δ(k−1) − Δ_m(k−1)/M + Δ_m(k)/M) (Δ_m(k)/M when
-    round k−1 brought no average), to 1e-6 over 10 rounds, while the agreed global copies stay bitwise
-    identical and equal the delayed trajectory θ ← NesterovSGD(θ, Δ(k−1))."""
+    own per-peer outer state, θ_m ← NesterovSGD(θ_m, Δ(k−1) − Δ'_m(k−1)/M + Δ'_m(k)/M) (Δ(k−1) = 0 when
+    round k−1 brought no average; Δ'_m(k) resends a failed round's Δ'_m(k−1), and its own term
+    Δ'_m(k−1)/M is taken out all the same), to 1e-6 over 10 rounds, while the agreed global copies stay
+    bitwise identical and equal the delayed trajectory θ ← NesterovSGD(θ, Δ(k−1))."""
     M, K, H = 3, 10, 2
     cfg = make_cfg(f"inner.sync_every={H}", "streaming.mode=eager", "outer.lr=0.7", "outer.momentum=0.9")
     hub = Hub(M, fail=[(0, r) for r in fail])
@@ -666,10 +673,10 @@ def test_eager_is_the_papers_update_sequence(fail):
     actual = [[None] * K for _ in range(M)]  # Δ_m(k) as the round carried it: a failed round's is resent
     for k in range(K):
         for m in range(M):
-            actual[m][k] = sent[m][k] + (sent[m][k - 1] if k - 1 in fail else 0)
+            actual[m][k] = sent[m][k] + (actual[m][k - 1] if k - 1 in fail else 0)
         avg = sum(actual[m][k] for m in range(M)) / M
         for m in range(M):
-            est = actual[m][k] / M if avg_prev is None else avg_prev - actual[m][k - 1] / M + actual[m][k] / M
+            est = (0 if avg_prev is None else avg_prev) - (actual[m][k - 1] / M if k else 0) + actual[m][k] / M
             own[m] = sgd(*own[m], est)
             worst = float((starts[m][k] - own[m][0]).abs().max())
             assert worst < 1e-6, f"peer {m}, round {k}: start differs from the paper's θ_m by {worst}"
@@ -683,6 +690,182 @@ def test_eager_is_the_papers_update_sequence(fail):
     assert float((starts[0][-1] - starts[1][-1]).abs().max()) > 1e-4  # the peers' own terms differ
     if fail:
         assert [r for r in hub.calls if r[2] in fail], "the injected failure did not fire"
+
+
+# ---- eager updates through failures, group changes and joins ----------------------------------------------
+class RosterHub:
+    """All-reduce among the members of each round's group (peers join and leave between rounds): the
+    sample-weighted mean in member order, and the total weight (the coverage the swarm reports)."""
+
+    def __init__(self, fail: Sequence[int] = ()):
+        self.fail = set(fail)
+        self.cond = threading.Condition()
+        self.parts: Dict[Tuple[str, str], Dict[int, Tuple[float, torch.Tensor]]] = {}
+        self.results: Dict[Tuple[str, str], Tuple[torch.Tensor, float]] = {}
+
+    def reduce(self, group: Group, phase: str, vec: torch.Tensor, weight: float) -> Tuple[torch.Tensor, float]:
+        key = (group.gid, phase)
+        with self.cond:
+            self.parts.setdefault(key, {})[group.my_index] = (weight, vec.detach().clone())
+            if len(self.parts[key]) == group.size:
+                parts = [self.parts[key][i] for i in range(group.size)]
+                self.results[key] = (weighted_mean([v for _, v in parts], [w for w, _ in parts]),
+                                     sum(w for w, _ in parts))
+                self.cond.notify_all()
+            assert self.cond.wait_for(lambda: key in self.results, timeout=60), f"hub: {key} incomplete"
+            avg, total = self.results[key]
+            return avg.clone(), total
+
+
+class RosterSwarm(FakeSwarm):
+    """A swarm whose round k has the members ``roster(k)``; a result carries its coverage (members and
+    total sample weight), as the real all-reduce reports it; the rounds in ``hub.fail`` fail for all."""
+
+    def __init__(self, hub: RosterHub, idx: int, roster: Callable[[int], Tuple[int, ...]]):
+        super().__init__(hub, idx)
+        self.roster = roster
+
+    def expected_group(self, sync_step: int) -> int:
+        raise AssertionError("the test forms every group before its send step")
+
+    def form_group(self, frag: int, round_: int, sync_step: int) -> Group:
+        members = tuple(f"peer{i}" for i in self.roster(round_))
+        return Group(gid=f"{frag}:{round_}", members=members, my_index=members.index(f"peer{self.idx}"),
+                     frag=frag, round=round_)
+
+    def allreduce(self, group: Group, phase: str, vec: torch.Tensor, weight: float, codec,
+                  on_coverage=None) -> torch.Tensor:
+        if group.round in self.hub.fail:
+            raise SyncFailed(f"injected failure of round {group.round}")
+        avg, total = self.hub.reduce(group, phase, vec, weight)
+        if on_coverage is not None:
+            on_coverage(Coverage(members=group.members, weight=total))
+        return avg
+
+
+#: name: (rounds that fail for everyone, the members of round k); a peer in round k but not in round
+#: k − 1 joins by downloading peer 0's state once round k − 1 is applied (which must not fail)
+EAGER_PATTERNS = {
+    "no-failure": ((), lambda k: (0, 1, 2)),
+    "one-failure": ((3,), lambda k: (0, 1, 2)),
+    "two-in-a-row": ((3, 4), lambda k: (0, 1, 2)),
+    "failure-then-smaller-group": ((2,), lambda k: (0, 1, 2) if k <= 2 else (0, 1)),
+    "join-then-failure": ((6,), lambda k: (0, 1, 2) if k < 4 else (0, 1, 2, 3)),
+}
+
+
+@pytest.mark.parametrize("pattern", list(EAGER_PATTERNS))
+def test_eager_follows_each_peers_paper_trajectory_through_failures(pattern):
+    """Eager Updates (Kale et al., arXiv 2502.12996) with failed rounds, resends, sample weights that
+    change every round, a group that shrinks and a peer that joins. Each peer's model after each send
+    must equal its own outer state in the paper's per-peer recurrence, to 1e-6:
+
+        θ_m, b_m ← NesterovSGD(θ_m, b_m, A + ρ_k·Δ'_m(k) − (own term added last))
+
+    A = the average of the peer's previous round if that arrived (else 0), Δ'_m(k) = Δ_m(k) plus a failed
+    previous round's Δ'_m (resent, its weight too), ρ_k = the peer's share as core.py estimates it
+    (w_m/W of the previous round · M_{k−1}/M_k when that arrived, else 1/M_k). The own term telescopes:
+    whatever happens, the peer's state is the agreed one plus its latest own term. A joiner starts from
+    the state it downloaded. After finish() every peer holds the agreed global model."""
+    fail, roster = EAGER_PATTERNS[pattern]
+    K, H = 9, 2
+    cfg = make_cfg(f"inner.sync_every={H}", "streaming.mode=eager", "outer.lr=0.7", "outer.momentum=0.9")
+    hub = RosterHub(fail)
+    gen = torch.Generator().manual_seed(7)
+    shape = (16, 8)
+    init = torch.rand(shape, generator=gen)
+    peers = sorted(set().union(*(roster(k) for k in range(K))))
+    deltas = {m: [(torch.rand(shape, generator=gen) - 0.5) * 0.1 for _ in range(K)] for m in peers}
+    samples = {m: [1 + (3 * m + k) % 4 for k in range(K)] for m in peers}  # per inner step, in round k
+    sent: Dict[Tuple[int, int], torch.Tensor] = {}     # (m, k): Δ_m(k) exactly as the model gave it
+    starts: Dict[Tuple[int, int], torch.Tensor] = {}   # (m, k): the model right after round k's send
+    dilocos: Dict[int, DiLoCo] = {}
+
+    def make(m: int) -> DiLoCo:
+        model = torch.nn.Linear(8, 16, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(init)
+        d = DiLoCo(model, cfg, RosterSwarm(hub, m, roster))
+        d.swarm.diloco = d
+        return d
+
+    try:
+        for m in roster(0):
+            dilocos[m] = make(m)
+        for k in range(K):
+            for m in [m for m in dilocos if m not in roster(k)]:  # left the swarm
+                dilocos.pop(m).close()
+            for m in [m for m in roster(k) if m not in dilocos]:  # joins: peer 0's state after round k − 1
+                assert k > 0 and k - 1 not in fail
+                donor = dilocos[0]
+                for job in list(donor._inflight):
+                    job.future.result(30)
+                dilocos[m] = make(m)
+                dilocos[m].load_snapshot(*donor.snapshot())
+                assert dilocos[m].inner_step == k * H
+            for step in range(H):
+                for m, d in dilocos.items():
+                    for fut in list(d._groups.values()):  # formed before the send: its size is known there
+                        fut.result(30)
+                    if step == H - 1:  # the inner phase "trained" to W_m − Δ_m(k)
+                        with torch.no_grad():
+                            d.model.weight.copy_(d._start[0][0] - deltas[m][k])
+                        sent[(m, k)] = (d._start[0][0] - d.model.weight).detach().clone()
+                    d.after_inner_step(samples[m][k])
+                    if step == H - 1:
+                        starts[(m, k)] = d.model.weight.detach().clone()
+        for d in dilocos.values():
+            d.finish()
+    finally:
+        for d in dilocos.values():
+            d.close()
+
+    lr, mu = 0.7, 0.9
+
+    def sgd(theta, b, g):
+        b = b * mu + g
+        return theta - (g + b * mu) * lr, b
+
+    agreed = (init.clone(), torch.zeros(shape))  # the global copy: true averages only, in round order
+    state = {m: agreed for m in roster(0)}         # the paper's per-peer outer state (θ_m, b_m)
+    own: Dict[int, Optional[torch.Tensor]] = {m: None for m in roster(0)}  # the own term added last
+    carried: Dict[Tuple[int, int], Tuple[torch.Tensor, float]] = {}        # (m, k): Δ'_m(k), w'_m(k)
+    avg: Dict[int, Tuple[torch.Tensor, float]] = {}                        # k: (Δ(k), W(k))
+    compared = 0
+    for k in range(K):
+        members = roster(k)
+        for m in members:
+            if m not in state:  # joined: the downloaded state, no offset
+                state[m], own[m] = agreed, None
+            resend = k > 0 and m in roster(k - 1) and k - 1 in fail
+            d_m, w_m = sent[(m, k)], float(H * samples[m][k])
+            if resend:
+                d_m, w_m = d_m + carried[(m, k - 1)][0], w_m + carried[(m, k - 1)][1]
+            carried[(m, k)] = (d_m, w_m)
+        for m in members:
+            arrived = k > 0 and m in roster(k - 1) and k - 1 not in fail
+            if arrived:
+                share = carried[(m, k - 1)][1] / avg[k - 1][1] * len(roster(k - 1)) / len(members)
+                a = avg[k - 1][0]
+            else:
+                share, a = 1.0 / len(members), torch.zeros(shape)
+            term = carried[(m, k)][0] * share
+            state[m] = sgd(*state[m], a + term - (own[m] if own[m] is not None else 0))
+            own[m] = term
+            worst = float((starts[(m, k)] - state[m][0]).abs().max())
+            assert worst < 1e-6, f"{pattern}: peer {m} after round {k} differs from its paper state by {worst}"
+            compared += 1
+        if k not in fail:
+            total = sum(carried[(m, k)][1] for m in members)
+            avg[k] = (sum(carried[(m, k)][0] * carried[(m, k)][1] for m in members) / total, total)
+            agreed = sgd(*agreed, avg[k][0])
+    assert compared == sum(len(roster(k)) for k in range(K))
+    final = list(dilocos.values())
+    for d in final:  # finish(): every peer ends with the agreed global model, the same bits everywhere
+        assert torch.equal(d.outer[0].params[0], final[0].outer[0].params[0])
+        assert torch.equal(d.model.weight, d.outer[0].params[0].to(d.model.weight.dtype))
+        assert float((d.model.weight.detach() - agreed[0]).abs().max()) < 1e-6
+    assert float((starts[(0, K - 1)] - starts[(1, K - 1)]).abs().max()) > 1e-4  # the own terms differ
 
 
 def test_late_result_waits_and_is_recorded():
@@ -862,8 +1045,9 @@ def test_a_digest_mismatch_names_the_first_differing_tensor():
 
 
 def test_eager_offset_survives_a_checkpoint():
-    """A peer's eager offset (its own share of the trajectory) is part of its checkpoint: a resumed peer
-    restarts its next phase from agreed θ plus the same offset; a downloaded state zeroes it."""
+    """A peer's eager offset (its own share of the trajectory) and the own term in it are part of its
+    checkpoint: a resumed peer restarts its next phase from agreed θ plus the same offset; a downloaded
+    state zeroes both."""
     cfg = make_cfg("inner.sync_every=2", "streaming.mode=eager")
     torch.manual_seed(0)
     model = build_model(cfg.model)
@@ -880,6 +1064,14 @@ def test_eager_offset_survives_a_checkpoint():
     d2.load_overlap_state(state)
     for a, b in zip(d._offsets[0][0] + d._offsets[0][1], d2._offsets[0][0] + d2._offsets[0][1]):
         assert torch.equal(a, b)
+    # the own term inside the offset comes along: the next round takes exactly that out again
+    assert d2._own[0][0] == d._own[0][0] and torch.equal(d2._own[0][1], d._own[0][1])
+    older = {k: v for k, v in state.items() if k != "own"}  # without its own term an offset is unusable
+    d3 = DiLoCo(build_model(cfg.model), cfg)
+    d3.load_overlap_state(older)
+    assert d3._offsets == [None] and d3._own == [None]
     meta, payload = d.snapshot()
     d2.load_snapshot(meta, payload)
-    assert d2._offsets == [None]
+    assert d2._offsets == [None] and d2._own == [None]
+    for x in (d, d2, d3):
+        x.close()

@@ -148,6 +148,9 @@ class DiLoCo:
         self.eager_estimate = st.eager_estimate
         # eager_estimate "paper": this peer's offset (f, e) from the agreed (θ, b), per fragment (None = 0)
         self._offsets: List[Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]]] = [None] * P
+        # ... and the own term last added to it, as (share ρ, Δ'_m) with term = Δ'_m·ρ (None = nothing):
+        # the next round subtracts exactly this product, so f telescopes to the latest own term
+        self._own: List[Optional[Tuple[float, torch.Tensor]]] = [None] * P
         if self.mode != "tau":
             self._start = [[t.clone() for t in o.params] for o in self.outer]
         # two background threads: all-reduces in send order, and group formation in schedule order, so
@@ -268,6 +271,9 @@ class DiLoCo:
             for p, o in enumerate(self.outer):
                 o.copy_to(self.local[p])
                 self._start[p] = [t.clone() for t in o.params]
+            # the model is on the agreed trajectory now: no offset, no own term in it
+            self._offsets = [None] * self.num_fragments
+            self._own = [None] * self.num_fragments
         for r in reports:  # reported once the model holds them (validation measures that model)
             self._notify(r)
         return reports
@@ -343,26 +349,32 @@ class DiLoCo:
                      group: concurrent.futures.Future) -> List[torch.Tensor]:
         """Eager Updates as published, split into the agreed part and this peer's offset (overlap.py).
 
-        The paper's peer applies OuterOpt with Δ~_m(k) = Δ(k−1) + δ_k, δ_k = ρ_k·Δ_m(k) − ρ_{k−1}·Δ_m(k−1)
-        (ρ = w_m/W: its own share of a round's average; ρ_{k−1} from round k−1's covered weight, ρ_k
-        estimated as ρ_{k−1}·M_{k−1}/M_k, 1/M_k without a previous round: with equal weights the paper's
-        1/M). The agreed copy applies Δ(k−1) alone (done by
+        The paper's peer applies OuterOpt with Δ~_m(k) = Δ(k−1) + δ_k, δ_k = ρ_k·Δ'_m(k) − (the own term
+        it added last): its fresh term replaces its stale one in the late average. Δ'_m(k) is what round
+        k sends (with a failed round's Δ'_m resent in it); ρ_k = w_m/W is its share of round k's
+        average, not known before the round ends: estimated as ρ_{k−1}·M_{k−1}/M_k from round k−1's
+        covered weight when that arrived, else 1/M_k (with equal weights the paper's 1/M). The term
+        subtracted is exactly the term added before (``_own``), whatever happened in between (a failed
+        round, a resend, another group size or weight), so the offset always holds the latest own term
+        alone and the estimate's error never accumulates. The agreed copy applies Δ(k−1) alone (done by
         the worker when round k−1 arrived), so the offset (f, e) = (θ_m − θ, b_m − b) follows
         e ← μ·e + δ_k, f ← f − lr·(δ_k + μ·e) (Nesterov SGD is linear). When round k−1 brought no average
-        (the first round, a failed round) the agreed copy took no step but the paper's peer did, with
-        Δ~_m(k) = δ_k: then e ← μ·(b + e) + δ_k − b and f ← f − lr·(δ_k + μ·(b + e)). Returns θ + f."""
+        (the first round, a failed round, the first round after a download) the agreed copy took no step
+        but the paper's peer did, with Δ~_m(k) = δ_k: then e ← μ·(b + e) + δ_k − b and
+        f ← f − lr·(δ_k + μ·(b + e)). Returns θ + f."""
         outer = self.outer[p]
         mu, lr = outer.momentum, outer.lr
         size = self._expected_size(group, prev)
         arrived = prev is not None and prev.ok
-        if arrived:
-            last_share = prev.weight / prev.covered_weight
-            stale = prev.delta.to(delta.device) * last_share
-            # our share of round k: as in round k−1 (peers' speeds change slowly), scaled to k's group size
-            share = last_share * max(prev.group_size, 1) / size
+        if arrived:  # our share of round k: as in round k−1 (speeds change slowly), scaled to k's group size
+            share = prev.weight / prev.covered_weight * max(prev.group_size, 1) / size
         else:
-            stale, share = None, 1.0 / size
-        d_flat = delta * share if stale is None else delta * share - stale
+            share = 1.0 / size
+        d_flat = delta * share
+        last = self._own[p]
+        if last is not None:  # the same product as when it was added: the same bits, an exact cancellation
+            d_flat = d_flat - last[1].to(delta.device) * last[0]
+        self._own[p] = (share, delta)  # the job's Δ'_m: never written after its send
         if self._offsets[p] is None:
             self._offsets[p] = ([torch.zeros_like(x) for x in outer.params], [torch.zeros_like(x) for x in outer.params])
         f_list, e_list = self._offsets[p]
@@ -621,6 +633,7 @@ class DiLoCo:
             if self.mode != "tau":
                 self._start = [[t.clone() for t in o.params] for o in self.outer]
             self._offsets = [None] * self.num_fragments  # the peer restarts on the agreed trajectory
+            self._own = [None] * self.num_fragments
         for r in self.reducers:  # their residuals belong to the history we just left
             reset = getattr(r, "reset", None)
             if reset is not None:
@@ -629,20 +642,22 @@ class DiLoCo:
     # ---- checkpoints ------------------------------------------------------------------------------------
     def overlap_state_dict(self) -> Dict[str, object]:
         """Bookkeeping of ``delay``/``eager`` that a checkpoint needs besides the model and global copies:
-        each fragment's start point W_m and, for eager, this peer's offset from the agreed copy. (Syncs
-        in flight are not saved: after a resume they are lost and the swarm's divergence repair brings
-        this peer back.)"""
+        each fragment's start point W_m and, for eager, this peer's offset from the agreed copy and the
+        own term in it (the next round takes that term out again). (Syncs in flight are not saved: after
+        a resume they are lost and the swarm's divergence repair brings this peer back.)"""
         cpu = lambda ts: [t.cpu().clone() for t in ts]  # noqa: E731
         with self.state_lock:
             return {"mode": self.mode,
                     "start": None if self.mode == "tau" else [cpu(s) for s in self._start],
-                    "offsets": [None if o is None else (cpu(o[0]), cpu(o[1])) for o in self._offsets]}
+                    "offsets": [None if o is None else (cpu(o[0]), cpu(o[1])) for o in self._offsets],
+                    "own": [None if o is None else (o[0], o[1].cpu().clone()) for o in self._own]}
 
     def load_overlap_state(self, state: Optional[Dict[str, object]]) -> None:
         if self.mode == "tau":
             return
         with self.state_lock:
             self._offsets = [None] * self.num_fragments
+            self._own = [None] * self.num_fragments
             if not state or state.get("mode") != self.mode or state.get("start") is None:
                 self._start = [[t.clone() for t in o.params] for o in self.outer]
                 return
@@ -650,8 +665,15 @@ class DiLoCo:
                 for d, s in zip(dst, src, strict=True):
                     d.copy_(s)
             offsets = state.get("offsets") or [None] * self.num_fragments
-            if self.mode == "eager" and len(offsets) == self.num_fragments:
-                for p, (o, saved) in enumerate(zip(self.outer, offsets)):
+            owns = state.get("own")
+            # an offset is only usable with the own term it holds (the next round takes that out again);
+            # without it (an older checkpoint) the peer restarts its offset from the agreed trajectory
+            if self.mode == "eager" and len(offsets) == self.num_fragments and owns is not None:
+                for p, (o, saved, own) in enumerate(zip(self.outer, offsets, owns, strict=True)):
                     if saved is not None:
                         self._offsets[p] = ([x.to(g.device).clone() for x, g in zip(saved[0], o.params, strict=True)],
                                             [x.to(g.device).clone() for x, g in zip(saved[1], o.params, strict=True)])
+                    if own is not None:
+                        if own[1].numel() != o.numel:
+                            raise ValueError(f"the eager own term of fragment {p} does not match its parameters")
+                        self._own[p] = (float(own[0]), own[1].to(o.params[0].device).clone())

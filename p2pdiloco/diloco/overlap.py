@@ -33,10 +33,14 @@ What the model gets, per mode (fragment p, round k sent after inner step s_k, ``
     (``streaming.eager_estimate``):
 
     - ``paper`` (default): the published rule. Each peer steps *its own* outer state with
-      Δ~_m(k) = Δ(k−1) + δ_k, where δ_k = ρ_k·Δ_m(k) − ρ_{k−1}·Δ_m(k−1) replaces its stale term in
-      the late average by its fresh one (ρ = w_m/W, its share of a round's average: ρ_{k−1} from
-      round k−1's covered weight, ρ_k = ρ_{k−1}·M_{k−1}/M_k, 1/M_k without a previous round; with
-      equal weights ρ = 1/M, the paper's formula). Nesterov SGD is linear in its gradient, so this
+      Δ~_m(k) = Δ(k−1) + δ_k, where δ_k = ρ_k·Δ'_m(k) − (the own term it added last) replaces its
+      stale term in the late average by its fresh one. Δ'_m(k) is what round k sends (a failed
+      round's Δ'_m resent in it); ρ = w_m/W is the peer's share of a round's average, estimated
+      before the round ends: ρ_k = ρ_{k−1}·M_{k−1}/M_k from round k−1's covered weight when that
+      arrived, else 1/M_k (with equal weights ρ = 1/M, the paper's formula). The term subtracted is
+      bit for bit the term added before, whatever happened in between (failed rounds, resends,
+      other weights or group sizes), so the offset below holds the peer's latest own term alone and
+      an estimate's error never accumulates. Nesterov SGD is linear in its gradient, so this
       peer's trajectory is exactly the agreed one (θ, b advanced by the true averages alone,
       identical on every peer, digest-checked) plus a per-peer offset (f, e)::
 
@@ -44,9 +48,11 @@ What the model gets, per mode (fragment p, round k sent after inner step s_k, ``
           e ← μ·(b + e) + δ_k − b;  f ← f − lr·(δ_k + μ·(b + e))   (it did not: first round, failure)
 
       and the next inner phase starts from W_m ← θ + f. The second line is the paper's peer taking
-      a step the agreed copy does not take (Δ~ = δ_k alone). The offset is this peer's own (saved
-      in checkpoints, zeroed when it adopts a downloaded state); the equality with the paper's
-      per-peer update sequence is checked in one process (tests/test_streaming.py).
+      a step the agreed copy does not take (Δ~ = δ_k alone; also a peer's first round after it
+      downloaded a state). The offset and the own term in it are this peer's own (saved in
+      checkpoints, zeroed when it adopts a downloaded state); the equality with the paper's per-peer
+      update sequence, through failed rounds, resends, changing weights and group sizes and a join,
+      is checked in one process (tests/test_streaming.py).
     - ``fresh_heuristic``: W_m ← OuterOpt'(θ, b, Δ_m(k)), a look-ahead (:func:`lookahead`) with the
       peer's own fresh pseudo-gradient standing in for the whole average; θ and b are not changed
       and the deviation is dropped at the next round. A heuristic of this project, not the paper's
@@ -76,7 +82,8 @@ that arrives later belongs to the state left behind and is discarded (an epoch c
 Memory on the outer device besides the global copy and momentum: each job in flight holds its Δ_m
 (one fragment; in ``delay``/``eager`` up to all P fragments at once, i.e. one model's worth);
 ``delay``/``eager`` keep the start points W_m (one model), ``eager`` with the ``paper`` estimate the
-offset (f, e) (two models' worth).
+offset (f, e) (two models' worth) and a reference to the last Δ'_m sent per fragment (the job's own,
+so no extra memory while it is in flight; one model's worth in a checkpoint).
 """
 from __future__ import annotations
 
