@@ -4,7 +4,7 @@
 
 Rank 0 writes its address to DIR/addr; every rank writes its peer id to DIR/id.<rank>, waits for
 all PEERS ids, forms the group and runs one all-reduce of ``(rank + 1) * ones(NUMEL)`` with CODEC and
-chunks of CHUNK values (``allreduce.CHUNK_VALUES``). It writes DIR/result.<rank>.json: the error (or
+chunks of CHUNK values (``partition.CHUNK_VALUES``). It writes DIR/result.<rank>.json: the error (or
 null), whether every value equals the exact mean, resident memory (MB) just before the all-reduce
 (input allocated), the process's peak (``ru_maxrss``) and how many members' parts its handler
 saw cut off mid-stream. Faults come from P2PDILOCO_FAULTS.
@@ -28,11 +28,12 @@ def main(out: str, rank: int, peers: int, numel: int, codec_name: str, chunk: in
 
     from p2pdiloco import faults
     from p2pdiloco.compression import get_codec
-    from p2pdiloco.swarm import allreduce
-    from p2pdiloco.swarm.allreduce import AllReducer, Group, make_group_id
+    from p2pdiloco.swarm import partition
+    from p2pdiloco.swarm.allreduce import AllReducer
+    from p2pdiloco.swarm.group import Group, make_group_id
     from p2pdiloco.swarm.node import SwarmNode
 
-    allreduce.CHUNK_VALUES = chunk
+    partition.CHUNK_VALUES = chunk
     faults.install_from_env()
     loop = ["/ip4/127.0.0.1/tcp/0"]
     if rank == 0:

@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from p2pdiloco.compression import get_codec  # noqa: E402
-from p2pdiloco.swarm.allreduce import AllReducer, Group, make_group_id  # noqa: E402
+from p2pdiloco.swarm.allreduce import AllReducer  # noqa: E402
+from p2pdiloco.swarm.group import Group, make_group_id  # noqa: E402
 from p2pdiloco.swarm.matchmaking import Matchmaker  # noqa: E402
 from p2pdiloco.swarm.node import SwarmNode  # noqa: E402
 

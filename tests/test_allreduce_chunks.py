@@ -27,8 +27,10 @@ import torch
 from p2pdiloco.compression import CODECS, get_codec
 from p2pdiloco.compression.robust import weighted_mean
 from p2pdiloco.errors import SyncFailed
-from p2pdiloco.swarm import allreduce
-from p2pdiloco.swarm.allreduce import AllReducer, Group, chunk_bounds, chunk_values, make_group_id, shard_bounds
+from p2pdiloco.swarm import partition
+from p2pdiloco.swarm.allreduce import AllReducer
+from p2pdiloco.swarm.group import Group, make_group_id
+from p2pdiloco.swarm.partition import chunk_bounds, chunk_values, shard_bounds
 from p2pdiloco.swarm.node import SwarmNode
 from p2pdiloco.swarm.protocol import write_frame
 
@@ -86,7 +88,7 @@ def test_chunked_allreduce_is_bitwise_identical_and_equals_the_owner_arithmetic(
     g = torch.Generator().manual_seed(5)
     vecs = [torch.randn(numel, generator=g) * (i + 1) for i in range(3)]
     weights = [3.0, 1.0, 2.5]
-    monkeypatch.setattr(allreduce, "CHUNK_VALUES", 1000)
+    monkeypatch.setattr(partition, "CHUNK_VALUES", 1000)
     chunk = chunk_values(codec)
     lo, hi = shard_bounds(numel, 3, codec.block_size)[0]
     assert len(chunk_bounds(hi - lo, chunk)) >= 7 and (hi - lo) % chunk  # many chunks, a short last one
@@ -96,7 +98,7 @@ def test_chunked_allreduce_is_bitwise_identical_and_equals_the_owner_arithmetic(
     assert torch.equal(results[0], _owner_arithmetic(trio, ids, vecs, weights, codec))
     assert sum(r.stats["rounds"] for r in reducers) == 3
     # the same all-reduce with one chunk per shard: the same bytes
-    monkeypatch.setattr(allreduce, "CHUNK_VALUES", 1 << 20)
+    monkeypatch.setattr(partition, "CHUNK_VALUES", 1 << 20)
     whole, _, _ = _allreduce(trio, vecs, weights, codec)
     assert torch.equal(whole[0], results[0])
 
@@ -107,7 +109,7 @@ def test_a_part_that_turns_bad_after_results_went_out_is_dropped_and_the_result_
     with its part in them) a NaN in its last chunk. They drop it, send the whole result again
     without it ('again'), and the honest members end identical, equal to the mean of the others."""
     codec = get_codec("fp32")
-    monkeypatch.setattr(allreduce, "CHUNK_VALUES", 1000)
+    monkeypatch.setattr(partition, "CHUNK_VALUES", 1000)
     numel = 3 * 6000
     g = torch.Generator().manual_seed(9)
     vecs = [torch.randn(numel, generator=g) for _ in range(3)]

@@ -18,7 +18,7 @@ from p2pdiloco.diloco.core import DiLoCo
 from p2pdiloco.diloco.reducers import LowRankReducer, PlainReducer, QuantizedReducer, make_reducer
 from p2pdiloco.errors import ConfigError, SyncFailed
 from p2pdiloco.model import build_model
-from p2pdiloco.swarm.allreduce import shard_bounds
+from p2pdiloco.swarm.partition import shard_bounds
 
 pytestmark = pytest.mark.timeout(120)
 

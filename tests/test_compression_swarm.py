@@ -19,7 +19,8 @@ from p2pdiloco.config import load_config
 from p2pdiloco.diloco.reducers import make_reducer
 from p2pdiloco.errors import SyncFailed
 from p2pdiloco.metrics import read_metrics
-from p2pdiloco.swarm.allreduce import AllReducer, Group, make_group_id
+from p2pdiloco.swarm.allreduce import AllReducer
+from p2pdiloco.swarm.group import Group, make_group_id
 from test_compression import SHAPES, SimGroup, _block_absmax, _lowrank_deltas, butterfly_mean
 
 RUN = "ctest"
@@ -200,7 +201,7 @@ def test_bad_part_from_one_peer_is_rejected_and_logged_with_its_id(clean, caplog
     assert not any(h in r.getMessage() for r in caplog.records for h in honest
                    if "dropped" in r.getMessage() or "offence" in r.getMessage())
     # the honest owners' shards are the mean of the honest parts alone
-    from p2pdiloco.swarm.allreduce import shard_bounds
+    from p2pdiloco.swarm.partition import shard_bounds
 
     bounds = shard_bounds(n, 3, codec.block_size)
     honest_mean = butterfly_mean([vecs[0], vecs[2]], [1.0, 1.0], codec)

@@ -312,7 +312,7 @@ def test_a_closed_group_is_our_missed_round_only_if_it_went_on_from_our_history(
     import asyncio
 
     from p2pdiloco.errors import RoundMissed
-    from p2pdiloco.swarm.allreduce import Group, make_group_id
+    from p2pdiloco.swarm.group import Group, make_group_id
 
     records = {}
     mm = _fake_matchmaker(records)
@@ -411,7 +411,7 @@ def test_a_hint_to_a_leader_we_have_not_seen_ready_is_checked_in_the_dht_and_fol
     ``a`` closed its group without us (tests/test_elastic.py join test, under CPU load)."""
     import asyncio
 
-    from p2pdiloco.swarm.allreduce import Group
+    from p2pdiloco.swarm.group import Group
 
     records = {"t:mm:0:5": {"b": {"t": 1.0}}}
     mm = _fake_matchmaker(records, announce=True)
@@ -436,7 +436,7 @@ def test_partners_of_our_last_group_hidden_by_the_dht_are_asked_before_we_sync_a
     cannot see at all are asked first (smaller id) or waited for when we lead (larger id)."""
     import asyncio
 
-    from p2pdiloco.swarm.allreduce import Group
+    from p2pdiloco.swarm.group import Group
 
     def matchmaker():  # the progress key reads empty: nobody visible
         return _fake_matchmaker({}, announce=True, join_grace=0.1)
@@ -517,7 +517,7 @@ def test_a_follower_asks_the_presumable_leader_at_once_instead_of_waiting_for_th
     shows up in the DHT (here it never does)."""
     import asyncio
 
-    from p2pdiloco.swarm.allreduce import Group
+    from p2pdiloco.swarm.group import Group
 
     records = {"t:progress": _progress("a", "me")}
     reads = []

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from p2pdiloco.compression import get_codec
-from p2pdiloco.swarm.allreduce import Group, make_group_id
+from p2pdiloco.swarm.group import Group, make_group_id
 from p2pdiloco.swarm.node import SwarmNode
 from p2pdiloco.swarm.protocol import MAX_HEADER, PROTOCOL_VERSION, read_frame
 from p2pdiloco.swarm.state_sync import StateServer

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from p2pdiloco.bench.run import format_breakdown, summarize_mode
-from p2pdiloco.swarm import ledger, records
+from p2pdiloco.swarm import keys, ledger
 from p2pdiloco.swarm.node import SwarmNode
 
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
@@ -22,7 +22,7 @@ LOOP = ["/ip4/127.0.0.1/tcp/0"]
     ("run:weird:thing", "generic"), ("mm", "generic"),
 ])
 def test_the_ledger_labels_keys_by_their_record_kind(key, kind):
-    assert records.kind_of(key) == kind
+    assert keys.kind_of(key) == kind
 
 
 @pytest.mark.timeout(120)

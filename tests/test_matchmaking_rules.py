@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 from p2pdiloco.errors import MatchmakingFailed, RoundMissed
-from p2pdiloco.swarm.allreduce import Group
+from p2pdiloco.swarm.group import Group
 from test_elastic_state import _fake_matchmaker
 
 DIGEST = "1" * 16
@@ -121,7 +121,7 @@ def test_a_leader_that_vanishes_after_proposing_our_group_fails_our_round(monkey
     another group would split the round into two results, so the round fails on us too."""
     import msgpack
 
-    from p2pdiloco.swarm import matchmaking
+    from p2pdiloco.swarm import joining
 
     mm = _fake_matchmaker({})
     warm = {"t": "warm", "members": ["a", "me"], "owners": None}
@@ -145,9 +145,9 @@ def test_a_leader_that_vanishes_after_proposing_our_group_fails_our_round(monkey
     async def open_silent(node, peer, handler, deadline, stats=None):
         return stream()
 
-    monkeypatch.setattr(matchmaking, "open_stream", open_warm)
+    monkeypatch.setattr(joining, "open_stream", open_warm)
     with pytest.raises(MatchmakingFailed, match="vanished after proposing a group with us"):
         asyncio.run(mm._join("a", 0, 5))
     # a leader that vanishes before proposing anything: we just try the next one
-    monkeypatch.setattr(matchmaking, "open_stream", open_silent)
+    monkeypatch.setattr(joining, "open_stream", open_silent)
     assert asyncio.run(mm._join("a", 0, 5)) == (None, None)

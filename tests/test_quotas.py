@@ -20,9 +20,11 @@ import torch
 
 from conftest import loopback_nodes, reset_gates
 from p2pdiloco.compression import get_codec
-from p2pdiloco.swarm import allreduce as allreduce_mod
+from p2pdiloco.swarm import allreduce_owner
 from p2pdiloco.swarm import protocol
-from p2pdiloco.swarm.allreduce import AllReducer, Group, chunk_values, make_group_id
+from p2pdiloco.swarm.allreduce import AllReducer
+from p2pdiloco.swarm.group import Group, make_group_id
+from p2pdiloco.swarm.partition import chunk_values
 from p2pdiloco.swarm.node import SwarmNode
 from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, read_frame, write_frame
 
@@ -163,7 +165,7 @@ def test_identities_holding_streams_open_leave_room_for_honest_rounds(peers, mon
                                    "MAX_INFLIGHT_PER_STRANGER")
         held = target.gate.inflight
     else:  # parts for groups the target has not formed (AllReducer)
-        module, names = allreduce_mod, ("MAX_PENDING_ROUNDS", "MAX_PENDING_PER_PEER", "MAX_PENDING_STRANGERS",
+        module, names = allreduce_owner, ("MAX_PENDING_ROUNDS", "MAX_PENDING_PER_PEER", "MAX_PENDING_STRANGERS",
                                         "MAX_PENDING_PER_STRANGER")
         held = lambda: _pending(reducers[target.peer_id_str])  # noqa: E731
     for name, value in zip(names, (16, 4, 8, 4)):  # total, per member, strangers' room, per stranger
@@ -253,8 +255,8 @@ def test_a_few_dozen_identities_cannot_fill_the_strangers_room_and_never_the_mem
     in, in turn. 48 of them leave room for another stranger; filling the strangers' room takes 160;
     members' room is never touched."""
     for limits in [protocol.inflight_limits(),
-                   (allreduce_mod.MAX_PENDING_ROUNDS, allreduce_mod.MAX_PENDING_PER_PEER,
-                    allreduce_mod.MAX_PENDING_STRANGERS, allreduce_mod.MAX_PENDING_PER_STRANGER)]:
+                   (allreduce_owner.MAX_PENDING_ROUNDS, allreduce_owner.MAX_PENDING_PER_PEER,
+                    allreduce_owner.MAX_PENDING_STRANGERS, allreduce_owner.MAX_PENDING_PER_STRANGER)]:
         total, per_member, strangers_room, per_stranger = limits
         held: Dict[int, int] = {}
 

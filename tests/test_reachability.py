@@ -25,7 +25,9 @@ import torch
 from p2pdiloco.compression import get_codec
 from p2pdiloco.compression.robust import weighted_mean
 from p2pdiloco.errors import ConfigError, MatchmakingFailed
-from p2pdiloco.swarm.allreduce import AllReducer, Group, make_group_id, restricted_group, shard_bounds
+from p2pdiloco.swarm.allreduce import AllReducer
+from p2pdiloco.swarm.group import Group, make_group_id, restricted_group
+from p2pdiloco.swarm.partition import shard_bounds
 from p2pdiloco.swarm.matchmaking import Matchmaker
 from p2pdiloco.swarm.node import SwarmNode
 from p2pdiloco.swarm.protocol import close_after_reply, read_header, write_frame

@@ -24,7 +24,9 @@ from conftest import loopback_nodes, reset_gates
 from p2pdiloco.compression import get_codec
 from p2pdiloco.compression.robust import RobustConfig, centered_clip, screen, weighted_mean
 from p2pdiloco.errors import FingerprintMismatch, SyncFailed
-from p2pdiloco.swarm.allreduce import AllReducer, Group, make_group_id, shard_bounds
+from p2pdiloco.swarm.allreduce import AllReducer
+from p2pdiloco.swarm.group import Group, make_group_id
+from p2pdiloco.swarm.partition import shard_bounds
 from p2pdiloco.swarm.node import SwarmNode
 from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, read_frame, write_frame
 

@@ -28,7 +28,7 @@ from p2pdiloco.diloco.outer import OuterState
 from p2pdiloco.diloco.overlap import BandwidthMeter, lookahead
 from p2pdiloco.errors import ConfigError, SyncFailed
 from p2pdiloco.model import build_model
-from p2pdiloco.swarm.allreduce import Coverage, Group
+from p2pdiloco.swarm.group import Coverage, Group
 from p2pdiloco.swarm.protocol import Traffic
 
 # a small model so every test here takes a second or two

@@ -132,7 +132,8 @@ def _ours_peer(rank: int, peers: int, numel: int, codecs: Sequence[str], repeat:
         place = place or PeerPlace()
         place.enter()
         work = work or PlainWork()
-        from p2pdiloco.swarm.allreduce import AllReducer, Group, make_group_id
+        from p2pdiloco.swarm.allreduce import AllReducer
+        from p2pdiloco.swarm.group import Group, make_group_id
 
         node = _join_node(rank, peers, place, addr_q)
         ar = AllReducer(node, "bench", timeout=timeout)

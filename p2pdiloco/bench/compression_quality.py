@@ -38,7 +38,7 @@ from ..diloco.loop import inner_step
 from ..diloco.outer import OuterState
 from ..diloco.reducers import make_reducer
 from ..model import build_model
-from ..swarm.allreduce import shard_bounds
+from ..swarm.partition import shard_bounds
 
 __all__ = ["SETTINGS", "run_setting", "format_table", "main"]
 

@@ -76,7 +76,7 @@ class _HubSwarm:
         return self.hub.m
 
     def form_group(self, frag: int, round_: int, sync_step: int):
-        from ..swarm.allreduce import Group
+        from ..swarm.group import Group
 
         members = tuple(f"peer{i}" for i in range(self.hub.m))
         return Group(gid=f"{frag}:{round_}", members=members, my_index=self.idx, frag=frag, round=round_)

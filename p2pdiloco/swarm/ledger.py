@@ -5,7 +5,7 @@ calls :func:`install` in its DHT process, and the training loop's summary carrie
 Every DHT RPC this node *makes* is counted under ``"<rpc>:<kind>"`` (``find:ready``, ``store:progress``,
 ``ping:-``...) as ``[calls, request bytes, response bytes]``, the bytes being the protobuf messages'
 serialized sizes: what the RPC moved on the libp2p stream, without the stream's own framing, the
-encryption and TCP/IP. The *kind* is the record kind of the key (:func:`.records.kind_of`: ``ready``,
+encryption and TCP/IP. The *kind* is the record kind of the key (:func:`.keys.kind_of`: ``ready``,
 ``group``, ``progress``, ``fingerprint``, ``generic``), learned from the key names this process hashes
 into DHT ids; ``node`` for an id no key name gave (a node lookup).
 Every DHT exchange starts at some node's client side, so over a swarm whose peers all keep a ledger
@@ -21,7 +21,7 @@ import os
 from collections import defaultdict
 from typing import Any, Dict, List
 
-from .records import kind_of
+from .keys import kind_of
 
 __all__ = ["ENV", "enabled", "install", "snapshot"]
 

@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 __all__ = ["start_dht", "stop_tree", "descendants", "POLL_S", "GRACE_S"]
 

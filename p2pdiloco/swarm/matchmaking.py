@@ -84,25 +84,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import threading
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Set, Tuple, Union
 
-from ..errors import MatchmakingFailed, RoundMissed, WireError
-from .allreduce import Group, make_group_id
-from .dialing import dial_reason, ensure_connected, open_stream
+from ..errors import MatchmakingFailed, RoundMissed
+from ..ids import short_id, short_ids
+from . import formation
+from .formation import expected_peers
+from .group import Group, tier_of
+from .joining import JoinRequests
+from .keys import group_key, handler_name, progress_key, ready_key
+from .leading import Leading, _Slot, _consume
 from .reachability import REACHABILITY
-from .protocol import (PROTOCOL_VERSION, close_after_reply, check_version, read_frame, read_header,
-                       refuse_bad_request, write_frame)
-from .standing import Partners, voters
+from .standing import Lineage, Partners, voters
 from .state_sync import pick_target
 
 __all__ = ["Matchmaker", "expected_peers"]
 
-#: how long a join request waits out a failed first dial to a leader that is live by its records
-#: (seconds): a cold address or libp2p's dial backoff (dialing.py) must not split a round in two
-JOIN_DIAL_WAIT = 3.0
 #: the pause between two polls of a round's records (seconds): POLL_MIN_S after a poll that found a new
 #: ready peer, doubling with each poll that found none, up to POLL_MAX_S (a poll reads two keys from
 #: several nodes, each answer carrying every signed record of the round: ~100 KB per sync and peer
@@ -110,33 +108,6 @@ JOIN_DIAL_WAIT = 3.0
 POLL_MIN_S, POLL_MAX_S = 0.1, 0.8
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Slot:
-    """This peer's matchmaking state for one (fragment, round)."""
-
-    decided: asyncio.Event = field(default_factory=asyncio.Event)
-    leader: Optional[str] = None           # whom we follow (None while undecided or when leading)
-    leading: bool = False
-    joiners: Dict[str, asyncio.Future] = field(default_factory=dict)
-    joined_event: asyncio.Event = field(default_factory=asyncio.Event)
-    final: Optional[Group] = None
-    base: str = ""                         # the base of the group we led (see the module docstring, item 6)
-    closed: bool = False
-    arrivals: Set[str] = field(default_factory=set)  # peers that asked us to admit them: ready, they say
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class _Proposal:
-    """The group a leader is about to close, sent to its joiners to warm their links (item 10)."""
-
-    members: Tuple[str, ...]
-    owners: Optional[Tuple[str, ...]]
-    reports: Dict[str, asyncio.Future]   # joiner -> the owners it could not reach (None: no answer)
-    final: asyncio.Future                # -> the final Group, or None (no group after all)
-    left: Dict[str, str] = field(default_factory=dict)  # members left out -> why
 
 
 @dataclass
@@ -175,32 +146,14 @@ class _Attempt:
             self.early = None
 
 
-class _LeftOut(str):
-    """A joiner's answer: it was left out of the group (the reason)."""
-
-
-def _short_ids(peers: Iterable[str]) -> str:
-    return "{" + ", ".join(sorted(p[-6:] for p in peers)) + "}"
-
-
 async def _nothing() -> None:
     return None
 
 
-def _consume(fut: asyncio.Future) -> None:
-    """Done-callback of a future nobody awaits any more: retrieve its outcome (no 'never retrieved' log)."""
-    if not fut.cancelled():
-        fut.exception()
-
-
-def expected_peers(peers: Dict[str, Dict[str, Any]], me: str, sync_step: int) -> Set[str]:
-    """Live peers other than ``me`` due at ``sync_step`` or earlier: those the group waits for."""
-    return {pid for pid, v in peers.items()
-            if pid != me and not v.get("gone") and isinstance(v.get("next_sync"), int) and v["next_sync"] <= sync_step}
-
-
-class Matchmaker:
-    """Forms groups (see the module docstring).
+class Matchmaker(Leading, JoinRequests):
+    """Forms groups (see the module docstring): the steps of one formation here, the leader's side in
+    :class:`~.leading.Leading`, the join protocol in :class:`~.joining.JoinRequests`, the rules in
+    :mod:`.formation`.
 
     :param matchmaking_timeout: upper bound of the wait for ready peers, seconds.
     :param join_grace: how long a leader waits for the ready peers to send their join request.
@@ -224,7 +177,7 @@ class Matchmaker:
         self.reevaluate_period = reevaluate_period
         #: False: wait up to matchmaking_timeout for every expected peer (nothing derived)
         self.adaptive = True
-        self.handler_name = f"p2pdiloco.{run_id}.join"
+        self.handler_name = handler_name(run_id, "join")
         self._slots: Dict[Tuple[int, int], _Slot] = {}
         self._live_count = 1  # live peers (us included) at the last read of the progress records
         #: recently finalized groups by (fragment, round): the training loop reads a sync's group id here
@@ -235,9 +188,7 @@ class Matchmaker:
         #: who we completed verified rounds with: whose claims count (swarm/standing.py)
         self.partners = Partners()
         self._seen: Dict[str, float] = {}  # peer -> when its record was last in a read (monotonic)
-        self._lineage: deque = deque(maxlen=64)  # ids of our successful (or adopted) groups, newest last
-        self._formed: deque = deque(maxlen=64)  # ids of the groups we formed since we last adopted a lineage
-        self._lineage_lock = threading.Lock()  # fed by the training loop, read here
+        self._lineage = Lineage()  # our history: the groups we synced in, adopted or formed
         self._tasks: Set[asyncio.Task] = set()  # DHT stores running in the background
         self._reach: Dict[str, str] = {}  # peer -> reachability, from its records and join requests
         #: set by the training loop: given the live peers' records, a reason to stop matchmaking and adopt
@@ -245,31 +196,23 @@ class Matchmaker:
         self.give_way: Optional[Callable[[Dict[str, Dict[str, Any]]], Optional[str]]] = None
         node.add_handler(self.handler_name, self._handle_join)
 
-    # ---- lineage ----------------------------------------------------------------------------------
+    # ---- lineage (module docstring, item 6) and standing --------------------------------------------
     def add_lineage(self, gid: str) -> None:
         """A sync in group ``gid`` succeeded: it is now the base of the groups we lead."""
-        with self._lineage_lock:
-            self._lineage.append(gid)
+        self._lineage.add(gid)
 
     def adopt_lineage(self, gids: Iterable[str]) -> None:
         """We caught up with other peers' state: their groups are our history now."""
-        with self._lineage_lock:
-            self._lineage.clear()
-            self._lineage.extend(g for g in gids if isinstance(g, str) and g)
-            self._formed.clear()  # groups of the history we left
+        self._lineage.adopt(gids)
 
     def lineage(self, last: Optional[int] = None) -> Set[str]:
-        """Our history's group ids (the ``last`` few; all kept when None) plus every group we formed
-        lately (a sync still in flight, or one whose reply we lost, is still our history)."""
-        with self._lineage_lock:
-            gids, formed = list(self._lineage), set(self._formed)
-        return set(gids[-last:] if last else gids) | formed
+        """Our history's group ids (:meth:`.standing.Lineage.ids`)."""
+        return self._lineage.ids(last)
 
     @property
     def base(self) -> str:
         """The group our state came from (our last successful sync), "" before the first."""
-        with self._lineage_lock:
-            return self._lineage[-1] if self._lineage else ""
+        return self._lineage.base
 
     def set_companions(self, members) -> None:
         """The members of our last successful group, or the donors of a verified state (the training loop
@@ -284,6 +227,7 @@ class Matchmaker:
         return voters(peers, self.node.peer_id_str, self.partners.current())
 
     # ---- reachability (module docstring, item 8) ---------------------------------------------------
+
     def _note_reach(self, records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         for pid, v in records.items():
             self._learn_reach(pid, v.get("reach"), v.get("via"))
@@ -303,9 +247,9 @@ class Matchmaker:
             routes.pop(pid, None)
 
     def _tier(self, peer: str) -> int:
-        """0: others dial it directly (public); 1: through its relay (relayed); 2: nobody can (private)."""
+        """How others reach ``peer`` (:func:`.group.tier_of`): public, relayed or private."""
         reach = getattr(self.node, "reachability", "public") if peer == self.node.peer_id_str else self._reach.get(peer)
-        return {"relayed": 1, "private": 2}.get(reach, 0)
+        return tier_of(reach)
 
     def _private(self, peer: str) -> bool:
         """Nobody can open a stream to it: it can neither lead nor own a shard."""
@@ -364,12 +308,17 @@ class Matchmaker:
         return {p for p in peers if not self.node.gate.banned(p)}
 
     def _key(self, frag: int, round_: int) -> str:
-        return f"{self.run_id}:mm:{frag}:{round_}"
+        return ready_key(self.run_id, frag, round_)
+
+    def _group_key(self, frag: int, round_: int) -> str:
+        return group_key(self.run_id, frag, round_)
 
     def _slot(self, frag: int, round_: int) -> _Slot:
         for key in [k for k in self._slots if k[1] < round_ - 2]:
             del self._slots[key]  # forget rounds long gone
         return self._slots.setdefault((frag, round_), _Slot())
+
+    # ---- one formation: form_group and its steps ---------------------------------------------------
 
     async def form_group(self, frag: int, round_: int, expected: int, sync_step: Optional[int] = None) -> Group:
         """Return the final group for (frag, round_), or raise MatchmakingFailed (RoundMissed: the round
@@ -379,8 +328,8 @@ class Matchmaker:
         schedule position this sync belongs to) the wait is elastic and derived (module docstring,
         item 5). Four named steps, each one method: :meth:`_enter` (read, check, announce, ask the
         presumable leader), :meth:`_poll` (until enough peers are ready or the wait ends),
-        :meth:`_last_look` (before syncing alone) and :meth:`_settle` (ask candidates in rank order,
-        or lead). The rules, as ``tests/test_matchmaking_rules.py`` checks them row by row:
+        :meth:`_last_look` (before syncing alone) and :meth:`_choose_leader` (ask candidates in rank
+        order, or lead). The rules, as ``tests/test_matchmaking_rules.py`` checks them row by row:
 
         ========================================================  ===========================================
         situation                                                 rule
@@ -418,7 +367,7 @@ class Matchmaker:
         if group is not None:
             return group
         await self._last_look(a)
-        return await self._settle(a)
+        return await self._choose_leader(a)
 
     async def _enter(self, frag: int, round_: int, expected: int, sync_step: Optional[int]) -> "_Attempt":
         """Read the live peers and the round's group record; refuse a round we are behind on or that is
@@ -474,7 +423,7 @@ class Matchmaker:
                 a.ready |= self._unbanned(slot.arrivals)
                 if len(a.ready) >= a.expected:
                     break  # the peers we wait for asked us to lead: no need for the DHT to say so
-                await self._nap(None, slot, reads, a.early)
+                await self._wait_for_news(None, slot, reads, a.early)
             if not reads.done():
                 reads.cancel()
                 reads.add_done_callback(_consume)
@@ -500,7 +449,7 @@ class Matchmaker:
             # back off while the reads bring nothing new: join requests and the early answer wake us at
             # once anyway, and each read asks several nodes for every signed record of the round
             a.quiet_polls = 0 if (len(a.ready), a.expected) != before else a.quiet_polls + 1
-            await self._nap(min(POLL_MAX_S, POLL_MIN_S * 2 ** min(a.quiet_polls, 8), max(0.02, a.deadline - now)),
+            await self._wait_for_news(min(POLL_MAX_S, POLL_MIN_S * 2 ** min(a.quiet_polls, 8), max(0.02, a.deadline - now)),
                             slot, a.early)
 
     async def _last_look(self, a: "_Attempt") -> None:
@@ -518,19 +467,17 @@ class Matchmaker:
             self._check_not_behind(await self._live_peers(), a.frag, a.round, a.sync_step)
             await self._check_not_missed(a.frag, a.round, a.expected)
 
-    async def _settle(self, a: "_Attempt") -> Group:
+    async def _choose_leader(self, a: "_Attempt") -> Group:
         """Ask the candidates in rank order (live peers due now that we did not see ready and whose rank
         is better than ours may be leading already: DHT views differ), or lead when our turn comes."""
         me, slot, frag, round_ = a.me, a.slot, a.frag, a.round
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(f"[{self.node.short_id}] frag {frag} round {round_}: poll done after "
                          f"{time.monotonic() - a.start:.2f}s (first reads {a.start - a.t_enter:.2f}s); ready "
-                         f"{_short_ids(a.ready)}, waiting for {_short_ids(a.waiting_for)}, live {_short_ids(a.peers)}, "
-                         f"absent partners {_short_ids(a.absent)}, expected {a.expected}")
+                         f"{short_ids(a.ready)}, waiting for {short_ids(a.waiting_for)}, live {short_ids(a.peers)}, "
+                         f"absent partners {short_ids(a.absent)}, expected {a.expected}")
         unseen = (a.waiting_for | a.absent) - a.ready
-        candidates = sorted(a.ready | {u for u in unseen if self._rank(u) < self._rank(me)}, key=self._rank)
-        if self._private(me):  # another private peer cannot lead us: we could not even dial it
-            candidates = [c for c in candidates if c == me or not self._private(c)]
+        candidates = formation.candidates(a.ready, unseen, me, self._rank, self._tier)
         tried: Set[str] = set()
         bounced: Dict[str, int] = {}  # candidate -> how often it answered "not leader" (with a hint)
         try:
@@ -559,9 +506,9 @@ class Matchmaker:
                 # (crashed), it leads itself, and we must be there, not leading a split group of our own.
                 bounced[leader] = bounced.get(leader, 0) + 1
                 if hint not in tried and hint not in a.ready and hint not in unseen and hint != me:
-                    # A peer we have not seen ready yet (a joiner that arrived after our poll ended, its
-                    # record not in our read): the DHT decides, not our older view. Asking the bouncer
-                    # again instead cost the round: the hinted leader closed without us.
+                    # A hinted leader we have not seen ready (it arrived after our poll ended): re-read
+                    # the ready records before choosing whom to ask, so that we ask the leader the
+                    # others follow before it closes its group without us.
                     a.ready |= await self._ready_read(a.key)
                 if hint not in tried and (hint in a.ready or hint in unseen) and len(tried) < 8:
                     candidates.remove(hint) if hint in candidates else None
@@ -578,7 +525,7 @@ class Matchmaker:
         or the better-ranked ready peer we stepped down for)."""
         me, frag, round_ = a.me, a.frag, a.round
         if self._private(me) and len(a.ready | set(candidates)) > 1:
-            others = sorted(p[-6:] for p in (a.ready | set(candidates)) - {me})
+            others = sorted(short_id(p) for p in (a.ready | set(candidates)) - {me})
             a.slot.closed = True
             raise MatchmakingFailed(
                 f"no public peer is ready for fragment {frag} round {round_}: this peer is private (behind NAT, "
@@ -608,12 +555,12 @@ class Matchmaker:
             slot.closed = True
             raise
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(f"[{self.node.short_id}] frag {a.frag} round {a.round}: asked {leader[-6:]}: "
-                         f"{'group ' + _short_ids(group.members) if group is not None else 'hint ' + str(hint)[-6:]}")
+            logger.debug(f"[{self.node.short_id}] frag {a.frag} round {a.round}: asked {short_id(leader)}: "
+                         f"{'group ' + short_ids(group.members) if group is not None else 'hint ' + str(hint)[-6:]}")
         return group, hint
 
     @staticmethod
-    async def _nap(timeout: Optional[float], slot: _Slot, *futures: Optional[asyncio.Future]) -> None:
+    async def _wait_for_news(timeout: Optional[float], slot: _Slot, *futures: Optional[asyncio.Future]) -> None:
         """Wait until a peer asks us to admit it, one of ``futures`` is done, or ``timeout`` passes."""
         slot.arrived.clear()
         arrived = asyncio.ensure_future(slot.arrived.wait())
@@ -638,218 +585,13 @@ class Matchmaker:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(f"[{self.node.short_id}] frag {group.frag} round {group.round}: group of {group.size} "
                          f"formed in {time.monotonic() - t_enter:.2f}s")
-        with self._lineage_lock:
-            self._formed.append(group.gid)
+        self._lineage.formed(group.gid)
         self.groups[(group.frag, group.round)] = group
         while len(self.groups) > 64:
             del self.groups[next(iter(self.groups))]
         return group
 
-    async def _lead(self, slot: _Slot, frag: int, round_: int, expected_joiners: Set[str],
-                    unseen: Set[str] = frozenset(), due: Optional[int] = None,
-                    skip: Set[str] = frozenset()) -> Union[Group, str]:
-        """Admit joiners for up to ``join_grace`` seconds: everyone we saw ready, plus the live peers due
-        at this sync whose ready record we did not see (DHT views differ: a record we missed must not
-        split the round into two groups). Ready records are re-read meanwhile; if one shows a ready
-        peer with a smaller id than ours, we were not the leader after all: we step down before
-        closing anything (our joiners are sent there) and return that peer's id."""
-        me = self.node.peer_id_str
-        slot.leading = True
-        slot.decided.set()
-        grace_end = time.monotonic() + self.join_grace
-        key = self._key(frag, round_)
-        while not (expected_joiners | unseen) <= set(slot.joiners) and time.monotonic() < grace_end:
-            slot.joined_event.clear()
-            try:
-                await asyncio.wait_for(slot.joined_event.wait(), timeout=max(0.01, min(0.3, grace_end - time.monotonic())))
-            except asyncio.TimeoutError:
-                pass
-            if (expected_joiners | unseen) <= set(slot.joiners):
-                break  # everyone we wait for is here: close now, the check below is for peers we did not see
-            seen = await self._ready_read(key) - {me}
-            smaller = sorted((p for p in seen - expected_joiners
-                              if self._rank(p) < self._rank(me) and p not in slot.joiners and p not in skip),
-                             key=self._rank)
-            expected_joiners |= seen
-            if smaller:
-                slot.leading, slot.leader = False, smaller[0]
-                for fut in slot.joiners.values():
-                    if not fut.done():
-                        fut.set_result(smaller[0])  # -> "not leader", hint: the real leader
-                slot.joiners.clear()
-                logger.info(f"[{self.node.short_id}] {smaller[0][-6:]} is ready too and has a smaller id: it leads "
-                            f"fragment {frag} round {round_}")
-                return smaller[0]
-        slot.closed = True
-        try:
-            await self._check_not_missed(frag, round_, due)
-        except RoundMissed:
-            for fut in slot.joiners.values():
-                if not fut.done():
-                    fut.set_result(None)
-            raise
-        members = tuple(sorted({me, *slot.joiners}))
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(f"[{self.node.short_id}] frag {frag} round {round_}: leading, closing with "
-                         f"{_short_ids(members)}; expected {_short_ids(expected_joiners)}, unseen {_short_ids(unseen)}")
-        if len(members) < self.min_group_size:
-            for fut in slot.joiners.values():
-                if not fut.done():
-                    fut.set_result(None)
-            raise MatchmakingFailed(f"only {len(members)} peer(s) ready, swarm.min_group_size is {self.min_group_size}")
-        base = self.base
-        proposal = None
-        if len(members) > 1:
-            members, proposal = await self._warm_group(slot, frag, round_, members)
-        if len(members) < self.min_group_size:
-            if proposal is not None:
-                proposal.final.set_result(None)
-            raise MatchmakingFailed(f"only {len(members)} peer(s) left after the link check, swarm.min_group_size "
-                                    f"is {self.min_group_size}")
-        owners = self._owners(members)
-        gid = make_group_id(self.run_id, frag, round_, members, base, owners)
-        group = Group(gid=gid, members=members, my_index=members.index(me), frag=frag, round=round_, owners=owners)
-        slot.final, slot.base = group, base
-        if proposal is not None:
-            proposal.final.set_result(group)  # the members first: the all-reduce can start
-        # One group per (fragment, round): announce it so a late peer knows it missed the round (until
-        # the record is out, a late peer asking us to admit it gets the "closed" refusal instead)
-        self._background(self.node.astore(self._group_key(frag, round_), {"members": list(members), "base": base},
-                                          ttl=self.matchmaking_timeout * 10, subkey=me), "group record")
-        missing = expected_joiners - set(slot.joiners)
-        if missing:
-            logger.info(f"[{self.node.short_id}] group for fragment {frag} round {round_} formed without "
-                        f"{len(missing)} ready peer(s) that did not join in time")
-        return group
-
-    def _owners(self, members: Tuple[str, ...]) -> Optional[Tuple[str, ...]]:
-        """The shard owners (None: all members, or a group of one): the members others dial directly;
-        when there is none, the relayed ones (their relay carries every part and result: a relayed member
-        never owns a shard a direct member could); never a private one."""
-        best = min((self._tier(m) for m in members), default=2)
-        owners = tuple(m for m in members if self._tier(m) == best) if best < 2 else None
-        return None if owners == members or len(members) == 1 else owners
-
-    # ---- warm links before the round (module docstring, item 10) -----------------------------------
-    async def _warm_links(self, members: Sequence[str], owners: Optional[Sequence[str]]) -> Set[str]:
-        """Connect to every owner we will send parts to; returns those still unreachable after
-        ``warm_timeout`` seconds."""
-        me = self.node.peer_id_str
-        targets = [o for o in (owners if owners is not None else members) if o != me]
-        if not targets:
-            return set()
-        deadline = asyncio.get_running_loop().time() + self.warm_timeout
-        results = await asyncio.gather(*(ensure_connected(self.node, t, deadline, why=" (warming the group's links)")
-                                         for t in targets))
-        return {t for t, failure in zip(targets, results) if failure is not None}
-
-    async def _warm_group(self, slot: _Slot, frag: int, round_: int,
-                          members: Tuple[str, ...]) -> Tuple[Tuple[str, ...], _Proposal]:
-        """Leader: propose ``members`` to the joiners, warm our own links meanwhile, collect their
-        reports; returns the members that stay (and the proposal, whose ``final`` the caller sets)."""
-        loop = asyncio.get_running_loop()
-        me = self.node.peer_id_str
-        owners = self._owners(members)
-        joiners = {j: f for j, f in slot.joiners.items() if j in members}
-        proposal = _Proposal(members, owners, {j: loop.create_future() for j in joiners}, loop.create_future())
-        for fut in joiners.values():
-            if not fut.done():
-                fut.set_result(proposal)
-        own = asyncio.ensure_future(self._warm_links(members, owners))
-        await asyncio.wait([own, *proposal.reports.values()], timeout=self.warm_timeout + 2)
-        reports = {j: (f.result() if f.done() else None) for j, f in proposal.reports.items()}
-        if not own.done():
-            own.cancel()
-            own.add_done_callback(_consume)
-        reports[me] = own.result() if own.done() and not own.cancelled() else set()
-        proposal.left = self._left_out(members, reports)
-        if proposal.left:
-            logger.warning(f"[{self.node.short_id}] leaving {len(proposal.left)} member(s) out of the group for "
-                           f"fragment {frag} round {round_} before the round: "
-                           + "; ".join(f"{p[-6:]}: {why}" for p, why in sorted(proposal.left.items())))
-        return tuple(m for m in members if m not in proposal.left), proposal
-
-    def _left_out(self, members: Sequence[str], reports: Dict[str, Optional[Set[str]]]) -> Dict[str, str]:
-        """Who leaves the group before the round (item 10): joiners that did not report, then, while a
-        pair (reporter, owner) stayed unconnected, the member in the most such pairs (ties: the larger
-        rank); never us, the leader. Deterministic for given reports."""
-        me = self.node.peer_id_str
-        left = {m: "it did not answer the link check in time" for m, r in reports.items() if r is None and m != me}
-        pairs = {(a, b) for a, r in reports.items() if r for b in r
-                 if b in members and a != b and a not in left and b not in left}
-        while pairs:
-            count: Dict[str, int] = {}
-            for pair in pairs:
-                for p in pair:
-                    if p != me:
-                        count[p] = count.get(p, 0) + 1
-            worst = max(count, key=lambda p: (count[p], self._rank(p)))
-            others = sorted({a if b == worst else b for a, b in pairs if worst in (a, b)})
-            left[worst] = f"no connection between it and {', '.join(o[-6:] for o in others)}"
-            pairs = {pair for pair in pairs if worst not in pair}
-        return left
-
-    async def _warm_exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sender: str,
-                             proposal: _Proposal) -> Union[Group, _LeftOut, None]:
-        """Handler side of the link check with one joiner: send the proposal, read its report, wait for
-        the final group. Returns the group, the reason it was left out, or None (no group)."""
-        traffic = self.node.traffic
-        report = proposal.reports[sender]
-        try:
-            msg: Dict[str, Any] = {"t": "warm", "members": list(proposal.members)}
-            if proposal.owners is not None:
-                msg["owners"] = list(proposal.owners)
-            await write_frame(writer, msg, traffic=traffic)
-            answer, _ = await asyncio.wait_for(read_frame(reader, 0, traffic, sender), self.warm_timeout + 2)
-            bad = answer.get("unreachable")
-            if (answer.get("t") != "warmed" or not isinstance(bad, list) or len(bad) > len(proposal.members)
-                    or not all(isinstance(p, str) for p in bad)):
-                raise WireError("malformed link report", sender)
-            if not report.done():
-                report.set_result({p for p in bad if p in proposal.members and p != sender})
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
-            logger.info(f"[{self.node.short_id}] {sender[-6:]} sent no link report ({type(e).__name__})")
-        finally:
-            if not report.done():
-                report.set_result(None)
-        try:
-            group = await asyncio.wait_for(asyncio.shield(proposal.final), timeout=self.warm_timeout + 10)
-        except asyncio.TimeoutError:
-            return None
-        if sender in proposal.left:
-            return _LeftOut(proposal.left[sender])
-        return group
-
-    async def _answer_warm(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: Dict[str, Any],
-                           leader: str) -> Dict[str, Any]:
-        """Joiner side of the link check: warm our links to the proposed owners, report the ones we
-        could not reach, and return the leader's final reply ({} when the proposal is malformed)."""
-        parsed = self._parse_members(reply, leader)
-        if parsed is None:
-            return {}
-        unreachable = await self._warm_links(*parsed)
-        await write_frame(writer, {"t": "warmed", "unreachable": sorted(unreachable)}, traffic=self.node.traffic)
-        final, _ = await asyncio.wait_for(read_frame(reader, 0, self.node.traffic, leader), self.warm_timeout + 12)
-        return final
-
-    def _parse_members(self, reply: Dict[str, Any], leader: str) -> Optional[Tuple[Tuple[str, ...], Optional[Tuple[str, ...]]]]:
-        """(members, owners) of a ``warm`` or ``group`` reply, checked; None when malformed or unacceptable."""
-        me = self.node.peer_id_str
-        members = reply.get("members")
-        if (not isinstance(members, list) or me not in members or leader not in members
-                or not all(isinstance(m, str) for m in members) or members != sorted(set(members))):
-            return None
-        owners = reply.get("owners")
-        if owners is not None:  # a subset of the members, in member order, with the leader, without us if private
-            if (not isinstance(owners, list) or not owners or not set(owners) <= set(members)
-                    or owners != sorted(set(owners)) or leader not in owners):
-                return None
-            owners = tuple(owners)
-        if self._private(me) and me in (owners if owners is not None else members) and len(members) > 1:
-            logger.warning(f"[{self.node.short_id}] leader {leader[-6:]} made this private peer a shard owner; "
-                           "not joining that group")
-            return None
-        return tuple(members), owners
+    # ---- reading the swarm: live peers, behind, missed ------------------------------------------------
 
     async def _live_peers(self, check: bool = False) -> Dict[str, Dict[str, Any]]:
         """The live peers' progress records; with ``check``, raise RoundMissed when the caller's
@@ -857,7 +599,7 @@ class Matchmaker:
         Over the network: right after a partition heals, our own storage can still lack the records
         of peers whose stores skipped us while we were cut off (their routing tables dropped us), and
         a view without them would stop us waiting for them."""
-        live = self.live_of(await self.node.aget_subkeys(f"{self.run_id}:progress"))
+        live = self.live_of(await self.node.aget_subkeys(progress_key(self.run_id)))
         self._live_count = len(set(live) | {self.node.peer_id_str})
         if check and self.give_way is not None and (why := self.give_way(live)):
             raise RoundMissed(why)
@@ -873,50 +615,21 @@ class Matchmaker:
 
     def _derived_deadline(self, peers: Dict[str, Dict[str, Any]], missing: Set[str], sync_step: int,
                           first_seen: Dict[Tuple[str, Any], float], start: float, hard_deadline: float) -> float:
-        """When to stop waiting for the ``missing`` peers: each one's expected arrival, from its speed."""
+        """When to stop waiting for the ``missing`` peers (:func:`.formation.derived_deadline`; without
+        :attr:`adaptive`, the hard deadline)."""
         if not self.adaptive:
             return hard_deadline
-        now = time.monotonic()
-        latest = start
-        for pid in missing:
-            v = peers.get(pid, {})
-            version = (pid, v.get("t"))  # a fresh record restarts that peer's clock; a stale one does not
-            seen = first_seen.setdefault(version, now)
-            step, sps = v.get("step"), v.get("sps")
-            if not isinstance(step, int) or not isinstance(sps, (int, float)) or sps <= 0:
-                return hard_deadline  # no measurement: wait up to the bound
-            eta = self.eta_slack * max(0, sync_step - step) / sps + self.eta_margin
-            latest = max(latest, seen + eta)
-        return min(hard_deadline, latest)
-
-    def _group_key(self, frag: int, round_: int) -> str:
-        return f"{self.run_id}:group:{frag}:{round_}"
+        return formation.derived_deadline(peers, missing, sync_step, first_seen, start, hard_deadline,
+                                          self.eta_slack, self.eta_margin)
 
     def _partners(self) -> Set[str]:
         """The peers of our latest group of each fragment: our current history (lineage)."""
-        latest: Dict[int, Group] = {}
-        for g in self.groups.values():
-            if g.frag not in latest or g.round > latest[g.frag].round:
-                latest[g.frag] = g
-        return {m for g in latest.values() for m in g.members} - {self.node.peer_id_str}
+        return formation.latest_partners(self.groups.values(), self.node.peer_id_str)
 
     def _authoritative(self, members: Sequence[str], due: Optional[int], base: Any = None) -> bool:
-        """Does a group that formed without us mean we missed the round? When it names its base and we
-        have a lineage: yes exactly if the base is in our lineage (our history went on without us); a
-        group from another history (the other side of a partition, or its records left from before
-        the heal: round numbers repeat) is not our round. Otherwise (a fresh run, a peer that joined
-        from scratch): yes if it holds one of our recent group partners, or, if we have none, at
-        least half of the live peers.
-        (Counting only groups with at least half of our last group split a pair of survivors into two
-        lone peers that never re-paired: tests/test_elastic_faults.py straggler test.)"""
-        if isinstance(base, str) and base:
-            mine = self.lineage()
-            if mine:
-                return base in mine
-        partners = self._partners()
-        if partners:
-            return bool(partners & set(members))
-        return due is None or 2 * len(members) >= max(due, self._live_count)
+        """Does a group that formed without us mean we missed the round (:func:`.formation.authoritative`)?"""
+        lineage = self.lineage() if isinstance(base, str) and base else set()
+        return formation.authoritative(members, due, base, lineage, self._partners(), self._live_count)
 
     async def _check_not_missed(self, frag: int, round_: int, due: Optional[int] = None) -> None:
         """Raise RoundMissed when a group for this round already closed without us and counts as our
@@ -933,154 +646,3 @@ class Matchmaker:
                     and self._authoritative(members, due, value.get("base"))):
                 raise RoundMissed(f"missed the group for fragment {frag}, round {round_}: "
                                         f"{len(members)} peer(s) synced it without us")
-
-    async def _join(self, leader: str, frag: int, round_: int, due: Optional[int] = None,
-                    timeout: Optional[float] = None) -> Tuple[Optional[Group], Optional[str]]:
-        """Ask ``leader`` to admit us. (group, None) when admitted, (None, hint) when refused."""
-        me = self.node.peer_id_str
-        traffic = self.node.traffic
-        try:
-            # a first dial can fail while the leader is alive (its addresses not yet known to us, a dial
-            # backoff left by a DHT call): wait it out briefly instead of leading a split group alone
-            deadline = asyncio.get_running_loop().time() + JOIN_DIAL_WAIT
-            _, reader, writer = await asyncio.wait_for(
-                open_stream(self.node, leader, self.handler_name, deadline), timeout=JOIN_DIAL_WAIT + 10)
-        except Exception as e:
-            logger.info(f"[{self.node.short_id}] leader {leader[-6:]} unreachable ({type(e).__name__}: "
-                        f"{dial_reason(e)[:200]}); trying the next")
-            return None, None
-        proposed = False  # the leader proposed a group with us in it (a 'warm')
-        try:
-            await write_frame(writer, {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_,
-                                       **self._my_reach_fields()}, traffic=traffic)
-            reply, _ = await asyncio.wait_for(read_frame(reader, 0, traffic, leader),
-                                              timeout=timeout or self.matchmaking_timeout + self.join_grace + 10)
-            if reply.get("t") == "warm":  # the group is closing: warm our links first (item 10)
-                proposed = True
-                reply = await self._answer_warm(reader, writer, reply, leader)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, WireError) as e:
-            if proposed:
-                # The leader may have closed the group with us in it before it vanished (its other
-                # members got the final answer, ours was lost): leading or joining another group now
-                # would split the round into two results. The round fails here, as it does for them.
-                raise MatchmakingFailed(f"leader {leader[-6:]} of fragment {frag} round {round_} vanished after "
-                                        f"proposing a group with us ({type(e).__name__}); the round may have "
-                                        "closed with us in it, so it fails here") from None
-            logger.info(f"[{self.node.short_id}] join with {leader[-6:]} failed ({type(e).__name__}); trying the next")
-            return None, None
-        finally:
-            writer.close()
-        if reply.get("t") == "group":
-            parsed = self._parse_members(reply, leader)
-            base = reply.get("base", "")
-            if parsed is None or not isinstance(base, str) or len(base) > 64:
-                return None, None
-            members, owners = parsed
-            gid = make_group_id(self.run_id, frag, round_, members, base, owners)
-            if reply.get("gid") != gid:
-                return None, None
-            return Group(gid=gid, members=members, my_index=members.index(me), frag=frag, round=round_,
-                         owners=owners), None
-        reason = reply.get("reason")
-        if reason == "left out":
-            raise RoundMissed(f"left out of the group for fragment {frag}, round {round_} before it started: "
-                              f"{str(reply.get('why'))[:300]} (leader {leader[-6:]})")
-        size = reply.get("size")
-        if reason == "closed" and isinstance(size, int) and not self._authoritative([leader] * size, due,
-                                                                                    reply.get("base")):
-            logger.info(f"[{self.node.short_id}] leader {leader[-6:]} closed a group of {size} outside our history "
-                        f"for fragment {frag} round {round_}; forming one with the others")
-            return None, None
-        if reason == "closed":
-            raise RoundMissed(f"missed the group for fragment {frag}, round {round_} (it closed before we joined)")
-        hint = reply.get("hint")
-        return None, hint if isinstance(hint, str) else None
-
-    async def _handle_join(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sender = info.peer_id.to_base58()
-        traffic = self.node.traffic
-        try:
-            header = await read_header(reader, traffic, sender)
-            refusal = check_version(header)
-            frag, round_ = header.get("frag"), header.get("round")
-            if refusal is None and not (header.get("t") == "join" and isinstance(frag, int) and isinstance(round_, int)):
-                refusal = "malformed join request"
-            if refusal is not None:
-                await write_frame(writer, {"t": "refuse", "reason": refusal}, traffic=traffic)
-                return
-            # its own word: whether we may dial it, and through which relay (item 8)
-            self._learn_reach(sender, header.get("reach"), header.get("via"))
-            # The joiner sends nothing more until our reply: its end closing means it stopped waiting (its
-            # join timeout passed, or it chose another leader). It must not become a member: the group would
-            # wait on a peer that is not in it (straggler test: the round's all-reduce timed out).
-            hung_up = asyncio.ensure_future(reader.read(1))
-            try:
-                slot = self._slots.get((frag, round_))
-                deadline = time.monotonic() + self.matchmaking_timeout
-                while slot is None and not hung_up.done() and time.monotonic() < deadline:
-                    await asyncio.wait({hung_up}, timeout=0.05)  # we may be about to enter this round
-                    slot = self._slots.get((frag, round_))
-                if hung_up.done():
-                    if slot is not None:
-                        slot.arrivals.discard(sender)
-                    return
-                if slot is None:
-                    await write_frame(writer, {"t": "refuse", "reason": "not ready"}, traffic=traffic)
-                    return
-                # it is ready for this round, whoever leads it: our poll counts the request as its ready record
-                slot.arrivals.add(sender)
-                slot.arrived.set()
-                decided = asyncio.ensure_future(slot.decided.wait())
-                try:
-                    await asyncio.wait({decided, hung_up}, timeout=self.matchmaking_timeout + 5,
-                                       return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    decided.cancel()
-                if hung_up.done():
-                    slot.arrivals.discard(sender)
-                    return
-                if not slot.decided.is_set():
-                    await write_frame(writer, {"t": "refuse", "reason": "undecided"}, traffic=traffic)
-                    return
-                if not slot.leading:
-                    await write_frame(writer, {"t": "refuse", "reason": "not leader", "hint": slot.leader},
-                                      traffic=traffic)
-                    return
-                if slot.closed:
-                    size = len(slot.final.members) if slot.final is not None else None
-                    await write_frame(writer, {"t": "refuse", "reason": "closed", "size": size, "base": slot.base},
-                                      traffic=traffic)
-                    return
-                fut = slot.joiners.get(sender) or asyncio.get_running_loop().create_future()
-                slot.joiners[sender] = fut
-                slot.joined_event.set()
-                await asyncio.wait({fut, hung_up}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                hung_up.cancel()
-            if not fut.done():
-                if slot.joiners.get(sender) is fut:
-                    del slot.joiners[sender]
-                slot.arrivals.discard(sender)
-                logger.info(f"[{self.node.short_id}] {sender[-6:]} stopped waiting to join fragment {frag} "
-                            f"round {round_} before the group closed; not admitted")
-                return
-            group = fut.result()
-            if isinstance(group, _Proposal):  # closing: the link check first (item 10)
-                group = await self._warm_exchange(reader, writer, sender, group)
-            if isinstance(group, _LeftOut):
-                await write_frame(writer, {"t": "refuse", "reason": "left out", "why": str(group)[:300]},
-                                  traffic=traffic)
-            elif isinstance(group, str):  # we stepped down: a peer with a smaller id leads this round
-                await write_frame(writer, {"t": "refuse", "reason": "not leader", "hint": group}, traffic=traffic)
-            elif group is None:
-                await write_frame(writer, {"t": "refuse", "reason": "group too small"}, traffic=traffic)
-            else:
-                reply = {"t": "group", "gid": group.gid, "members": list(group.members), "base": slot.base}
-                if group.owners is not None:
-                    reply["owners"] = list(group.owners)
-                await write_frame(writer, reply, traffic=traffic)
-        except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
-            logger.info(f"[{self.node.short_id}] bad join request from {sender[-6:]}: {e}")
-            await refuse_bad_request(self.node, sender, e, writer)  # says why; counts toward a ban
-        finally:
-            await close_after_reply(reader, writer)

@@ -10,9 +10,8 @@ Value (msgpack map, at most 64 KiB)::
 
     {k: kind, s: seq, d: {...fields}}
 
-``kind`` follows from the key (``<run>:progress`` → progress, ``<run>:fingerprint`` →
-fingerprint, ``<run>:mm:<frag>:<round>`` → ready, ``<run>:group:<frag>:<round>`` → group, anything
-else → generic); ``seq`` grows with every record a peer writes (microseconds since the epoch, kept
+``kind`` follows from the key (:func:`.keys.kind_of`: progress, fingerprint, ready, group, anything
+else generic); ``seq`` grows with every record a peer writes (microseconds since the epoch, kept
 strictly increasing); ``d`` must match the kind's pydantic.v1 schema below (strict types: no
 conversions). Progress records carry the claims other peers act on: step, synced step and state
 digest (the state *offer* a joining peer downloads against).
@@ -53,9 +52,10 @@ from pydantic.v1 import BaseModel, Extra, StrictBool, StrictFloat, StrictInt, co
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 from ..identity import peer_id_of_public_key
+from .keys import kind_of
 from .signing import OwnerSignatures, SigningKey
 
-__all__ = ["RecordBook", "RecordSchema", "kind_of", "SCHEMAS", "MAX_RECORD", "run_fingerprint", "note_val_loss",
+__all__ = ["RecordBook", "RecordSchema", "SCHEMAS", "MAX_RECORD", "run_fingerprint", "note_val_loss",
            "note_failure"]
 
 #: largest record value accepted (bytes)
@@ -201,19 +201,6 @@ SCHEMAS: Dict[str, Type[BaseModel]] = {
     "fingerprint": FingerprintRecord,
     "generic": GenericRecord,
 }
-
-
-def kind_of(key: str) -> str:
-    """The record kind stored under ``key`` (see the module docstring)."""
-    if key.endswith(":progress"):
-        return "progress"
-    if key.endswith(":fingerprint"):
-        return "fingerprint"
-    if ":mm:" in key:
-        return "ready"
-    if ":group:" in key:
-        return "group"
-    return "generic"
 
 
 def _check_data(kind: str, data: Any) -> Optional[str]:

@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any, Dict, Iterable, Optional, Set
 
-__all__ = ["Partners", "PARTNER_MEMORY_S", "voters", "established"]
+__all__ = ["Partners", "Lineage", "PARTNER_MEMORY_S", "voters", "established"]
 
 #: how long a partner keeps its say after the last verified round we shared with it (seconds): long
 #: enough that the other side of a healed partition still counts, short enough that a swarm that
@@ -92,3 +93,45 @@ def voters(peers: Peers, me: str, partners: Iterable[str] = ()) -> Set[str]:
     live = set(peers) - {me}
     ours = live & set(partners)
     return ours if ours else established(peers, me)
+
+
+class Lineage:
+    """Our history as group ids (thread-safe: fed by the training loop, read by matchmaking): the
+    groups whose sync succeeded here or whose state we adopted (newest last), plus the groups we
+    formed since we last adopted another history (a sync still in flight, or one whose reply we lost,
+    is still our history). A group that names a base in it went on from our history."""
+
+    def __init__(self, keep: int = 64):
+        self._synced: deque = deque(maxlen=keep)
+        self._formed: deque = deque(maxlen=keep)
+        self._lock = threading.Lock()
+
+    def add(self, gid: str) -> None:
+        """A sync in group ``gid`` succeeded: it is now the base of the groups we lead."""
+        with self._lock:
+            self._synced.append(gid)
+
+    def formed(self, gid: str) -> None:
+        """We formed group ``gid`` (its sync may still fail)."""
+        with self._lock:
+            self._formed.append(gid)
+
+    def adopt(self, gids: Iterable[str]) -> None:
+        """We caught up with other peers' state: their groups are our history now."""
+        with self._lock:
+            self._synced.clear()
+            self._synced.extend(g for g in gids if isinstance(g, str) and g)
+            self._formed.clear()  # groups of the history we left
+
+    def ids(self, last: Optional[int] = None) -> Set[str]:
+        """Our history's group ids (the ``last`` few synced ones; all kept when None) plus every group
+        we formed lately."""
+        with self._lock:
+            gids, formed = list(self._synced), set(self._formed)
+        return set(gids[-last:] if last else gids) | formed
+
+    @property
+    def base(self) -> str:
+        """The group our state came from (our last successful sync), "" before the first."""
+        with self._lock:
+            return self._synced[-1] if self._synced else ""

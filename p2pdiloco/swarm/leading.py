@@ -1,0 +1,193 @@
+"""The leader's side of group formation (:mod:`.matchmaking` has the protocol, items 2, 7 and 10):
+admit joiners for the join grace, step down when a better-ranked ready peer shows up, propose the
+group and warm its links, leave out members nobody can reach, close the group and announce it.
+The per-round state both sides of the join protocol share is :class:`_Slot`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence, Set, Tuple, Union
+
+from ..errors import MatchmakingFailed, RoundMissed
+from ..ids import short_id, short_ids
+from . import formation
+from .group import Group, make_group_id
+from .keys import group_key
+
+__all__ = ["Leading"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    """This peer's matchmaking state for one (fragment, round)."""
+
+    decided: asyncio.Event = field(default_factory=asyncio.Event)
+    leader: Optional[str] = None           # whom we follow (None while undecided or when leading)
+    leading: bool = False
+    joiners: Dict[str, asyncio.Future] = field(default_factory=dict)
+    joined_event: asyncio.Event = field(default_factory=asyncio.Event)
+    final: Optional[Group] = None
+    base: str = ""                         # the base of the group we led (matchmaking item 6)
+    closed: bool = False
+    arrivals: Set[str] = field(default_factory=set)  # peers that asked us to admit them: ready, they say
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Proposal:
+    """The group a leader is about to close, sent to its joiners to warm their links (matchmaking item 10)."""
+
+    members: Tuple[str, ...]
+    owners: Optional[Tuple[str, ...]]
+    reports: Dict[str, asyncio.Future]   # joiner -> the owners it could not reach (None: no answer)
+    final: asyncio.Future                # -> the final Group, or None (no group after all)
+    left: Dict[str, str] = field(default_factory=dict)  # members left out -> why
+
+
+class _LeftOut(str):
+    """A joiner's answer: it was left out of the group (the reason)."""
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """Done-callback of a future nobody awaits any more: retrieve its outcome (no 'never retrieved' log)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _answer_joiners(slot: _Slot, answer: object) -> None:
+    """Give every joiner still waiting for our answer ``answer``: a group, a proposal, the id of the
+    peer we stepped down for (their hint), or None (no group)."""
+    for fut in slot.joiners.values():
+        if not fut.done():
+            fut.set_result(answer)
+
+
+class Leading:
+    """The leader's side of :class:`~p2pdiloco.swarm.matchmaking.Matchmaker` (a base class of it)."""
+
+    async def _lead(self, slot: _Slot, frag: int, round_: int, expected_joiners: Set[str],
+                    unseen: Set[str] = frozenset(), due: Optional[int] = None,
+                    skip: Set[str] = frozenset()) -> Union[Group, str]:
+        """Lead the round: admit joiners (:meth:`_admit`), then close the group (:meth:`_close`).
+        Returns the group, or the id of a better-ranked ready peer we stepped down for (our joiners
+        are sent there)."""
+        slot.leading = True
+        slot.decided.set()
+        better = await self._admit(slot, frag, round_, expected_joiners, unseen, skip)
+        if better is not None:
+            slot.leading, slot.leader = False, better
+            _answer_joiners(slot, better)  # -> "not leader", hint: the real leader
+            slot.joiners.clear()
+            logger.info(f"[{self.node.short_id}] {short_id(better)} is ready too and has a smaller id: it leads "
+                        f"fragment {frag} round {round_}")
+            return better
+        return await self._close(slot, frag, round_, expected_joiners, unseen, due)
+
+    async def _admit(self, slot: _Slot, frag: int, round_: int, expected_joiners: Set[str], unseen: Set[str],
+                     skip: Set[str]) -> Optional[str]:
+        """Admit joiners for up to ``join_grace`` seconds: everyone we saw ready, plus the live peers due
+        at this sync whose ready record we did not see (DHT views differ: a record we missed must not
+        split the round into two groups). Ready records are re-read meanwhile (``expected_joiners``
+        grows with them); a ready peer of better rank than ours not in ``skip`` means we are not the
+        leader after all: its id is returned before anything is closed. None: close now."""
+        me = self.node.peer_id_str
+        grace_end = time.monotonic() + self.join_grace
+        key = self._key(frag, round_)
+        while not (expected_joiners | unseen) <= set(slot.joiners) and time.monotonic() < grace_end:
+            slot.joined_event.clear()
+            try:
+                await asyncio.wait_for(slot.joined_event.wait(), timeout=max(0.01, min(0.3, grace_end - time.monotonic())))
+            except asyncio.TimeoutError:
+                pass
+            if (expected_joiners | unseen) <= set(slot.joiners):
+                break  # everyone we wait for is here: close now, the check below is for peers we did not see
+            seen = await self._ready_read(key) - {me}
+            better = sorted((p for p in seen - expected_joiners
+                             if self._rank(p) < self._rank(me) and p not in slot.joiners and p not in skip),
+                            key=self._rank)
+            expected_joiners |= seen
+            if better:
+                return better[0]
+        return None
+
+    async def _close(self, slot: _Slot, frag: int, round_: int, expected_joiners: Set[str], unseen: Set[str],
+                     due: Optional[int]) -> Group:
+        """Close the group: refuse latecomers, check that the round did not go on without us, warm the
+        links (members nobody can reach are left out), answer every joiner and announce the group."""
+        me = self.node.peer_id_str
+        slot.closed = True
+        try:
+            await self._check_not_missed(frag, round_, due)
+        except RoundMissed:
+            _answer_joiners(slot, None)
+            raise
+        members = tuple(sorted({me, *slot.joiners}))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(f"[{self.node.short_id}] frag {frag} round {round_}: leading, closing with "
+                         f"{short_ids(members)}; expected {short_ids(expected_joiners)}, unseen {short_ids(unseen)}")
+        if len(members) < self.min_group_size:
+            _answer_joiners(slot, None)
+            raise MatchmakingFailed(f"only {len(members)} peer(s) ready, swarm.min_group_size is {self.min_group_size}")
+        base = self.base
+        proposal = None
+        if len(members) > 1:
+            members, proposal = await self._warm_group(slot, frag, round_, members)
+        if len(members) < self.min_group_size:
+            if proposal is not None:
+                proposal.final.set_result(None)
+            raise MatchmakingFailed(f"only {len(members)} peer(s) left after the link check, swarm.min_group_size "
+                                    f"is {self.min_group_size}")
+        owners = self._owners(members)
+        gid = make_group_id(self.run_id, frag, round_, members, base, owners)
+        group = Group(gid=gid, members=members, my_index=members.index(me), frag=frag, round=round_, owners=owners)
+        slot.final, slot.base = group, base
+        if proposal is not None:
+            proposal.final.set_result(group)  # the members first: the all-reduce can start
+        # One group per (fragment, round): announce it so a late peer knows it missed the round (until
+        # the record is out, a late peer asking us to admit it gets the "closed" refusal instead)
+        self._background(self.node.astore(group_key(self.run_id, frag, round_), {"members": list(members), "base": base},
+                                          ttl=self.matchmaking_timeout * 10, subkey=me), "group record")
+        missing = expected_joiners - set(slot.joiners)
+        if missing:
+            logger.info(f"[{self.node.short_id}] group for fragment {frag} round {round_} formed without "
+                        f"{len(missing)} ready peer(s) that did not join in time")
+        return group
+
+    def _owners(self, members: Tuple[str, ...]) -> Optional[Tuple[str, ...]]:
+        """The shard owners of ``members`` (:func:`.formation.shard_owners`)."""
+        return formation.shard_owners(members, self._tier)
+
+    async def _warm_group(self, slot: _Slot, frag: int, round_: int,
+                          members: Tuple[str, ...]) -> Tuple[Tuple[str, ...], _Proposal]:
+        """Leader: propose ``members`` to the joiners, warm our own links meanwhile, collect their
+        reports; returns the members that stay (and the proposal, whose ``final`` the caller sets)."""
+        loop = asyncio.get_running_loop()
+        me = self.node.peer_id_str
+        owners = self._owners(members)
+        joiners = {j: f for j, f in slot.joiners.items() if j in members}
+        proposal = _Proposal(members, owners, {j: loop.create_future() for j in joiners}, loop.create_future())
+        for fut in joiners.values():
+            if not fut.done():
+                fut.set_result(proposal)
+        own = asyncio.ensure_future(self._warm_links(members, owners))
+        await asyncio.wait([own, *proposal.reports.values()], timeout=self.warm_timeout + 2)
+        reports = {j: (f.result() if f.done() else None) for j, f in proposal.reports.items()}
+        if not own.done():
+            own.cancel()
+            own.add_done_callback(_consume)
+        reports[me] = own.result() if own.done() and not own.cancelled() else set()
+        proposal.left = self._left_out(members, reports)
+        if proposal.left:
+            logger.warning(f"[{self.node.short_id}] leaving {len(proposal.left)} member(s) out of the group for "
+                           f"fragment {frag} round {round_} before the round: "
+                           + "; ".join(f"{short_id(p)}: {why}" for p, why in sorted(proposal.left.items())))
+        return tuple(m for m in members if m not in proposal.left), proposal
+
+    def _left_out(self, members: Sequence[str], reports: Dict[str, Optional[Set[str]]]) -> Dict[str, str]:
+        """Who leaves the group before the round (:func:`.formation.left_out`; never us, the leader)."""
+        return formation.left_out(members, reports, self.node.peer_id_str, self._rank)
