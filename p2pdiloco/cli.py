@@ -191,7 +191,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
 
 def _cmd_join(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .diloco.loop import run_peer
+    from .train.loop import run_peer
 
     overrides = list(args.set)
     if args.initial_peers:

@@ -7,7 +7,7 @@ import torch
 
 from p2pdiloco.compression.robust import weighted_mean
 from p2pdiloco.data import load_corpus
-from p2pdiloco.diloco.loop import inner_setup, inner_step
+from p2pdiloco.train.inner import inner_setup, inner_step
 from p2pdiloco.diloco.outer import OuterState
 
 

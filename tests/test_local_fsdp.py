@@ -169,7 +169,7 @@ def _fsdp_rank(rank: int, port: int, out: str, modes) -> None:
 
     from p2pdiloco.data import load_corpus
     from p2pdiloco.diloco.core import DiLoCo
-    from p2pdiloco.diloco.loop import inner_step
+    from p2pdiloco.train.inner import inner_step
     from p2pdiloco.local.group import LocalFollower, LocalGroup, LocalLeader
     from p2pdiloco.local.shard import Shards, build_sharded
     from p2pdiloco.local.worker import local_stream
@@ -236,7 +236,7 @@ def _overlap_reference(mode):
     gradients), a solo DiLoCo over its model."""
     from p2pdiloco.data import load_corpus
     from p2pdiloco.diloco.core import DiLoCo
-    from p2pdiloco.diloco.loop import _inner_lr, inner_setup
+    from p2pdiloco.train.inner import _inner_lr, inner_setup
     from p2pdiloco.local.worker import local_stream
 
     torch.set_num_threads(1)

@@ -36,7 +36,7 @@ from p2pdiloco.checkpoint import find_checkpoint, load_checkpoint
 from p2pdiloco.compression.robust import weighted_mean
 from p2pdiloco.config import load_config
 from p2pdiloco.data import load_corpus
-from p2pdiloco.diloco.loop import _inner_lr, inner_setup, inner_step
+from p2pdiloco.train.inner import _inner_lr, inner_setup, inner_step
 from p2pdiloco.diloco.outer import OuterState
 from p2pdiloco.local.worker import local_stream
 from p2pdiloco.metrics import read_metrics

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from p2pdiloco.config import ConfigError, InnerConfig, RunConfig
-from p2pdiloco.diloco.loop import _inner_lr, lr_factor
+from p2pdiloco.train.inner import _inner_lr, lr_factor
 
 
 def _inner(**kw) -> InnerConfig:

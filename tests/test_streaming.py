@@ -23,7 +23,7 @@ from p2pdiloco.config import load_config
 from p2pdiloco.data import BatchStream, load_corpus
 from p2pdiloco.diloco.core import DiLoCo
 from p2pdiloco.diloco.fragments import Schedule
-from p2pdiloco.diloco.loop import inner_setup, inner_step
+from p2pdiloco.train.inner import inner_setup, inner_step
 from p2pdiloco.diloco.outer import OuterState
 from p2pdiloco.diloco.overlap import BandwidthMeter, lookahead
 from p2pdiloco.errors import ConfigError, SyncFailed

@@ -16,7 +16,7 @@ import torch
 from conftest import TINY
 from p2pdiloco.config import load_config
 from p2pdiloco.data import load_corpus
-from p2pdiloco.diloco.loop import inner_setup
+from p2pdiloco.train.inner import inner_setup
 from p2pdiloco.metrics import read_metrics
 from p2pdiloco.model import build_model
 

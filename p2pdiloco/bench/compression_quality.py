@@ -34,7 +34,7 @@ import torch
 from ..compression import Codec, get_codec
 from ..config import RunConfig, load_config
 from ..data import BatchStream, evaluate, load_corpus
-from ..diloco.loop import inner_step
+from ..train.inner import inner_optimizer, inner_step
 from ..diloco.outer import OuterState
 from ..diloco.reducers import make_reducer
 from ..model import build_model
@@ -108,8 +108,7 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False)
         torch.manual_seed(cfg.train.seed)  # the same θ everywhere, as in the swarm
         model = build_model(cfg.model)
         models.append(model)
-        opts.append(torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
-                                      betas=(cfg.inner.beta1, cfg.inner.beta2)))
+        opts.append(inner_optimizer(cfg, model.parameters()))
         streams.append(BatchStream(corpus.train, shard=m, num_shards=peers, batch_size=cfg.inner.batch_size,
                                    seq_len=cfg.model.seq_len, seed=cfg.data.seed))
     params = [list(mod.parameters()) for mod in models]

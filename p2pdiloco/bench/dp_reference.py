@@ -4,7 +4,7 @@ Synchronous data parallelism over M peers is, step for step, one model trained o
 each peer computes the gradient of its own batch (peer ``i`` reads shard ``i`` of ``M``, as in the
 WAN benchmark), the all-reduce averages the M gradients, every replica clips the averaged gradient
 and takes the same AdamW step (the same warm-up, weight decay and clipping as the DiLoCo peers'
-inner optimiser: :func:`p2pdiloco.diloco.loop.inner_step`). Here the M gradients are computed one
+inner optimiser: :func:`p2pdiloco.train.inner.inner_step`). Here the M gradients are computed one
 after the other and averaged in fp32 in peer order, then the one model steps. This is the math
 hivemind's ``Optimizer`` does in the networked baseline (``bench.hivemind_dp``), minus the network:
 the long-horizon matrix of ``bench.run`` takes data parallelism's loss curve from here and its wall
@@ -57,7 +57,7 @@ def dp_curve(cfg: Any, peers: int, steps: int, eval_every: int, *,
     the benchmark counts a DiLoCo mode's tokens.
     """
     from ..data import BatchStream, evaluate, load_corpus
-    from ..diloco.loop import _inner_lr, inner_setup
+    from ..train.inner import _inner_lr, inner_setup
 
     if peers < 1 or steps < 1 or eval_every < 1:
         raise UserError(f"dp_curve: peers ({peers}), steps ({steps}) and eval_every ({eval_every}) must be >= 1")

@@ -104,7 +104,7 @@ def run_variant(config: Optional[str], sets: Sequence[str], spec: str, peers: in
     from ..config import load_config
     from ..data import evaluate, load_corpus
     from ..diloco.core import DiLoCo
-    from ..diloco.loop import inner_setup, inner_step
+    from ..train.inner import inner_setup, inner_step
 
     name, lr = _parse(spec)
     cfg = load_config(config, [*sets, *VARIANTS[name], *([f"outer.lr={lr}"] if lr is not None else [])])

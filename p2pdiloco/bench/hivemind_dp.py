@@ -169,7 +169,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
     from hivemind.compression import Float16Compression, NoCompression
 
     from ..data import BatchStream, evaluate, load_corpus
-    from ..diloco.loop import lr_factor
+    from ..train.inner import lr_factor
     from ..metrics import MetricsWriter
     from ..model import build_model, count_parameters
 

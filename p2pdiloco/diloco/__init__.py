@@ -1,1 +1,2 @@
-"""The DiLoCo training algorithm: fragments, outer optimizer, the training loop."""
+"""The DiLoCo training algorithm: fragments, outer optimizer, streaming overlap (the loop that drives
+it: :mod:`p2pdiloco.train`)."""

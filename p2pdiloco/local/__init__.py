@@ -2,7 +2,7 @@
 
 ``p2pdiloco join --local-workers K`` starts K worker processes on this machine (:mod:`.launch`).
 Local rank 0 is the swarm member: the DHT node, the identity, the all-reduce, the checkpoint and the
-metrics, exactly as a one-process peer (:mod:`p2pdiloco.diloco.loop`). Ranks 1..K-1 never touch the
+metrics, exactly as a one-process peer (:mod:`p2pdiloco.train.loop`). Ranks 1..K-1 never touch the
 network (:mod:`.worker`). Inside the machine the replica trains data-parallel: every worker takes
 its inner step on its own sub-shard of the peer's data, the gradients are averaged (``torch.distributed``,
 gloo on CPU, nccl on CUDA) and every worker applies the same AdamW step. After each inner step rank

@@ -23,27 +23,16 @@ from ..data import load_corpus
 from ..diloco.fragments import split_fragments
 from ..metrics import MetricsWriter
 from ..model import build_model
+from ..train.inner import inner_optimizer, inner_step, local_stream
 from .group import LocalFollower, LocalGroup
 
-__all__ = ["run_worker", "local_stream"]
+__all__ = ["run_worker"]
 
 logger = logging.getLogger(__name__)
 
 
-def local_stream(cfg: RunConfig, corpus, shard: int, rank: int, world: int):
-    """The batch stream of local worker ``rank`` of a peer on data shard ``shard``: sub-shard
-    ``shard·K + rank`` of ``num_shards·K``, i.e. the ``rank``-th of K equal slices of the peer's region
-    (K = 1: the peer's own stream, as without local workers)."""
-    from ..data import BatchStream
-
-    return BatchStream(corpus.train, shard=shard * world + rank, num_shards=cfg.data.num_shards * world,
-                       batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
-
-
 def run_worker(cfg: RunConfig, group: LocalGroup) -> Dict[str, Any]:
     """Worker ``group.rank`` > 0 until rank 0's final message; returns its summary (also logged)."""
-    from ..diloco.loop import inner_step
-
     for s in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the machine stops, and tells us
         signal.signal(s, signal.SIG_IGN)
     group.set_threads(cfg.train.threads)
@@ -60,8 +49,7 @@ def run_worker(cfg: RunConfig, group: LocalGroup) -> Dict[str, Any]:
         torch.manual_seed(cfg.train.seed)  # the run's θ, as on every peer (rank 0 sends its own anyway)
         model = build_model(cfg.model).to(group.device)
     corpus = load_corpus(cfg.data)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
-                            betas=(cfg.inner.beta1, cfg.inner.beta2))
+    opt = inner_optimizer(cfg, model.parameters())
     layout = split_fragments(model, cfg.streaming.fragments, cfg.streaming.pattern)
     named = dict(model.named_parameters())
     index = {n: i for i, n in enumerate(named)}

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import sys
@@ -27,76 +26,15 @@ from ..model import build_model, count_parameters
 from ..errors import JoinFailed, SyncFailed
 from ..swarm.relay import RelayLimits
 from ..swarm.state_sync import StateServer, download_state, in_minority, pick_target, rival_lineage
-from ..local.worker import local_stream
-from .core import DiLoCo, SyncReport
+from ..diloco.core import DiLoCo, SyncReport
+from .inner import inner_optimizer, inner_step, local_stream
 
-__all__ = ["run_peer", "inner_step", "inner_setup"]
+__all__ = ["run_peer"]
 
 logger = logging.getLogger(__name__)
 
 #: in its first progress_period of training (before its first sync) a peer publishes its record this often
 EARLY_PUBLISH_PERIOD = 2.0
-
-
-def lr_factor(inner: Any, step: int) -> float:
-    """The inner lr at ``step`` (steps taken before) over ``inner.lr``: linear warm-up over
-    ``warmup_steps``, then 1 (``constant``) or a half cosine from 1 down to ``min_lr_ratio`` at
-    ``decay_steps``, flat after it (``cosine``)."""
-    w = inner.warmup_steps
-    if w and step + 1 < w:
-        return (step + 1) / w
-    if inner.lr_schedule != "cosine":
-        return 1.0
-    done = min(1.0, max(0, step + 1 - w) / (inner.decay_steps - w))
-    return inner.min_lr_ratio + (1.0 - inner.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * done))
-
-
-def _inner_lr(cfg: RunConfig, step: int) -> float:
-    return cfg.inner.lr * lr_factor(cfg.inner, step)
-
-
-def inner_step(cfg: RunConfig, model, opt, stream: BatchStream, step: int, device="cpu",
-               local=None) -> Tuple[float, int]:
-    """One inner AdamW step on the next batch of ``stream`` (warm-up lr for ``step`` = steps taken
-    before, gradient clipping); returns (loss, batch size). The peer's loop, the benchmarks and the
-    tests' references all take their inner steps here. With ``local`` (a
-    :class:`~p2pdiloco.local.group.LocalGroup`) the gradients and the loss are averaged over the
-    machine's local workers before clipping and the step (data parallelism inside one peer)."""
-    for group in opt.param_groups:
-        group["lr"] = _inner_lr(cfg, step)
-    x, y = stream.next_batch(device)
-    if local is None:
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        return _finish_step(cfg, model, opt, loss.item()), x.shape[0]
-    with local.guard("took an inner step"):  # sharded, torch's own collectives run in here
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        value = local.average_gradients(list(model.parameters()), loss.item())
-        return _finish_step(cfg, model, opt, value), x.shape[0]
-
-
-def _finish_step(cfg: RunConfig, model, opt, loss: float) -> float:
-    if cfg.inner.grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
-    opt.step()
-    return loss
-
-
-def inner_setup(cfg: RunConfig, corpus, shard: int, device="cpu"):
-    """(model, AdamW, batch stream) of one peer as it starts: the model from the run's seed (the same θ
-    on every peer), the inner optimiser, the stream of data shard ``shard``. The benchmarks' and the
-    tests' in-process references build their peers here. (The model's init draws from torch's global
-    RNG: callers that build peers in threads hold a lock around this.)"""
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
-                            betas=(cfg.inner.beta1, cfg.inner.beta2))
-    stream = BatchStream(corpus.train, shard=shard, num_shards=cfg.data.num_shards, batch_size=cfg.inner.batch_size,
-                         seq_len=cfg.model.seq_len, seed=cfg.data.seed)
-    return model, opt, stream
 
 
 def run_peer(cfg: RunConfig, *, stop_flag: Optional[list] = None, local=None) -> Dict[str, Any]:
@@ -208,17 +146,14 @@ class _Peer:
         self.shard = _data_shard(cfg, self.node.peer_id_str, ckpt)
         # our slice of the shard: the whole shard alone, the first of K slices with local workers
         self.stream = local_stream(cfg, self.corpus, self.shard, 0, self.world)
-        self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner.lr,
-                                           weight_decay=cfg.inner.weight_decay, betas=(cfg.inner.beta1, cfg.inner.beta2))
+        self.inner_opt = inner_optimizer(cfg, self.model.parameters())
         self.train_model, self.train_opt = self.model, self.inner_opt
         if self.sharded:  # our shard; self.inner_opt only carries a resumed state to the workers' shards
             from ..local.shard import Shards, build_sharded
 
             self.train_model = build_sharded(cfg, self.device)
             self.shards = Shards(self.local, self.train_model)
-            self.train_opt = torch.optim.AdamW(self.train_model.parameters(), lr=cfg.inner.lr,
-                                               weight_decay=cfg.inner.weight_decay,
-                                               betas=(cfg.inner.beta1, cfg.inner.beta2))
+            self.train_opt = inner_optimizer(cfg, self.train_model.parameters())
         self.diloco = diloco = DiLoCo(self.model, cfg, self.swarm)
         StateServer(self.node, cfg.swarm.run_id, diloco.snapshot)
         logger.info(f"[{me}] peer {self.node.peer_id_str} joined run {cfg.swarm.run_id} (fingerprint "
