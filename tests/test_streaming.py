@@ -25,7 +25,8 @@ from p2pdiloco.diloco.core import DiLoCo
 from p2pdiloco.diloco.fragments import Schedule
 from p2pdiloco.train.inner import inner_setup, inner_step
 from p2pdiloco.diloco.outer import OuterState
-from p2pdiloco.diloco.overlap import BandwidthMeter, lookahead
+from p2pdiloco.diloco.background import BandwidthMeter
+from p2pdiloco.diloco.overlap import lookahead
 from p2pdiloco.errors import ConfigError, SyncFailed
 from p2pdiloco.model import build_model
 from p2pdiloco.swarm.group import Coverage, Group
@@ -579,13 +580,13 @@ def test_global_copies_identical_after_each_correction(mode):
             o = d.outer[r.fragment]
             states.setdefault((r.fragment, r.round), {})[i] = (o.digest(), o.steps)
             if mode == "delay":  # the model it reports on (validation) restarted from the global copy
-                assert all(torch.equal(a, b) for a, b in zip(d.local[r.fragment], o.params))
+                assert all(torch.equal(a, b) for a, b in zip(d.fragments[r.fragment].model_params, o.params))
 
     def record_start(i, d, r, drained):
         # after the step: the next phase started from a point derived from round r's global copy
         # (eager: with this peer's own fresh pseudo-gradient); only the training thread writes it
         if not drained:
-            starts.setdefault((r.fragment, r.round), {})[i] = torch.cat([t.view(-1) for t in d._start[r.fragment]])
+            starts.setdefault((r.fragment, r.round), {})[i] = torch.cat([t.view(-1) for t in d.fragments[r.fragment].start])
 
     out, hub = run_peers(cfg, 3, outer_steps=3, hub=Hub(3, fail=fail), on_sync=record_global,
                          after_report=record_start)
@@ -647,10 +648,10 @@ def test_eager_is_the_papers_update_sequence(fail):
             for k in range(K):
                 d.after_inner_step(1)  # not a send step
                 with torch.no_grad():  # the inner phase "trained" to W_m − Δ_m(k)
-                    model.weight.copy_(d._start[0][0] - deltas[m][k])
-                sent[m].append((d._start[0][0] - model.weight).detach().clone())  # Δ_m(k) exactly as sent
+                    model.weight.copy_(d.fragments[0].start[0] - deltas[m][k])
+                sent[m].append((d.fragments[0].start[0] - model.weight).detach().clone())  # Δ_m(k) exactly as sent
                 d.after_inner_step(1)
-                starts[m].append(d._start[0][0].detach().clone())
+                starts[m].append(d.fragments[0].start[0].detach().clone())
             d.finish()
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
@@ -805,12 +806,12 @@ def test_eager_follows_each_peers_paper_trajectory_through_failures(pattern):
                 assert dilocos[m].inner_step == k * H
             for step in range(H):
                 for m, d in dilocos.items():
-                    for fut in list(d._groups.values()):  # formed before the send: its size is known there
+                    for fut in list(d.groups.prepared.values()):  # formed before the send: its size is known there
                         fut.result(30)
                     if step == H - 1:  # the inner phase "trained" to W_m − Δ_m(k)
                         with torch.no_grad():
-                            d.model.weight.copy_(d._start[0][0] - deltas[m][k])
-                        sent[(m, k)] = (d._start[0][0] - d.model.weight).detach().clone()
+                            d.model.weight.copy_(d.fragments[0].start[0] - deltas[m][k])
+                        sent[(m, k)] = (d.fragments[0].start[0] - d.model.weight).detach().clone()
                     d.after_inner_step(samples[m][k])
                     if step == H - 1:
                         starts[(m, k)] = d.model.weight.detach().clone()
@@ -919,7 +920,7 @@ def test_reducer_seam_in_the_background_and_no_partial_results():
 
     def factory(model, cfg, swarm):
         d = DiLoCo(model, cfg, swarm)
-        d.reducers = [TwoPhaseReducer(fail_round=1)]
+        d.fragments[0].reducer = TwoPhaseReducer(fail_round=1)
         reducers[swarm.idx] = d.reducers[0]
         return d
 
@@ -971,7 +972,7 @@ def test_finish_applies_what_is_in_flight():
         d = out[i]["diloco"]
         assert d.outer[0].steps == 2 and not d._inflight
         # delay/eager: the model ends on the global copy
-        assert all(torch.equal(a, b) for a, b in zip(d.local[0], d.outer[0].params))
+        assert all(torch.equal(a, b) for a, b in zip(d.fragments[0].model_params, d.outer[0].params))
 
 
 def test_checkpoint_keeps_the_start_points():
@@ -992,9 +993,9 @@ def test_checkpoint_keeps_the_start_points():
     assert not torch.equal(state["start"][0][0], init[0])
     d2 = DiLoCo(build_model(cfg.model), cfg)
     d2.load_overlap_state(state)
-    assert all(torch.equal(a, b) for s, s2 in zip(d._start, d2._start) for a, b in zip(s, s2))
+    assert all(torch.equal(a, b) for s, s2 in zip((f.start for f in d.fragments), (f.start for f in d2.fragments)) for a, b in zip(s, s2))
     d2.load_overlap_state(None)  # an older checkpoint: start from the global copy
-    assert all(torch.equal(a, b) for s, o in zip(d2._start, d2.outer) for a, b in zip(s, o.params))
+    assert all(torch.equal(a, b) for s, o in zip((f.start for f in d2.fragments), d2.outer) for a, b in zip(s, o.params))
     d.close()
     d2.close()
 
@@ -1062,16 +1063,17 @@ def test_eager_offset_survives_a_checkpoint():
     assert state["offsets"][0] is not None and float(state["offsets"][0][0][0].abs().max()) > 0
     d2 = DiLoCo(build_model(cfg.model), cfg)
     d2.load_overlap_state(state)
-    for a, b in zip(d._offsets[0][0] + d._offsets[0][1], d2._offsets[0][0] + d2._offsets[0][1]):
+    f, f2 = d.fragments[0], d2.fragments[0]
+    for a, b in zip(f.offset[0] + f.offset[1], f2.offset[0] + f2.offset[1]):
         assert torch.equal(a, b)
     # the own term inside the offset comes along: the next round takes exactly that out again
-    assert d2._own[0][0] == d._own[0][0] and torch.equal(d2._own[0][1], d._own[0][1])
+    assert f2.own_term[0] == f.own_term[0] and torch.equal(f2.own_term[1], f.own_term[1])
     older = {k: v for k, v in state.items() if k != "own"}  # without its own term an offset is unusable
     d3 = DiLoCo(build_model(cfg.model), cfg)
     d3.load_overlap_state(older)
-    assert d3._offsets == [None] and d3._own == [None]
+    assert d3.fragments[0].offset is None and d3.fragments[0].own_term is None and d3.num_fragments == 1
     meta, payload = d.snapshot()
     d2.load_snapshot(meta, payload)
-    assert d2._offsets == [None] and d2._own == [None]
+    assert d2.fragments[0].offset is None and d2.fragments[0].own_term is None and d2.num_fragments == 1
     for x in (d, d2, d3):
         x.close()

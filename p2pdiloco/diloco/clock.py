@@ -1,4 +1,4 @@
-"""Rounds by the swarm's samples (``inner.round_samples``, issue 23): the swarm clock.
+"""Rounds by the swarm's samples (``inner.round_samples``): the swarm clock.
 
 With ``inner.round_samples = 0`` a round is ``H = inner.sync_every`` inner steps on *every* peer, so the
 swarm moves at its slowest member's pace: a peer 5x slower makes every other peer wait for it at every

@@ -36,6 +36,9 @@ def nesterov_step_(p: torch.Tensor, b: torch.Tensor, d: torch.Tensor, *, lr: flo
 
 
 class OuterState:
+    """One fragment's global copy θ (fp32 on ``device``) and its momentum buffers b, stepped by the
+    averaged pseudo-gradient (module docstring); ``steps`` counts the outer steps applied."""
+
     def __init__(self, params: Sequence[torch.Tensor], *, lr: float, momentum: float, nesterov: bool = True,
                  device: str = "cpu"):
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
@@ -46,9 +49,6 @@ class OuterState:
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
-
-    def flat_params(self) -> torch.Tensor:
-        return torch.cat([p.view(-1) for p in self.params])
 
     def pseudo_gradient(self, local: Sequence[torch.Tensor]) -> torch.Tensor:
         """Δ_m = θ − θ_m, flattened (fp32, on the outer device)."""

@@ -1,9 +1,9 @@
-"""Communication in the background, and the rules that apply its results (algorithm.md §3).
+"""The overlap modes: when a fragment's averaged pseudo-gradient reaches the model.
 
-A fragment's sync is a :class:`SyncJob`. At its *send step* the training loop takes the fragment's
-pseudo-gradient and hands the job to a :class:`SyncWorker`, a background thread that runs the jobs in
-submission order (``reducer.reduce`` with its all-reduce calls); training goes on meanwhile. Group
-formation for an upcoming sync is queued ``prepare_steps`` inner steps early on a second worker (so
+A fragment's sync is a :class:`~.background.SyncJob`. At its *send step* the training loop takes the
+fragment's pseudo-gradient and hands the job to a background worker that runs the jobs in submission
+order (``reducer.reduce`` with its all-reduce calls); training goes on meanwhile. Group formation for
+an upcoming sync is queued ``prepare_steps`` inner steps early on a second worker (:mod:`.groups`, so
 it never waits behind an all-reduce in flight), and at the send step only the all-reduce is left.
 When the averaged Δ arrives, the worker applies it to the fragment's **global copy** at once, under
 ``DiLoCo.state_lock``:
@@ -12,7 +12,9 @@ averages, in round order. The job's *due step* is when the loop applies the resu
 if the job is not finished then, the loop waits and records the wait. A failed job (``SyncFailed``:
 every member of the group fails together) applies nothing anywhere.
 
-What the model gets, per mode (fragment p, round k sent after inner step s_k, ``M`` peers):
+Each mode is an :class:`OverlapMode` (:func:`overlap_mode` picks it): how it sends, what it applies
+when, what it does at the end of training and what a checkpoint keeps of it. What the model gets,
+per mode (fragment p, round k sent after inner step s_k, ``M`` peers):
 
 ``tau`` (Streaming DiLoCo, arXiv 2501.18512, Algorithm 2). Sent: Δ_m = θ − θ_m(s_k), θ the global
     copy. Due at s_k + tau: θ~ = OuterOpt(θ, Δ) (the global copy from before the result, as the
@@ -87,154 +89,278 @@ so no extra memory while it is in flight; one model's worth in a checkpoint).
 """
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
-import logging
-import queue
-import threading
-import time
-import weakref
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from .background import SyncJob
+from .fragment_state import FragmentState
 from .outer import nesterov_step_
 
-__all__ = ["SyncJob", "SyncWorker", "BandwidthMeter", "lookahead", "pseudo_gradient_from", "merge_into"]
+if TYPE_CHECKING:  # for annotations only: core imports this module
+    from .core import DiLoCo, SyncReport
 
-logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class SyncJob:
-    """One fragment sync between its send step and its due step."""
-
-    fragment: int
-    round: int
-    send_step: int
-    due_step: int
-    delta: torch.Tensor            # this peer's flat fp32 pseudo-gradient, as sent
-    weight: float                  # samples behind it
-    epoch: int                     # DiLoCo's state epoch at launch; results of an older epoch are dropped
-    group: concurrent.futures.Future = None   # the Group (or SyncFailed from matchmaking)
-    future: concurrent.futures.Future = None  # done when the job finished (ok or failed)
-    launched: float = field(default_factory=time.perf_counter)
-    # filled in by the worker
-    ok: bool = False
-    applied: bool = False          # the average went into the global copy
-    failed: bool = False
-    group_size: int = 0
-    seconds: float = 0.0           # launch to result, wall clock
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    digest: str = ""
-    error: str = ""
-    missed: bool = False
-    extra: dict = field(default_factory=dict)  # the reducer's info() after a successful sync
-    group_wait: float = 0.0        # seconds the worker waited for the group (formation not done in time)
-    coverage: Any = None           # swarm.allreduce.Coverage of the applied result (None alone)
-    covered_weight: float = 0.0    # total sample weight the applied average covers (W)
-    # counted by the loop
-    overlapped_steps: int = 0      # inner steps completed while the job was still running
+__all__ = ["OverlapMode", "TauMode", "DelayMode", "EagerMode", "EagerHeuristicMode", "overlap_mode",
+           "lookahead", "pseudo_gradient_from", "merge_into"]
 
 
-class SyncWorker:
-    """One daemon thread running submitted callables in order (a daemon, unlike a ThreadPoolExecutor
-    worker, so a sync stuck in the network never keeps the process from exiting). A worker that runs
-    torch code (``torch_work``) is given up to ``EXIT_GRACE`` seconds at interpreter exit to finish
-    what it started: a thread stopped inside a torch kernel aborts the process ("terminate called
-    without an active exception")."""
+class OverlapMode:
+    """How one mode (``streaming.mode``) sends a fragment and applies its results (module docstring).
 
-    EXIT_GRACE = 15.0
-
-    def __init__(self, name: str = "p2pdiloco-sync", torch_work: bool = True):
-        self._q: "queue.Queue[Optional[Tuple[concurrent.futures.Future, Callable, tuple]]]" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-        if torch_work:
-            _WORKERS.add(self)
-
-    def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._q.put((fut, fn, args))
-        return fut
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # handed to whoever waits on the future
-                fut.set_exception(e)
-
-    def close(self) -> None:
-        self._q.put(None)
-
-
-_WORKERS: "weakref.WeakSet[SyncWorker]" = weakref.WeakSet()
-
-
-@atexit.register
-def _finish_workers_at_exit() -> None:
-    workers = list(_WORKERS)
-    for w in workers:
-        w.close()
-    deadline = time.monotonic() + SyncWorker.EXIT_GRACE
-    for w in workers:
-        w._thread.join(max(0.0, deadline - time.monotonic()))
-
-
-class BandwidthMeter:
-    """Peak bytes per second (sent + received) over any ``window`` seconds, sampled every ``period`` s.
-
-    ``take_peak()`` returns the peak since its previous call (per sync event); ``peak`` is the run's.
+    The modes are parts of :class:`~.core.DiLoCo`: they run on the training thread and use its job
+    list, groups and lock (``dl``). ``restarts_phases``: each inner phase restarts from a start point
+    W_m (``delay``/``eager``); ``keeps_offset``: the start point carries a per-peer offset that a
+    checkpoint keeps (``eager``).
     """
 
-    def __init__(self, traffic, window: float = 1.0, period: float = 0.05):
-        self.traffic, self.window, self.period = traffic, window, period
-        self.peak = 0.0
-        self._since = 0.0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._samples: "deque[Tuple[float, int]]" = deque()
-        self._thread = threading.Thread(target=self._run, name="p2pdiloco-meter", daemon=True)
-        self._thread.start()
+    name = ""
+    restarts_phases = False
+    keeps_offset = False
 
-    def _total(self) -> int:
-        sent, recv = self.traffic.snapshot()
-        return sent + recv
+    def begin_phase(self, frag: FragmentState) -> None:
+        """The start of training, or a state just adopted: set the fragment's start point."""
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            self.sample()
+    def send(self, dl: "DiLoCo", frag: FragmentState, t: int) -> List["SyncReport"]:
+        """Send the fragment's pseudo-gradient at position ``t``; returns the syncs applied meanwhile."""
+        raise NotImplementedError
 
-    def sample(self, now: Optional[float] = None) -> None:
-        now = time.monotonic() if now is None else now
-        total = self._total()
-        with self._lock:
-            self._samples.append((now, total))
-            while len(self._samples) > 1 and now - self._samples[1][0] >= self.window:
-                self._samples.popleft()
-            t0, b0 = self._samples[0]
-            if now - t0 >= self.window:  # a full window: its average rate
-                rate = (total - b0) / (now - t0)
-                self.peak = max(self.peak, rate)
-                self._since = max(self._since, rate)
+    def resolve_due(self, dl: "DiLoCo", t: int) -> Tuple[List["SyncReport"], bool]:
+        """Apply the results due at position ``t`` (after its sends): their reports, and whether a
+        blocking sync (due at its own send step) ended here."""
+        return [], False
 
-    def take_peak(self) -> float:
-        with self._lock:
-            peak, self._since = self._since, 0.0
-        return peak
+    def on_resolved(self, dl: "DiLoCo", frag: FragmentState, job: SyncJob) -> None:
+        """A job of ``frag`` was taken off the list: what the model gets from it now."""
 
-    def close(self) -> None:
-        self._stop.set()
+    def finish(self, dl: "DiLoCo") -> List["SyncReport"]:
+        """End of training: apply every sync in flight."""
+        raise NotImplementedError
+
+    def landing(self, dl: "DiLoCo", t: int, due: Sequence[int]) -> Set[int]:
+        """Fragments whose sync result may reach the model at position ``t`` (``due``: those sent then)."""
+        raise NotImplementedError
+
+    def state_dict(self, frags: Sequence[FragmentState]) -> Dict[str, object]:
+        """The checkpoint's ``overlap`` entry: each fragment's start point (None in ``tau``), the eager
+        offsets and the own terms in them."""
+        cpu = lambda ts: [t.cpu().clone() for t in ts]  # noqa: E731
+        return {"mode": self.name,
+                "start": [cpu(f.start) for f in frags] if self.restarts_phases else None,
+                "offsets": [None if f.offset is None else (cpu(f.offset[0]), cpu(f.offset[1])) for f in frags],
+                "own": [None if f.own_term is None else (f.own_term[0], f.own_term[1].cpu().clone())
+                        for f in frags]}
+
+    def load_state(self, frags: Sequence[FragmentState], state: Optional[Dict[str, object]]) -> None:
+        """Restore what :meth:`state_dict` saved (under ``DiLoCo.state_lock``)."""
+
+
+class TauMode(OverlapMode):
+    """``tau``: the average reaches the model ``tau`` positions after the send, merged with weight
+    ``1 − alpha`` (tau = 0, alpha = 0: blocking DiLoCo)."""
+
+    name = "tau"
+
+    def __init__(self, tau: int, alpha: float):
+        self.tau, self.alpha = tau, alpha
+
+    def send(self, dl: "DiLoCo", frag: FragmentState, t: int) -> List["SyncReport"]:
+        # never two rounds of a fragment in flight (tau < H/P): this resolves nothing in a valid run
+        reports = [dl._resolve(job) for job in [j for j in dl._inflight if j.fragment == frag.index]]
+        # Algorithm 2: Δ_m = θ − θ_m against the global copy (no job of this fragment is running, so
+        # the worker is not writing it)
+        delta = frag.outer.pseudo_gradient(frag.model_params)
+        dl._launch(frag, t, delta, frag.take_samples(), due=t + self.tau)
+        return reports
+
+    def resolve_due(self, dl: "DiLoCo", t: int) -> Tuple[List["SyncReport"], bool]:
+        reports, blocking_ended = [], False
+        for job in [j for j in dl._inflight if j.due_step <= t]:
+            reports.append(dl._resolve(job))
+            if job.ok and job.due_step == job.send_step:
+                blocking_ended = True
+        return reports, blocking_ended
+
+    def on_resolved(self, dl: "DiLoCo", frag: FragmentState, job: SyncJob) -> None:
+        if job.ok:
+            with dl.state_lock:  # θ_m ← alpha·θ_m + (1 − alpha)·θ~   (Algorithm 2)
+                merge_into(frag.model_params, frag.outer.params, self.alpha)
+        else:
+            frag.samples_since_send += int(job.weight)  # the progress stays in the model: so does its weight
+
+    def finish(self, dl: "DiLoCo") -> List["SyncReport"]:
+        return [dl._resolve(job) for job in list(dl._inflight)]
+
+    def landing(self, dl: "DiLoCo", t: int, due: Sequence[int]) -> Set[int]:
+        return {j.fragment for j in dl._inflight if j.due_step <= t} | (set(due) if self.tau == 0 else set())
+
+
+class DelayMode(OverlapMode):
+    """``delay``: round k's average reaches the model at round k+1's send, when the next inner phase
+    restarts from the global copy."""
+
+    name = "delay"
+    restarts_phases = True
+
+    def __init__(self, H: int):
+        self.H = H
+
+    def begin_phase(self, frag: FragmentState) -> None:
+        frag.start_from_global()
+
+    def send(self, dl: "DiLoCo", frag: FragmentState, t: int) -> List["SyncReport"]:
+        """Progress since this phase's start point, then apply round k−1, then restart, then send."""
+        p = frag.index
+        delta = pseudo_gradient_from(frag.start, frag.model_params)
+        weight = frag.take_samples()
+        reports = []
+        prev = next((j for j in dl._inflight if j.fragment == p), None)
+        if prev is not None:
+            reports.append(dl._resolve(prev, notify=False))
+            if not prev.ok:  # nothing of round k−1 was applied anywhere: send our part of it again
+                delta.add_(prev.delta)
+                weight += prev.weight
+        round_ = dl.schedule.round_of(p, t)
+        group = dl.groups.ensure(p, round_, t)  # stays listed until launch: next_sync_step() sees it forming
+        with dl.state_lock:
+            frag.start = self.next_start(dl, frag, delta, prev, group)
+            merge_into(frag.model_params, frag.start, 0.0)
+        for r in reports:  # after the model restarted from the result: validation measures that model
+            dl._notify(r)
+        dl.groups.discard(p, round_)
+        dl._launch(frag, t, delta, weight, due=t + self.H, group=group)
+        return reports
+
+    def next_start(self, dl: "DiLoCo", frag: FragmentState, delta: torch.Tensor, prev: Optional[SyncJob],
+                   group: concurrent.futures.Future) -> List[torch.Tensor]:
+        """The start point W_m of the next inner phase (under ``state_lock``): here the global copy θ."""
+        return [x.clone() for x in frag.outer.params]
+
+    def finish(self, dl: "DiLoCo") -> List["SyncReport"]:
+        """Apply every sync in flight, then the model takes the global copy."""
+        reports = [dl._resolve(job, notify=False) for job in list(dl._inflight)]
+        with dl.state_lock:
+            for frag in dl.fragments:
+                frag.outer.copy_to(frag.model_params)
+                frag.start_from_global()
+                frag.forget_offset()  # the model is on the agreed trajectory now
+        for r in reports:  # reported once the model holds them (validation measures that model)
+            dl._notify(r)
+        return reports
+
+    def landing(self, dl: "DiLoCo", t: int, due: Sequence[int]) -> Set[int]:
+        return set(due)  # a fragment's previous round lands when it is sent again
+
+    def load_state(self, frags: Sequence[FragmentState], state: Optional[Dict[str, object]]) -> None:
+        for frag in frags:
+            frag.forget_offset()
+        if not state or state.get("mode") != self.name or state.get("start") is None:
+            for frag in frags:
+                frag.start_from_global()
+            return
+        for frag, src in zip(frags, state["start"], strict=True):
+            for d, s in zip(frag.start, src, strict=True):
+                d.copy_(s)
+        offsets = state.get("offsets") or [None] * len(frags)
+        owns = state.get("own")
+        # an offset is only usable with the own term it holds (the next round takes that out again);
+        # without it (an older checkpoint) the peer restarts its offset from the agreed trajectory
+        if self.keeps_offset and len(offsets) == len(frags) and owns is not None:
+            for frag, saved, own in zip(frags, offsets, owns, strict=True):
+                _load_offset(frag, saved, own)
+
+
+def _load_offset(frag: FragmentState, saved, own) -> None:
+    params = frag.outer.params
+    if saved is not None:
+        frag.offset = ([x.to(g.device).clone() for x, g in zip(saved[0], params, strict=True)],
+                       [x.to(g.device).clone() for x, g in zip(saved[1], params, strict=True)])
+    if own is not None:
+        if own[1].numel() != frag.outer.numel:
+            raise ValueError(f"the eager own term of fragment {frag.index} does not match its parameters")
+        frag.own_term = (float(own[0]), own[1].to(params[0].device).clone())
+
+
+class EagerHeuristicMode(DelayMode):
+    """``eager`` with ``eager_estimate = fresh_heuristic``: the next phase starts from a look-ahead with
+    this peer's fresh Δ_m standing in for the whole average (not the paper's rule)."""
+
+    name = "eager"
+    keeps_offset = True
+
+    def next_start(self, dl: "DiLoCo", frag: FragmentState, delta: torch.Tensor, prev: Optional[SyncJob],
+                   group: concurrent.futures.Future) -> List[torch.Tensor]:
+        return lookahead(frag.outer, delta)
+
+
+class EagerMode(DelayMode):
+    """``eager`` with ``eager_estimate = paper``: Eager Updates as published, split into the agreed
+    part and this peer's offset (module docstring)."""
+
+    name = "eager"
+    keeps_offset = True
+
+    def next_start(self, dl: "DiLoCo", frag: FragmentState, delta: torch.Tensor, prev: Optional[SyncJob],
+                   group: concurrent.futures.Future) -> List[torch.Tensor]:
+        """θ + f after this round's offset step.
+
+        The paper's peer applies OuterOpt with Δ~_m(k) = Δ(k−1) + δ_k, δ_k = ρ_k·Δ'_m(k) − (the own term
+        it added last): its fresh term replaces its stale one in the late average. Δ'_m(k) is what round
+        k sends (with a failed round's Δ'_m resent in it); ρ_k = w_m/W is its share of round k's
+        average, not known before the round ends: estimated as ρ_{k−1}·M_{k−1}/M_k from round k−1's
+        covered weight when that arrived, else 1/M_k (with equal weights the paper's 1/M). The term
+        subtracted is exactly the term added before (``own_term``), whatever happened in between (a
+        failed round, a resend, another group size or weight), so the offset always holds the latest
+        own term alone and the estimate's error never accumulates. The agreed copy applies Δ(k−1)
+        alone (done by the worker when round k−1 arrived), so the offset (f, e) = (θ_m − θ, b_m − b)
+        follows e ← μ·e + δ_k, f ← f − lr·(δ_k + μ·e) (Nesterov SGD is linear). When round k−1 brought
+        no average (the first round, a failed round, the first round after a download) the agreed
+        copy took no step but the paper's peer did, with Δ~_m(k) = δ_k: then e ← μ·(b + e) + δ_k − b
+        and f ← f − lr·(δ_k + μ·(b + e))."""
+        outer = frag.outer
+        size = _expected_size(dl, group, prev)
+        arrived = prev is not None and prev.ok
+        if arrived:  # our share of round k: as in round k−1 (speeds change slowly), scaled to k's group size
+            share = prev.weight / prev.covered_weight * max(prev.group_size, 1) / size
+        else:
+            share = 1.0 / size
+        d_flat = delta * share
+        last = frag.own_term
+        if last is not None:  # the same product as when it was added: the same bits, an exact cancellation
+            d_flat = d_flat - last[1].to(delta.device) * last[0]
+        frag.own_term = (share, delta)  # the job's Δ'_m: never written after its send
+        if frag.offset is None:
+            frag.offset = ([torch.zeros_like(x) for x in outer.params], [torch.zeros_like(x) for x in outer.params])
+        f_list, e_list = frag.offset
+        for f, e, b, d in zip(f_list, e_list, outer.buffers, outer.unflatten(d_flat)):
+            if arrived:
+                nesterov_step_(f, e, d, lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
+            else:  # the peer's own step from (θ + f, b + e); the agreed copy stays at (θ, b)
+                bm = b + e
+                nesterov_step_(f, bm, d, lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
+                e.copy_(bm - b)
+        return [x + f for x, f in zip(outer.params, f_list)]
+
+
+def _expected_size(dl: "DiLoCo", group: concurrent.futures.Future, prev: Optional[SyncJob]) -> int:
+    """Members expected in the round being sent (for the peer's own share ρ): its group when formed,
+    else the last round's, else the live peers."""
+    if group.done() and group.exception() is None:
+        return max(1, int(getattr(group.result(), "size", 1)))
+    if prev is not None and prev.ok:
+        return max(1, prev.group_size)
+    return max(1, dl.swarm.expected_group(dl.inner_step)) if dl.swarm is not None else 1
+
+
+def overlap_mode(streaming, H: int) -> OverlapMode:
+    """The mode ``streaming`` (a validated ``[streaming]`` config section) asks for."""
+    if streaming.mode == "tau":
+        return TauMode(streaming.tau, streaming.alpha)
+    if streaming.mode == "delay":
+        return DelayMode(H)
+    if streaming.eager_estimate == "fresh_heuristic":
+        return EagerHeuristicMode(H)
+    return EagerMode(H)
 
 
 @torch.no_grad()

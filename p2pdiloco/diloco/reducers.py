@@ -6,7 +6,7 @@ names one all-reduce within the sync). It returns the averaged Δ, identical on 
 only derive the result from all-reduced values. A compressing reducer (low-rank, error feedback)
 keeps its own state per fragment and may call ``allreduce`` several times.
 
-Three reducers, chosen by ``[compression]`` (:func:`make_reducer`; algorithm.md §4):
+Three reducers, chosen by ``[compression]`` (:func:`make_reducer`):
 
 * :class:`PlainReducer`: one all-reduce of Δ with the run's codec (fp32 is OpenDiLoCo-style
   DiLoCo; a lossy codec without error feedback is Streaming DiLoCo's E3M0 as published).
