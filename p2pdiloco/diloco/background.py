@@ -2,8 +2,9 @@
 
 A fragment's sync is a :class:`SyncJob`: created at its send step with this peer's pseudo-gradient,
 run on a :class:`SyncWorker` (one daemon thread, jobs in submission order) while training goes on,
-and resolved by the training loop at its due step (:mod:`.overlap` says which step that is per mode).
-:func:`group_allreduce` and :func:`solo_allreduce` are the all-reduce a job's reducer calls;
+and resolved by the training loop at its due step (:mod:`.overlap` says which step that is per mode)
+into a :class:`SyncReport`.
+:func:`solo_allreduce` is the all-reduce of a job alone (:func:`.core.group_allreduce` the one in a group);
 :class:`BandwidthMeter` measures the traffic they cause.
 """
 from __future__ import annotations
@@ -17,14 +18,13 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from ..compression import Codec
-from ..errors import SyncFailed
 
-__all__ = ["SyncJob", "SyncWorker", "BandwidthMeter", "group_allreduce", "solo_allreduce", "note_coverage"]
+__all__ = ["SyncJob", "SyncReport", "SyncWorker", "BandwidthMeter", "solo_allreduce", "note_coverage"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,31 @@ class SyncJob:
     covered_weight: float = 0.0    # total sample weight the applied average covers (W)
     # counted by the loop
     overlapped_steps: int = 0      # inner steps completed while the job was still running
+
+
+@dataclass
+class SyncReport:
+    """What one fragment sync did (one line of metrics.jsonl)."""
+
+    step: int                 # inner step after which the pseudo-gradient was sent
+    fragment: int
+    round: int                # the fragment's outer round (0-based)
+    ok: bool
+    group_size: int = 0
+    seconds: float = 0.0      # from sending to the averaged result (group formation included if not prepared)
+    samples: int = 0          # samples this peer contributed (its weight)
+    bytes_sent: int = 0       # during this sync, payload and framing
+    bytes_received: int = 0
+    digest: str = ""          # of the fragment's θ and momentum after the sync
+    error: str = ""
+    missed: bool = False      # the round's group closed without us: the caller must catch up
+    applied_step: int = 0     # inner step after which the result reached the model
+    wait_seconds: float = 0.0  # how long the training loop blocked on this sync
+    overlapped_steps: int = 0  # inner steps taken while its all-reduce was in flight
+    peak_bytes_per_s: float = 0.0  # peak traffic (sent + received, 1 s window) since the previous report
+    #: more fields for the sync event: the reducer's info() (after a success) and group_wait_seconds
+    #: (how long the sync waited for its group: 0 when formation, started ahead of time, was done)
+    extra: Dict[str, object] = field(default_factory=dict)
 
 
 class SyncWorker:
@@ -158,31 +183,6 @@ class BandwidthMeter:
     def close(self) -> None:
         self._stop.set()
 
-
-
-def group_allreduce(swarm, job: SyncJob, group, codec: Codec) -> Callable[..., torch.Tensor]:
-    """The reducer's all-reduce for one sync. Every phase must average the same members: after a
-    phase that covered fewer than the group (a dropped part), later phases run on the group
-    restricted to them, and a phase that covers fewer still fails the sync (on every member alike:
-    they all read the same coverage)."""
-    from ..swarm.allreduce import restricted_group
-
-    state = {"group": group}
-
-    def seen(cov) -> None:
-        first = job.coverage
-        if first is None:
-            job.coverage = cov
-            if not cov.complete:
-                state["group"] = restricted_group(group, cov.members)
-        elif set(cov.members) != set(first.members):
-            raise SyncFailed(f"phases of one sync covered different members ({len(first.members)} then "
-                             f"{len(cov.members)} of {group.size}); not applied")
-
-    def allreduce(vec: torch.Tensor, phase: str, phase_codec: Optional[Codec] = None) -> torch.Tensor:
-        return swarm.allreduce(state["group"], f"f{job.fragment}.{phase}", vec, job.weight,
-                               phase_codec or codec, on_coverage=seen)
-    return allreduce
 
 
 def solo_allreduce(codec: Codec) -> Callable[..., torch.Tensor]:

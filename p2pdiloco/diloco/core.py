@@ -21,7 +21,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -30,7 +29,7 @@ from torch import nn
 from ..compression import Codec, get_codec
 from ..config import RunConfig
 from ..errors import ConfigError, RoundMissed, SyncFailed
-from .background import BandwidthMeter, SyncJob, SyncWorker, group_allreduce, note_coverage, solo_allreduce
+from .background import BandwidthMeter, SyncJob, SyncReport, SyncWorker, note_coverage, solo_allreduce
 from .clock import SwarmClock
 from .fragment_state import FragmentState
 from .fragments import FragmentLayout, Schedule, split_fragments
@@ -39,34 +38,9 @@ from .outer import OuterState
 from .overlap import OverlapMode, overlap_mode
 from .reducers import Reducer, make_reducer
 
-__all__ = ["DiLoCo", "SyncReport"]
+__all__ = ["DiLoCo", "SyncReport", "fp32_allreduce_bytes"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SyncReport:
-    """What one fragment sync did (one line of metrics.jsonl)."""
-
-    step: int                 # inner step after which the pseudo-gradient was sent
-    fragment: int
-    round: int                # the fragment's outer round (0-based)
-    ok: bool
-    group_size: int = 0
-    seconds: float = 0.0      # from sending to the averaged result (group formation included if not prepared)
-    samples: int = 0          # samples this peer contributed (its weight)
-    bytes_sent: int = 0       # during this sync, payload and framing
-    bytes_received: int = 0
-    digest: str = ""          # of the fragment's θ and momentum after the sync
-    error: str = ""
-    missed: bool = False      # the round's group closed without us: the caller must catch up
-    applied_step: int = 0     # inner step after which the result reached the model
-    wait_seconds: float = 0.0  # how long the training loop blocked on this sync
-    overlapped_steps: int = 0  # inner steps taken while its all-reduce was in flight
-    peak_bytes_per_s: float = 0.0  # peak traffic (sent + received, 1 s window) since the previous report
-    #: more fields for the sync event: the reducer's info() (after a success) and group_wait_seconds
-    #: (how long the sync waited for its group: 0 when formation, started ahead of time, was done)
-    extra: Dict[str, object] = field(default_factory=dict)
 
 
 def fp32_allreduce_bytes(numel: int, group_size: int) -> int:
@@ -75,6 +49,31 @@ def fp32_allreduce_bytes(numel: int, group_size: int) -> int:
     The sync event's ``fp32_bytes``: what the same sync would have cost uncompressed."""
     n = max(1, group_size)
     return int(2 * (n - 1) * 4 * numel // n)
+
+
+def group_allreduce(swarm, job: SyncJob, group, codec: Codec) -> Callable[..., torch.Tensor]:
+    """The reducer's all-reduce for one sync. Every phase must average the same members: after a
+    phase that covered fewer than the group (a dropped part), later phases run on the group
+    restricted to them, and a phase that covers fewer still fails the sync (on every member alike:
+    they all read the same coverage)."""
+    from ..swarm.allreduce import restricted_group
+
+    state = {"group": group}
+
+    def seen(cov) -> None:
+        first = job.coverage
+        if first is None:
+            job.coverage = cov
+            if not cov.complete:
+                state["group"] = restricted_group(group, cov.members)
+        elif set(cov.members) != set(first.members):
+            raise SyncFailed(f"phases of one sync covered different members ({len(first.members)} then "
+                             f"{len(cov.members)} of {group.size}); not applied")
+
+    def allreduce(vec: torch.Tensor, phase: str, phase_codec: Optional[Codec] = None) -> torch.Tensor:
+        return swarm.allreduce(state["group"], f"f{job.fragment}.{phase}", vec, job.weight,
+                               phase_codec or codec, on_coverage=seen)
+    return allreduce
 
 
 class DiLoCo:
@@ -104,8 +103,8 @@ class DiLoCo:
         if st.mode == "tau" and st.tau >= self.H // P:
             raise ConfigError(f"streaming.tau ({st.tau}) must be smaller than inner.sync_every / streaming.fragments "
                               f"= {self.H // P}")
-        #: ``streaming.mode`` as configured, and the rules that implement it
-        self.mode = st.mode
+        #: ``streaming.mode`` and ``tau`` as configured, and the rules that implement the mode
+        self.mode, self.tau = st.mode, st.tau
         self.overlap: OverlapMode = overlap_mode(st, self.H)
         self.schedule = Schedule(self.H, P)
         self.layout: FragmentLayout = split_fragments(model, P, st.pattern)
@@ -197,9 +196,9 @@ class DiLoCo:
             return self.fragments[0].outer.steps + sum(1 for j in self._inflight
                                                        if j.fragment == 0 and not (j.applied or j.failed))
 
-    def results_landing(self, t: int) -> Set[int]:
-        """Fragments whose sync result may reach the model at position ``t`` (those sent then included
-        where the mode applies something at the send)."""
+    def landing(self, t: int) -> Set[int]:
+        """Fragments whose sync result may be applied in ``after_inner_step`` at schedule position ``t``.
+        Exact between two inner steps of the training thread (the jobs in flight cannot change then)."""
         return self.overlap.landing(self, t, self.schedule.due(t))
 
     # ---- the training loop's entry points ------------------------------------------------------------

@@ -90,16 +90,13 @@ so no extra memory while it is in flight; one model's worth in a checkpoint).
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .background import SyncJob
+from .background import SyncJob, SyncReport
 from .fragment_state import FragmentState
 from .outer import nesterov_step_
-
-if TYPE_CHECKING:  # for annotations only: core imports this module
-    from .core import DiLoCo, SyncReport
 
 __all__ = ["OverlapMode", "TauMode", "DelayMode", "EagerMode", "EagerHeuristicMode", "overlap_mode",
            "lookahead", "pseudo_gradient_from", "merge_into"]
@@ -108,8 +105,8 @@ __all__ = ["OverlapMode", "TauMode", "DelayMode", "EagerMode", "EagerHeuristicMo
 class OverlapMode:
     """How one mode (``streaming.mode``) sends a fragment and applies its results (module docstring).
 
-    The modes are parts of :class:`~.core.DiLoCo`: they run on the training thread and use its job
-    list, groups and lock (``dl``). ``restarts_phases``: each inner phase restarts from a start point
+    The modes are parts of :class:`~.core.DiLoCo` (``dl``, not imported here: core imports this module):
+    they run on the training thread and use its job list, groups and lock. ``restarts_phases``: each inner phase restarts from a start point
     W_m (``delay``/``eager``); ``keeps_offset``: the start point carries a per-peer offset that a
     checkpoint keeps (``eager``).
     """
@@ -121,11 +118,11 @@ class OverlapMode:
     def begin_phase(self, frag: FragmentState) -> None:
         """The start of training, or a state just adopted: set the fragment's start point."""
 
-    def send(self, dl: "DiLoCo", frag: FragmentState, t: int) -> List["SyncReport"]:
+    def send(self, dl: "DiLoCo", frag: FragmentState, t: int) -> List[SyncReport]:
         """Send the fragment's pseudo-gradient at position ``t``; returns the syncs applied meanwhile."""
         raise NotImplementedError
 
-    def resolve_due(self, dl: "DiLoCo", t: int) -> Tuple[List["SyncReport"], bool]:
+    def resolve_due(self, dl: "DiLoCo", t: int) -> Tuple[List[SyncReport], bool]:
         """Apply the results due at position ``t`` (after its sends): their reports, and whether a
         blocking sync (due at its own send step) ended here."""
         return [], False
@@ -133,7 +130,7 @@ class OverlapMode:
     def on_resolved(self, dl: "DiLoCo", frag: FragmentState, job: SyncJob) -> None:
         """A job of ``frag`` was taken off the list: what the model gets from it now."""
 
-    def finish(self, dl: "DiLoCo") -> List["SyncReport"]:
+    def finish(self, dl: "DiLoCo") -> List[SyncReport]:
         """End of training: apply every sync in flight."""
         raise NotImplementedError
 
@@ -164,7 +161,7 @@ class TauMode(OverlapMode):
     def __init__(self, tau: int, alpha: float):
         self.tau, self.alpha = tau, alpha
 
-    def send(self, dl: "DiLoCo", frag: FragmentState, t: int) -> List["SyncReport"]:
+    def send(self, dl: "DiLoCo", frag: FragmentState, t: int) -> List[SyncReport]:
         # never two rounds of a fragment in flight (tau < H/P): this resolves nothing in a valid run
         reports = [dl._resolve(job) for job in [j for j in dl._inflight if j.fragment == frag.index]]
         # Algorithm 2: Δ_m = θ − θ_m against the global copy (no job of this fragment is running, so
@@ -173,7 +170,7 @@ class TauMode(OverlapMode):
         dl._launch(frag, t, delta, frag.take_samples(), due=t + self.tau)
         return reports
 
-    def resolve_due(self, dl: "DiLoCo", t: int) -> Tuple[List["SyncReport"], bool]:
+    def resolve_due(self, dl: "DiLoCo", t: int) -> Tuple[List[SyncReport], bool]:
         reports, blocking_ended = [], False
         for job in [j for j in dl._inflight if j.due_step <= t]:
             reports.append(dl._resolve(job))
@@ -188,7 +185,7 @@ class TauMode(OverlapMode):
         else:
             frag.samples_since_send += int(job.weight)  # the progress stays in the model: so does its weight
 
-    def finish(self, dl: "DiLoCo") -> List["SyncReport"]:
+    def finish(self, dl: "DiLoCo") -> List[SyncReport]:
         return [dl._resolve(job) for job in list(dl._inflight)]
 
     def landing(self, dl: "DiLoCo", t: int, due: Sequence[int]) -> Set[int]:
@@ -208,7 +205,7 @@ class DelayMode(OverlapMode):
     def begin_phase(self, frag: FragmentState) -> None:
         frag.start_from_global()
 
-    def send(self, dl: "DiLoCo", frag: FragmentState, t: int) -> List["SyncReport"]:
+    def send(self, dl: "DiLoCo", frag: FragmentState, t: int) -> List[SyncReport]:
         """Progress since this phase's start point, then apply round k−1, then restart, then send."""
         p = frag.index
         delta = pseudo_gradient_from(frag.start, frag.model_params)
@@ -236,7 +233,7 @@ class DelayMode(OverlapMode):
         """The start point W_m of the next inner phase (under ``state_lock``): here the global copy θ."""
         return [x.clone() for x in frag.outer.params]
 
-    def finish(self, dl: "DiLoCo") -> List["SyncReport"]:
+    def finish(self, dl: "DiLoCo") -> List[SyncReport]:
         """Apply every sync in flight, then the model takes the global copy."""
         reports = [dl._resolve(job, notify=False) for job in list(dl._inflight)]
         with dl.state_lock:

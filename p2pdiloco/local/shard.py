@@ -76,7 +76,10 @@ def touched(diloco, t: int) -> Tuple[Set[int], bool]:
     state too (the bool). Read by the training thread between two of its own steps: the jobs in
     flight cannot change meanwhile."""
     due = set(diloco.due(t))
-    lands = diloco.results_landing(t)
+    if diloco.mode == "tau":
+        lands = {j.fragment for j in diloco._inflight if j.due_step <= t} | (due if diloco.tau == 0 else set())
+    else:  # delay/eager: a fragment's previous round lands when it is sent again
+        lands = set(due)
     if lands:
         last = diloco.num_fragments - 1
         return set(range(diloco.num_fragments)), last in lands
