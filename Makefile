@@ -1,6 +1,7 @@
 # Two entry points, both self-contained on a fresh machine (python3 with venv, make):
 #   make demo   set up .venv, then a bootstrap peer + 3 volunteers on 127.0.0.1 train a small model
 #   make test   set up .venv, then run the test suite (what .ci/run runs)
+#   make deps   print the import picture by layer (p2pdiloco/layers.py) and check it has no cycle
 # Every install goes through constraints.txt: torch is pinned (an unpinned torch pulls GBs of CUDA
 # packages) and numpy < 2.4 (newer numpy silently breaks hivemind 1.1.12's 8-bit codecs).
 
@@ -8,7 +9,7 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-$(shell cat setup.cfg constraints.txt pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup demo test test-slow bench lint clean
+.PHONY: setup demo test test-slow bench deps lint clean
 
 setup: $(STAMP)
 
@@ -27,6 +28,9 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow
+
+deps:
+	$(PYTHON) -m p2pdiloco.layers
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m p2pdiloco.bench.run --matrix full

@@ -1,6 +1,7 @@
 """Multiaddr parsing and validation (py-multiaddr), with messages a user can act on."""
 from __future__ import annotations
 
+import ipaddress
 from typing import Iterable, List
 
 from multiaddr import Multiaddr
@@ -37,8 +38,6 @@ def parse_maddrs(texts: Iterable[str], what: str = "address", require_peer_id: b
 
 def is_loopback(maddr: str) -> bool:
     """The address names this machine only (127.0.0.0/8, ::1, localhost)."""
-    import ipaddress
-
     for proto in Multiaddr(str(maddr)).protocols():
         if proto.name in ("ip4", "ip6"):
             return ipaddress.ip_address(Multiaddr(str(maddr)).value_for_protocol(proto.code)).is_loopback

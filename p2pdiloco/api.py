@@ -19,6 +19,7 @@ from torch import nn
 
 from .addresses import listen_maddrs
 from .config import RunConfig
+from .run_identity import fingerprint_fields, fingerprint_of
 from .swarm.node import SwarmNode
 from .swarm.swarm import Swarm
 
@@ -48,11 +49,10 @@ def join_swarm(cfg: RunConfig, model: Optional[nn.Module] = None) -> Swarm:
     try:
         swarm = Swarm(node, s.run_id, matchmaking_timeout=s.matchmaking_timeout, allreduce_timeout=s.allreduce_timeout,
                       min_group_size=s.min_group_size, progress_period=s.progress_period, robust=cfg.robust)
-        fields = cfg.fingerprint_fields()
+        fields = fingerprint_fields(cfg)
         if model is not None:
             fields["model.signature"] = model_signature(model)
-        fp = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
-        swarm.check_fingerprint(fp, fields)
+        swarm.check_fingerprint(fingerprint_of(fields), fields)
     except BaseException:
         node.shutdown()
         raise

@@ -130,12 +130,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "tokenizer":
             return _cmd_tokenizer_train(args)
         if args.command == "export":
-            from .hf import export_run
+            from .export import export_run
 
             print(export_run(args.run_dir, args.out), flush=True)
             return 0
         if args.command == "sample":
-            from .hf import sample_run
+            from .export import sample_run
 
             prompt, text = sample_run(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.seed)
             print(prompt + text, flush=True)
@@ -152,6 +152,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 1  # pragma: no cover
 
 
+def _relay_limits(cfg):
+    """The bootstrap's relay limits (swarm/relay.py), or None when relaying is off."""
+    from .swarm.relay import RelayLimits
+
+    if not cfg.relay:
+        return None
+    return RelayLimits(max_reservations=cfg.relay_max_reservations, max_circuits=cfg.relay_max_circuits,
+                       max_circuit_bytes=int(cfg.relay_max_mb_per_stream * 1e6),
+                       max_bytes_per_hour=int(cfg.relay_max_gb_per_hour * 1e9))
+
+
 def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from .config import load_bootstrap_config
     from .metrics import format_bytes
@@ -161,7 +172,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
                                 announce_maddrs=args.announce_maddrs, initial_peers=args.initial_peers,
                                 relay=args.relay)
     node = SwarmNode(cfg.initial_peers, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
-                     identity_path=cfg.identity, bootstrap_timeout=cfg.bootstrap_timeout, relay=cfg.relay_limits())
+                     identity_path=cfg.identity, bootstrap_timeout=cfg.bootstrap_timeout, relay=_relay_limits(cfg))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

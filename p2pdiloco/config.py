@@ -7,15 +7,12 @@ A peer's configuration is built in three layers, later ones winning:
 Unknown sections or keys, and values of the wrong type, raise :class:`ConfigError` naming the key.
 ``RunConfig.validate()`` then checks every invariant up front with an actionable message.
 
-``RunConfig.fingerprint_fields()`` is the part that every peer of a run must agree on (model
-architecture, vocabulary, H, outer optimizer, fragments, compression); it is published in the DHT
-by the first peer and compared by every later one (see :mod:`p2pdiloco.swarm.records`).
+The part of a RunConfig that every peer of a run must agree on (model architecture, vocabulary, H,
+outer optimizer, fragments, compression) is its fingerprint, computed in :mod:`p2pdiloco.run_identity`.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -26,10 +23,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from .addresses import parse_maddrs
+from .compression import get_codec
 from .compression.robust import RobustConfig
 from .data import DataConfig
 from .errors import ConfigError
-from .model import ModelConfig
+from .model import PRESETS, ModelConfig
+from .tokenizer import tokenizer_vocab_size
 
 __all__ = [
     "RunConfig",
@@ -259,8 +259,6 @@ class CompressionConfig:
     dense_params: str = ""
 
     def validate(self) -> None:
-        from .compression import get_codec
-
         get_codec(self.codec)  # raises ConfigError naming the valid choices
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"compression.rank ({self.rank!r}) must be an integer >= 1")
@@ -332,8 +330,6 @@ class SwarmConfig:
         _positive(self, "swarm", "min_group_size", "min_peers_to_start")
         _positive_float(self, "swarm", "bootstrap_timeout", "matchmaking_timeout", "allreduce_timeout",
                         "progress_period", "start_timeout", "min_link_mbit")
-        from .addresses import parse_maddrs
-
         parse_maddrs(self.initial_peers, "swarm.initial_peers", require_peer_id=True)
         parse_maddrs(self.host_maddrs, "swarm.host_maddrs")
         parse_maddrs(self.announce_maddrs, "swarm.announce_maddrs")
@@ -395,7 +391,7 @@ class LocalConfig:
 
     #: ``replicate``: every worker holds the whole model (DDP-style, the model must fit one device);
     #: ``fsdp``: parameters, gradients and inner optimiser state in K shards (torch FSDP2), for a model
-    #: that does not fit one device (:mod:`p2pdiloco.local.shard`)
+    #: that does not fit one device (:mod:`p2pdiloco.local.fsdp`)
     sharding: str = "replicate"
     #: seconds a local worker may go without a heartbeat (a stopped or frozen process) before the
     #: launcher takes the machine's peer down (:mod:`p2pdiloco.local.launch`)
@@ -509,8 +505,6 @@ class RunConfig:
         """The tokenizer's vocabulary must be the model's: a token id past the embedding would crash
         training, a smaller one wastes rows (both refused with the value to set)."""
         if self.data.tokenizer:
-            from .tokenizer import tokenizer_vocab_size
-
             n = tokenizer_vocab_size(self.data.tokenizer)
             if n != self.model.vocab_size:
                 raise ConfigError(f"data.tokenizer {self.data.tokenizer} has {n} ids but model.vocab_size is "
@@ -537,55 +531,6 @@ class RunConfig:
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
-
-    def fingerprint_fields(self) -> Dict[str, Any]:
-        """Everything that must be equal on every peer of a run, flattened to ``section.key``."""
-        d = self.to_dict()
-        out: Dict[str, Any] = {}
-        hf_only = ("kind", "hf_config", "hf_kv_heads", "hf_intermediate_size", "init_from")
-        for k, v in d["model"].items():
-            if self.model.kind == "gpt" and k in hf_only:
-                continue  # a GPT run's fingerprint is the one it had before HF models existed
-            out[f"model.{k}"] = v
-        if self.model.kind == "hf":  # the resolved transformers config, field by field (a refusal names it)
-            from .hf import hf_fingerprint
-
-            out.pop("model.hf_config")  # a path differs between machines; its content is what counts
-            out.update(hf_fingerprint(self.model))
-            if self.model.init_from:  # pretrained weights: their hash, not their path
-                from .hf import init_digest
-
-                out["model.init_from"] = init_digest(self.model.init_from)
-        if self.data.tokenizer:
-            from .tokenizer import tokenizer_identity
-
-            out["data.vocab"] = tokenizer_identity(self.data.tokenizer)
-        else:
-            out["data.vocab"] = "bytes-256"
-        out["train.seed"] = self.train.seed
-        out["inner.sync_every"] = self.inner.sync_every
-        out["inner.round_samples"] = self.inner.round_samples  # the budget; each peer's steps per round are its own
-        for k, v in d["outer"].items():
-            out[f"outer.{k}"] = v
-        for k, v in d["streaming"].items():
-            if k not in ("prepare_steps", "prepare_seconds"):  # local latency knobs: peers may differ
-                out[f"streaming.{k}"] = v
-        from .diloco.fragments import layout_fingerprint
-
-        # who syncs what: peers whose code splits the model differently must not train together
-        out["streaming.layout"] = layout_fingerprint(self.model, self.streaming.fragments, self.streaming.pattern)
-        for k, v in d["compression"].items():
-            out[f"compression.{k}"] = v
-        for k, v in d["robust"].items():  # every owner applies the same screen and aggregator
-            out[f"robust.{k}"] = v
-        from .swarm.protocol import PROTOCOL_VERSION
-
-        out["protocol.version"] = PROTOCOL_VERSION
-        return out
-
-    def fingerprint(self) -> str:
-        blob = json.dumps(self.fingerprint_fields(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _positive(obj: Any, section: str, *names: str) -> None:
@@ -741,8 +686,6 @@ def config_from_dict(d: Dict[str, Dict[str, Any]], validate: bool = False) -> Ru
 
 
 def _apply_model_preset(cfg: RunConfig, name: str) -> None:
-    from .model import PRESETS
-
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
     cfg.model = dataclasses.replace(PRESETS[name])
@@ -766,19 +709,7 @@ class BootstrapConfig:
     relay_max_mb_per_stream: float = 4096.0
     relay_max_gb_per_hour: float = 0.0
 
-    def relay_limits(self):
-        """The relay's limits (swarm/relay.py), or None when relaying is off."""
-        from .swarm.relay import RelayLimits
-
-        if not self.relay:
-            return None
-        return RelayLimits(max_reservations=self.relay_max_reservations, max_circuits=self.relay_max_circuits,
-                           max_circuit_bytes=int(self.relay_max_mb_per_stream * 1e6),
-                           max_bytes_per_hour=int(self.relay_max_gb_per_hour * 1e9))
-
     def validate(self) -> "BootstrapConfig":
-        from .addresses import parse_maddrs
-
         for key in ("relay_max_reservations", "relay_max_circuits"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -1,29 +1,13 @@
 """Byte-level corpora, per-peer data shards, resumable batch streams and a fixed evaluation.
 
-Tokens are bytes: vocabulary 256, one token per byte, stored as ``uint8``. Nothing is downloaded.
-(JSONL/Parquet records and BPE tokenizers go through :mod:`p2pdiloco.tokenized` instead, which
-returns the same :class:`Corpus` of token ids; sharding, batch streams and evaluation below are
-shared.)
+Tokens are bytes (vocabulary 256, :mod:`p2pdiloco.text`), or the ids of a BPE tokenizer and the
+text of JSONL/Parquet records (:mod:`p2pdiloco.tokenized`); either is a :class:`Corpus`, and sharding,
+batch streams and evaluation below are shared. Nothing is downloaded.
 
-Corpus sources (``DataConfig.source``):
-
-* ``"stdlib"`` (default, a reserved word): the ``.py`` files of the running Python's standard
-  library (``sysconfig.get_paths()["stdlib"]``), without ``site-packages``, test suites, IDLE,
-  ``lib2to3``, ``turtledemo``, bundled wheels and the platform-generated ``_sysconfigdata*`` files.
-  Every machine has it; peers on different Python versions get different corpora, which the
-  :attr:`Corpus.digest` reveals.
-* a path to a text file: its bytes, used as they are.
-* a path to a directory: every regular file below it, recursively, in sorted relative-path order.
-  Hidden files and directories (name starts with ``.``) are skipped, and so are files that look
-  binary (a NUL byte in their first 8 KiB, git's heuristic).
-
-Files are concatenated in sorted relative-path order (POSIX separators) and the total is cut at
-``max_bytes`` (the last file taken may be truncated). The validation split is chosen per FILE: a
-file is held out when ``int(sha256(relative_path)) % 1000 < val_fraction * 1000``, which depends on
-the path only, so it is the same on every peer and stable when files are added. If no file is held
-out, the file with the smallest hash value is; if every file is, the largest goes back to training.
-A source that is a single file cannot be split by file: its last ``val_fraction`` of bytes is the
-validation split instead.
+Corpus sources (``DataConfig.source``) are found by :mod:`p2pdiloco.sources` (``"stdlib"``, the
+Python standard library: every machine has it, and peers on different Python versions get different
+corpora, which :attr:`Corpus.digest` reveals; a text file; a directory; JSONL/Parquet records).
+Text is split into training and validation bytes by :mod:`p2pdiloco.text`.
 
 Sharding: the training tokens are cut into ``num_shards`` contiguous regions and each peer samples
 only from its own (``DataConfig.shard``, or :func:`shard_for_peer` of its peer id), the
@@ -31,19 +15,17 @@ heterogeneous-data setting of DiLoCo (Douillard et al. 2023, arXiv:2311.08105).
 """
 from __future__ import annotations
 
-import functools
 import hashlib
-import logging
-import os
-import sys
-import sysconfig
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from .errors import CheckpointError, ConfigError
+from .sources import STDLIB_SOURCE, is_records_source
+from .text import Corpus, clear_text_cache, text_corpus
+from .tokenized import load_tokenized
 
 __all__ = [
     "STDLIB_SOURCE",
@@ -56,18 +38,6 @@ __all__ = [
     "evaluate",
 ]
 
-logger = logging.getLogger(__name__)
-
-#: The reserved ``source`` value naming the built-in standard-library corpus.
-STDLIB_SOURCE = "stdlib"
-
-_STDLIB_SKIP_DIRS = frozenset(
-    {
-        "site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3",
-        "turtledemo", "__pycache__", "_bundled", "lib-dynload",
-    }
-)
-_BINARY_SNIFF_BYTES = 8192
 
 
 def _is_int(value: object) -> bool:
@@ -133,156 +103,11 @@ class DataConfig:
     @property
     def needs_tokenized(self) -> bool:
         """True when the corpus goes through :mod:`p2pdiloco.tokenized` (records or a BPE tokenizer)."""
-        from .tokenized import is_records_source
-
         return bool(self.tokenizer) or is_records_source(self.source)
 
     def shard_for(self, peer_id: str) -> int:
         """This peer's shard: ``shard`` when set, else :func:`shard_for_peer` of ``peer_id``."""
         return self.shard if self.shard >= 0 else shard_for_peer(peer_id, self.num_shards)
-
-
-@dataclass
-class Corpus:
-    """A loaded corpus. ``train`` and ``val`` are 1-D ``uint8`` CPU tensors shared by every caller
-    of :func:`load_corpus` (it caches): treat them as read-only.
-
-    ``digest`` is a 16-hex-digit sha256 prefix of the corpus identity (source kind, the list of
-    (relative path, size, split) and the bytes); two peers with equal digests train on identical
-    tokens. ``description`` is one human-readable line.
-    """
-
-    train: torch.Tensor
-    val: torch.Tensor
-    digest: str
-    description: str
-
-
-def _stdlib_files() -> Tuple[str, List[Tuple[str, str]]]:
-    """(root, sorted [(relative posix path, absolute path)]) of the stdlib corpus."""
-    root = sysconfig.get_paths()["stdlib"]
-    found: List[Tuple[str, str]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith(".")]
-        for name in filenames:
-            if name.endswith(".py") and not name.startswith("_sysconfigdata"):
-                full = os.path.join(dirpath, name)
-                found.append((os.path.relpath(full, root).replace(os.sep, "/"), full))
-    found.sort()
-    return root, found
-
-
-def _directory_files(root: str) -> List[Tuple[str, str]]:
-    found: List[Tuple[str, str]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in filenames:
-            full = os.path.join(dirpath, name)
-            if name.startswith(".") or not os.path.isfile(full):
-                continue
-            found.append((os.path.relpath(full, root).replace(os.sep, "/"), full))
-    found.sort()
-    return found
-
-
-def _looks_binary(data: bytes) -> bool:
-    return b"\x00" in data[:_BINARY_SNIFF_BYTES]
-
-
-def _read_bounded(
-    files: List[Tuple[str, str]], max_bytes: int, skip_binary: bool
-) -> List[Tuple[str, bytes]]:
-    """Read files in order until ``max_bytes`` bytes are taken (the last one possibly truncated)."""
-    taken: List[Tuple[str, bytes]] = []
-    remaining = max_bytes
-    for rel, full in files:
-        if remaining <= 0:
-            break
-        with open(full, "rb") as f:
-            data = f.read(max(remaining, _BINARY_SNIFF_BYTES) if skip_binary else remaining)
-        if skip_binary and _looks_binary(data):
-            logger.debug("skipping binary-looking file %s", full)
-            continue
-        if not data:
-            continue
-        data = data[:remaining]
-        taken.append((rel, data))
-        remaining -= len(data)
-    return taken
-
-
-def _path_hash(rel: str) -> int:
-    return int.from_bytes(hashlib.sha256(rel.encode("utf-8")).digest(), "big")
-
-
-@functools.lru_cache(maxsize=8)
-def _load_cached(source: str, max_bytes: int, val_fraction: float) -> Corpus:
-    if source == STDLIB_SOURCE:
-        root, paths = _stdlib_files()
-        files = _read_bounded(paths, max_bytes, skip_binary=False)
-        kind = f"stdlib of Python {sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro} ({root})"
-    elif os.path.isfile(source):
-        with open(source, "rb") as f:
-            data = f.read(max_bytes)
-        files = [(os.path.basename(source), data)] if data else []
-        kind = f"file {source}"
-    elif os.path.isdir(source):
-        files = _read_bounded(_directory_files(source), max_bytes, skip_binary=True)
-        kind = f"directory {source}"
-    else:
-        raise ConfigError(
-            f"data.source {source!r} does not exist (resolved to {os.path.abspath(source)}); "
-            f'give a path to a text file or directory, or "stdlib" for the built-in corpus'
-        )
-    total = sum(len(d) for _, d in files)
-    if total < 2:
-        raise ConfigError(
-            f"data.source {source!r} holds no usable text ({total} bytes; directories skip hidden and binary "
-            f"files); point it at text data"
-        )
-
-    # Per-file split. `is_val` is recorded per file so the digest identifies the split too.
-    threshold = val_fraction * 1000
-    if len(files) >= 2:
-        hashes = [_path_hash(rel) for rel, _ in files]
-        is_val = [h % 1000 < threshold for h in hashes]
-        if not any(is_val):
-            is_val[min(range(len(files)), key=lambda i: hashes[i])] = True
-        if all(is_val):
-            is_val[max(range(len(files)), key=lambda i: hashes[i])] = False
-        train_bytes = b"".join(d for (_, d), v in zip(files, is_val) if not v)
-        val_bytes = b"".join(d for (_, d), v in zip(files, is_val) if v)
-        n_val_files = sum(is_val)
-    else:
-        # One file: hold out its tail instead (at least 1 byte each side).
-        data = files[0][1]
-        cut = min(max(1, len(data) - int(len(data) * val_fraction)), len(data) - 1)
-        train_bytes, val_bytes = data[:cut], data[cut:]
-        is_val = [False]
-        n_val_files = 0
-
-    h = hashlib.sha256()
-    h.update(b"p2pdiloco-corpus-v1\0")
-    h.update((STDLIB_SOURCE if source == STDLIB_SOURCE else "path").encode() + b"\0")
-    h.update(f"{val_fraction!r}\0".encode())
-    for (rel, d), v in zip(files, is_val):
-        h.update(f"{rel}\0{len(d)}\0{int(v)}\n".encode("utf-8", "surrogateescape"))
-    h.update(train_bytes)
-    h.update(b"\0val\0")
-    h.update(val_bytes)
-    digest = h.hexdigest()[:16]
-
-    split = f"{n_val_files} files held out" if len(files) >= 2 else "tail of the file held out"
-    description = (
-        f"{kind}: {len(files)} files, {len(train_bytes):,} train + {len(val_bytes):,} val bytes "
-        f"({split}), digest {digest}"
-    )
-    return Corpus(
-        train=torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8),
-        val=torch.frombuffer(bytearray(val_bytes), dtype=torch.uint8),
-        digest=digest,
-        description=description,
-    )
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:
@@ -296,16 +121,13 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     """
     cfg.validate()
     if cfg.needs_tokenized:  # JSONL/Parquet records or a BPE tokenizer: tokenized once, cached on disk
-        from .tokenized import load_tokenized
-
         return load_tokenized(cfg)
-    source = cfg.source if cfg.source == STDLIB_SOURCE else os.path.abspath(cfg.source)
-    return _load_cached(source, int(cfg.max_bytes), float(cfg.val_fraction))
+    return text_corpus(cfg.source, cfg.max_bytes, cfg.val_fraction)
 
 
 def clear_corpus_cache() -> None:
     """Forget cached corpora (tests; or after the files of a path source changed)."""
-    _load_cached.cache_clear()
+    clear_text_cache()
 
 
 def shard_for_peer(peer_id: str, num_shards: int) -> int:

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from .errors import ConfigError
 from .exact import exact_normal_
+from .hf import build_hf_model, resolve_hf_config
 
 __all__ = [
     "ModelConfig",
@@ -54,6 +55,7 @@ __all__ = [
     "count_parameters",
     "PRESETS",
     "get_preset",
+    "seeded_model",
 ]
 
 
@@ -125,8 +127,6 @@ class ModelConfig:
     def num_blocks(self) -> int:
         """Transformer blocks (decoder layers) of the model this config builds."""
         if self.kind == "hf":
-            from .hf import resolve_hf_config
-
             return int(resolve_hf_config(self).num_hidden_layers)
         return self.n_layers
 
@@ -260,10 +260,16 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     invalid config.
     """
     if cfg.validate().kind == "hf":
-        from .hf import build_hf_model
-
         return build_hf_model(cfg)
     return GPT(cfg)
+
+
+def seeded_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The run's starting model θ₀: the global torch RNG seeded with the run's ``train.seed``, then
+    :func:`build_model`. Every peer, local worker and export builds θ₀ this way, so all start bitwise
+    identical (the draw order is ``build_model``'s)."""
+    torch.manual_seed(seed)
+    return build_model(cfg)
 
 
 def count_parameters(model: nn.Module) -> int:

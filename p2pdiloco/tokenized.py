@@ -3,7 +3,7 @@ under a BPE tokenizer, tokenized once and cached on disk.
 
 Used by :func:`p2pdiloco.data.load_corpus` when ``data.source`` names records (a ``.jsonl``,
 ``.json`` or ``.parquet`` file, or a glob of them) or ``data.tokenizer`` is set; the byte-level text
-path stays in :mod:`p2pdiloco.data` and never imports this module.
+path is :mod:`p2pdiloco.text`, and the files are found by :mod:`p2pdiloco.sources`.
 
 * **Records.** Files (a glob expands in sorted order) are read one record at a time with
   ``datasets.load_dataset(..., streaming=True)`` (never the whole corpus in memory); the text is
@@ -27,7 +27,6 @@ file, a record without ``text_field``, a source without text, no record held out
 """
 from __future__ import annotations
 
-import glob as globlib
 import hashlib
 import json
 import os
@@ -37,60 +36,13 @@ import numpy as np
 import torch
 
 from .errors import ConfigError
+from .sources import STDLIB_SOURCE, is_records_source, iter_documents, records_files, stdlib_files
+from .text import Corpus, text_corpus
+from .tokenizer import TextCodec, tokenizer_vocab_size
 
-__all__ = ["is_records_source", "records_files", "iter_documents", "load_tokenized", "iter_training_text"]
+__all__ = ["load_tokenized", "iter_training_text"]
 
-_RECORD_EXTS = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
 _FORMAT = "p2pdiloco-tokens-v1"
-
-
-def is_records_source(source: str) -> bool:
-    """True when ``source`` names JSONL/JSON/Parquet files (or a glob of them)."""
-    s = source.lower()
-    return s.endswith(_RECORD_EXTS) or any(c in source for c in "*?[")
-
-
-def records_files(source: str) -> List[str]:
-    """The files a records source names, sorted; :class:`ConfigError` when none or one is unreadable."""
-    files = sorted(globlib.glob(source)) if any(c in source for c in "*?[") else [source]
-    files = [f for f in files if not os.path.isdir(f)]
-    if not files:
-        raise ConfigError(f"data.source {source!r} matches no file; give a .jsonl/.parquet file or a glob of them")
-    for f in files:
-        if not os.path.isfile(f):
-            raise ConfigError(f"data.source file {f} does not exist")
-        if not os.access(f, os.R_OK):
-            raise ConfigError(f"data.source file {f} is not readable (permissions); fix them or leave it out")
-        if not f.lower().endswith(_RECORD_EXTS):
-            raise ConfigError(f"data.source file {f} is not .jsonl, .json or .parquet; records sources take those only")
-    return files
-
-
-def iter_documents(path: str, text_field: str) -> Iterator[Tuple[int, str]]:
-    """(index, text) of every record of one file, streamed with ``datasets`` (one record in memory)."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import datasets
-
-    datasets.disable_progress_bars()
-    builder = "parquet" if path.lower().endswith(".parquet") else "json"
-    try:
-        ds = datasets.load_dataset(builder, data_files=[os.path.abspath(path)], split="train", streaming=True)
-        for i, rec in enumerate(ds):
-            if text_field not in rec:
-                raise ConfigError(f"record {i} of {path} has no field {text_field!r} (it has: "
-                                  f"{', '.join(sorted(rec)[:12])}); set data.text_field to the field holding the text")
-            text = rec[text_field]
-            if not isinstance(text, str):
-                raise ConfigError(f"record {i} of {path}: field {text_field!r} is {type(text).__name__}, not text; "
-                                  "set data.text_field to a string field")
-            yield i, text
-    except ConfigError:
-        raise
-    except Exception as e:  # datasets/pyarrow raise many types for a malformed file
-        msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise ConfigError(f"cannot read {path} as {builder} records ({type(e).__name__}: {msg}); fix or remove "
-                          "the file") from None
 
 
 def _is_val(path_key: str, i: int, val_fraction: float) -> bool:
@@ -109,9 +61,8 @@ def iter_training_text(cfg) -> Iterator[str]:
                 budget -= len(text.encode("utf-8"))
                 yield text
         return
-    from .data import load_corpus
-
-    corpus = load_corpus(cfg)
+    cfg.validate()
+    corpus = text_corpus(cfg.source, cfg.max_bytes, cfg.val_fraction)
     yield from _chunks(bytes(corpus.train.numpy()).decode("utf-8", errors="replace"))
 
 
@@ -144,21 +95,18 @@ def _cache_key(cfg, files: List[str]) -> str:
     return h.hexdigest()[:24]
 
 
-def load_tokenized(cfg):
+def load_tokenized(cfg) -> Corpus:
     """The :class:`p2pdiloco.data.Corpus` of a records source or a tokenizer run (see the module docstring)."""
-    from .data import STDLIB_SOURCE, Corpus, load_corpus, _stdlib_files
-    from .tokenizer import TextCodec, tokenizer_vocab_size
-
     records = is_records_source(cfg.source)
     if records:
         files = records_files(cfg.source)
     elif cfg.source == STDLIB_SOURCE:
-        files = [full for _, full in _stdlib_files()[1]]
+        files = [full for _, full in stdlib_files()[1]]
     elif os.path.exists(cfg.source):
         files = [cfg.source] if os.path.isfile(cfg.source) else sorted(
             os.path.join(d, n) for d, _, ns in os.walk(cfg.source) for n in ns)
     else:
-        load_corpus(cfg.__class__(**{**cfg.__dict__, "tokenizer": ""}))  # its error: the path does not exist
+        text_corpus(cfg.source, cfg.max_bytes, cfg.val_fraction)  # its error: the path does not exist
         raise AssertionError("unreachable")  # pragma: no cover
     vocab = tokenizer_vocab_size(cfg.tokenizer) if cfg.tokenizer else 256
     dtype = np.uint8 if vocab <= 256 else np.uint16 if vocab <= 65536 else np.int32
@@ -200,7 +148,7 @@ def load_tokenized(cfg):
                             flush()
                 flush()
             else:
-                corpus = load_corpus(cfg.__class__(**{**cfg.__dict__, "tokenizer": ""}))
+                corpus = text_corpus(cfg.source, cfg.max_bytes, cfg.val_fraction)
                 for split, tokens in (("train", corpus.train), ("val", corpus.val)):
                     text = bytes(tokens.numpy()).decode("utf-8", errors="replace")
                     for piece in _chunks(text):

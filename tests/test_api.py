@@ -1,6 +1,7 @@
 """The public API: exactly the intended names, and any nn.Module trains through it (examples/)."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -71,3 +72,41 @@ def test_custom_module_example_trains_in_a_swarm(procs, tmp_path):
     together = [(a, b) for a, b in zip(*lines) if a[1] == "2" and b[1] == "2"]
     assert together, lines
     assert all(a[2] == b[2] for a, b in together), lines
+
+
+def test_library_peer_and_cli_peer_publish_the_same_fingerprint(monkeypatch):
+    """join_swarm (the library API) and the training loop behind ``p2pdiloco join`` hash the same fields
+    the same way: a library peer configured exactly like a CLI run is accepted by it (not refused as
+    differing "in 0 field(s)")."""
+    from p2pdiloco import api
+    from p2pdiloco.run_identity import fingerprint_fields, run_fingerprint
+
+    checked = []
+
+    class FakeNode:
+        def shutdown(self):
+            pass
+
+    class FakeSwarm:
+        def __init__(self, node, run_id, **kwargs):
+            self.node = node
+
+        def check_fingerprint(self, fp, fields):
+            checked.append((fp, fields))
+
+        def update_progress(self, **kwargs):
+            pass
+
+        def publish_progress(self, wait=False):
+            pass
+
+        def start_publishing(self):
+            pass
+
+    monkeypatch.setattr(api, "SwarmNode", lambda *a, **k: FakeNode())
+    monkeypatch.setattr(api, "Swarm", FakeSwarm)
+    cfg = p2pdiloco.load_config(os.path.join(ROOT, "tests", "tiny-diloco.toml"))
+    api.join_swarm(cfg)
+    (fp, fields), = checked
+    assert fields == fingerprint_fields(cfg)
+    assert fp == run_fingerprint(cfg)

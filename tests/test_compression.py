@@ -18,6 +18,7 @@ from p2pdiloco.diloco.core import DiLoCo
 from p2pdiloco.diloco.reducers import LowRankReducer, PlainReducer, QuantizedReducer, make_reducer
 from p2pdiloco.errors import ConfigError, SyncFailed
 from p2pdiloco.model import build_model
+from p2pdiloco.run_identity import run_fingerprint
 from p2pdiloco.swarm.partition import shard_bounds
 
 pytestmark = pytest.mark.timeout(120)
@@ -99,10 +100,10 @@ def test_config_keys_validation_and_fingerprint():
     c = cfg.compression
     assert (c.codec, c.lowrank, c.rank, c.min_rank, c.energy_target, c.min_numel, c.error_feedback, c.adaptive) == \
         ("nf4", True, 8, 2, 0.8, 100, True, False)
-    base = _cfg().fingerprint()
+    base = run_fingerprint(_cfg())
     for s in ("compression.lowrank=true", "compression.rank=2", "compression.error_feedback=true",
               "compression.codec=e3m0", "compression.energy_target=0.5"):
-        assert _cfg(s).fingerprint() != base, s
+        assert run_fingerprint(_cfg(s)) != base, s
     for bad, key in [("compression.rank=0", "compression.rank"), ("compression.min_rank=5", "compression.min_rank"),
                      ("compression.energy_target=1.5", "compression.energy_target"),
                      ("compression.min_numel=0", "compression.min_numel"), ("compression.codec=int3", "int3"),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from p2pdiloco import data as data_mod
+from p2pdiloco.sources import stdlib_files
 from p2pdiloco.data import (
     BatchStream,
     DataConfig,
@@ -42,7 +43,7 @@ def test_stdlib_corpus_split_follows_the_documented_rule():
     assert corpus.train.dim() == 1 and corpus.val.numel() > 0
     assert corpus.train.numel() + corpus.val.numel() == 2_000_000
     # Recompute the split independently: sorted files, cut at max_bytes, val by sha256(path) % 1000.
-    root, files = data_mod._stdlib_files()
+    root, files = stdlib_files()
     assert files == sorted(files) and all(p.endswith(".py") for p, _ in files)
     assert not any(part in ("site-packages", "test", "tests", "idlelib", "lib2to3") for p, _ in files for part in p.split("/"))
     train, val, left = [], [], cfg.max_bytes

@@ -28,6 +28,7 @@ from p2pdiloco.config import load_config
 from p2pdiloco.data import BatchStream, DataConfig, load_corpus
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.metrics import read_metrics
+from p2pdiloco.run_identity import fingerprint_fields
 from test_swarm import reference_diloco
 
 VOCAB = 512
@@ -124,7 +125,7 @@ def test_llama_swarm_streaming_4bit_export_sample(procs, tmp_path, assets):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from p2pdiloco.hf import load_run
+    from p2pdiloco.export import load_run
 
     cfg, model, _ = load_run(str(tmp_path / "p0"))
     ckpt = torch.load(tmp_path / "p0" / "checkpoint.pt", weights_only=True)
@@ -165,7 +166,7 @@ def test_gpt_export_as_gpt2(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from p2pdiloco.checkpoint import save_checkpoint
-    from p2pdiloco.hf import export_run, load_run
+    from p2pdiloco.export import export_run, load_run
     from p2pdiloco.model import build_model
 
     cfg = load_config(TINY, ["data.max_bytes=300000", "model.tie_embeddings=false", "streaming.fragments=2",
@@ -221,7 +222,7 @@ def test_hf_init_exact_and_layerwise_fragments(assets, tmp_path):
     assert bal.names[0][0] == "lm.model.embed_tokens.weight" and max(bal.numels) < max(strided3.numels)
     assert sum(bal.numels) == sum(p.numel() for p in a.parameters())
     # the fingerprint holds the resolved transformers config, field by field
-    fields = cfg.fingerprint_fields()
+    fields = fingerprint_fields(cfg)
     assert fields["model.hf.num_key_value_heads"] == 2 and fields["data.vocab"].startswith(f"bpe-{VOCAB}-")
 
     # model.init_from: a local model directory's weights replace the random start; their hash is fingerprinted
@@ -230,7 +231,7 @@ def test_hf_init_exact_and_layerwise_fragments(assets, tmp_path):
     torch.manual_seed(5)
     d = build_model(pre.model).state_dict()
     assert all(torch.equal(sa[k], d[k]) for k in sa)
-    assert pre.fingerprint_fields()["model.init_from"].startswith("sha256:") and fields["model.init_from"] == ""
+    assert fingerprint_fields(pre)["model.init_from"].startswith("sha256:") and fields["model.init_from"] == ""
     with pytest.raises(ConfigError, match=r"model.embed_tokens.weight has shape \(512, 64\), the model \(512, 32\)"):
         build_model(load_config(TINY, _llama(assets, "model.n_layers=4", "model.d_model=32",
                                              f"model.init_from={tmp_path}/pre")).model)

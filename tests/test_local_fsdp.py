@@ -26,8 +26,8 @@ from conftest import TINY, cli_argv
 from local_support import BRIEF_INFO, run_two_ranks
 from p2pdiloco.checkpoint import find_checkpoint, load_checkpoint
 from p2pdiloco.config import load_config
-from p2pdiloco.local.group import digest_of
-from p2pdiloco.local.shard import shard_of
+from p2pdiloco.digest import tensors_digest as digest_of
+from p2pdiloco.local.fsdp import shard_of
 from p2pdiloco.metrics import read_metrics
 from test_local_workers import (H, PINNED, QUICK, STREAMING, _first_rounds_together, _join, _reference,
                                 _syncs, _worker_pids)
@@ -171,7 +171,7 @@ def _fsdp_rank(rank: int, port: int, out: str, modes) -> None:
     from p2pdiloco.diloco.core import DiLoCo
     from p2pdiloco.train.inner import inner_step
     from p2pdiloco.local.group import LocalFollower, LocalGroup, LocalLeader
-    from p2pdiloco.local.shard import Shards, build_sharded
+    from p2pdiloco.local.fsdp import FsdpShards, build_sharded
     from p2pdiloco.local.worker import local_stream
     from p2pdiloco.model import build_model
 
@@ -187,7 +187,7 @@ def _fsdp_rank(rank: int, port: int, out: str, modes) -> None:
         corpus = load_corpus(cfg.data)
         stream = local_stream(cfg, corpus, 0, rank, 2)
         model = build_sharded(cfg, "cpu")
-        shards = Shards(group, model)
+        shards = FsdpShards(group, model)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, weight_decay=cfg.inner.weight_decay,
                                 betas=(cfg.inner.beta1, cfg.inner.beta2))
         if rank == 0:

@@ -117,7 +117,7 @@ def _reference(cfg, peer_ids, one_forward=False, rounds=ROUNDS, sharded=False, s
                 for p, g0, g1 in zip(model0.parameters(), *grads):
                     p.grad = torch.add(g0, g1).div_(2)
             if cfg.inner.grad_clip and sharded:
-                from p2pdiloco.local.shard import shard_of
+                from p2pdiloco.local.fsdp import shard_of
 
                 grads = [p.grad for p in model0.parameters()]
                 per = [(torch.linalg.vector_norm(shard_of(g, 0, 2)) ** 2.0
@@ -526,7 +526,7 @@ def _protocol_rank(rank: int, port: int, out: str) -> None:
 
 
 def digest_model(x) -> str:
-    from p2pdiloco.local.group import digest_of
+    from p2pdiloco.digest import tensors_digest as digest_of
 
     return digest_of(list(x.parameters()) if isinstance(x, torch.nn.Module) else x)
 

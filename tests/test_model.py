@@ -24,7 +24,7 @@ def _model(cfg: ModelConfig = SMALL, seed: int = 0) -> GPT:
 
 def test_public_names():
     assert set(model_mod.__all__) == {
-        "ModelConfig", "GPT", "build_model", "count_parameters", "PRESETS", "get_preset",
+        "ModelConfig", "GPT", "build_model", "count_parameters", "PRESETS", "get_preset", "seeded_model",
     }
 
 

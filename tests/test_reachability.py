@@ -360,7 +360,9 @@ def test_reachability_setting_is_validated_and_not_fingerprinted():
         load_config(None, ["swarm.reachability=maybe"])
     a, b = load_config(None, ["swarm.reachability=private"]), load_config(None, [])
     assert a.swarm.reachability == "private" and b.swarm.reachability == "auto"
-    assert a.fingerprint() == b.fingerprint()
+    from p2pdiloco.run_identity import run_fingerprint
+
+    assert run_fingerprint(a) == run_fingerprint(b)
 
 
 def test_relayed_peers_lead_and_own_shards_only_when_no_direct_peer_can():

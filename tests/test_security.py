@@ -592,8 +592,9 @@ def test_peer_speaking_another_protocol_version_gets_a_clear_refusal(nodes):
     assert server.gate.offences[client.peer_id_str] == 0  # an old/new peer is not an attacker
     # and a whole peer on another version is stopped earlier, by the run fingerprint, naming the field
     from p2pdiloco.config import RunConfig
+    from p2pdiloco.run_identity import fingerprint_fields
 
-    fields = RunConfig().fingerprint_fields()
+    fields = fingerprint_fields(RunConfig())
     assert fields["protocol.version"] == PROTOCOL_VERSION
 
 

@@ -29,6 +29,7 @@ from p2pdiloco.diloco.background import BandwidthMeter
 from p2pdiloco.diloco.overlap import lookahead
 from p2pdiloco.errors import ConfigError, SyncFailed
 from p2pdiloco.model import build_model
+from p2pdiloco.run_identity import fingerprint_fields, run_fingerprint
 from p2pdiloco.swarm.group import Coverage, Group
 from p2pdiloco.swarm.protocol import Traffic
 
@@ -406,15 +407,15 @@ def test_schedule_in_a_run_matches_the_formula():
 
 
 def test_layout_is_part_of_the_fingerprint():
-    base = load_config(TINY, ["streaming.fragments=2"]).fingerprint_fields()
+    base = fingerprint_fields(load_config(TINY, ["streaming.fragments=2"]))
     assert base["streaming.layout"].startswith("2 fragment(s) of ")
-    other = load_config(TINY, ["streaming.fragments=2", "streaming.pattern=sequential"]).fingerprint_fields()
-    four = load_config(TINY, ["streaming.fragments=4"]).fingerprint_fields()
+    other = fingerprint_fields(load_config(TINY, ["streaming.fragments=2", "streaming.pattern=sequential"]))
+    four = fingerprint_fields(load_config(TINY, ["streaming.fragments=4"]))
     assert len({base["streaming.layout"], other["streaming.layout"], four["streaming.layout"]}) == 3
     # the local latency knob is not something peers must agree on
     assert "streaming.prepare_steps" not in base
-    assert load_config(TINY, ["streaming.fragments=2", "streaming.prepare_steps=0"]).fingerprint() == \
-        load_config(TINY, ["streaming.fragments=2"]).fingerprint()
+    assert run_fingerprint(load_config(TINY, ["streaming.fragments=2", "streaming.prepare_steps=0"])) == \
+        run_fingerprint(load_config(TINY, ["streaming.fragments=2"]))
 
 
 def test_lookahead_is_bitwise_a_real_step():

@@ -36,6 +36,7 @@ import functools
 import hashlib
 import math
 import re
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -43,6 +44,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..model import ModelConfig, build_model
 
 __all__ = ["FragmentLayout", "Schedule", "split_fragments", "layout_fingerprint"]
 
@@ -193,10 +195,6 @@ def _balanced(named, block_of: Dict[str, int], first_block_pos: int, fragments: 
 
 @functools.lru_cache(maxsize=16)
 def _layout_summary(model_fields: Tuple, fragments: int, pattern: str) -> str:
-    import torch
-
-    from ..model import ModelConfig, build_model
-
     cfg = ModelConfig(**dict(model_fields))
     with torch.device("meta"):  # names and shapes only: no memory, no draw from the RNG
         model = build_model(cfg)
@@ -205,6 +203,4 @@ def _layout_summary(model_fields: Tuple, fragments: int, pattern: str) -> str:
 
 def layout_fingerprint(model_cfg, fragments: int, pattern: str) -> str:
     """The fragment layout of the model of ``model_cfg`` (GPT or HF) as one line (see :meth:`FragmentLayout.summary`)."""
-    import dataclasses
-
     return _layout_summary(tuple(sorted(dataclasses.asdict(model_cfg).items())), fragments, pattern)

@@ -19,7 +19,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from ..digest import finish, fragment_hasher
+from ..digest import fragment_digest
 
 __all__ = ["OuterState", "nesterov_step_"]
 
@@ -76,10 +76,7 @@ class OuterState:
     def digest(self) -> str:
         """The fragment's digest (:mod:`p2pdiloco.digest`: its outer step count, θ and the momentum
         buffers): equal on every peer after every sync."""
-        h = fragment_hasher(self.steps)
-        for t in (*self.params, *self.buffers):
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
-        return finish(h)
+        return fragment_digest([*self.params, *self.buffers], self.steps)
 
     def state_dict(self) -> Dict[str, object]:
         return {"params": [p.cpu().clone() for p in self.params], "buffers": [b.cpu().clone() for b in self.buffers],

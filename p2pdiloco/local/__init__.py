@@ -12,7 +12,7 @@ outer step landed (:mod:`.group`), so every worker logs the swarm's digest. All 
 loopback (the rendezvous, gloo's and nccl's sockets), and the workers exchange tensors and one
 fixed-format message (:mod:`.messages`), never a pickle.
 
-``local.sharding = "fsdp"`` (:mod:`.shard`): the workers hold the replica in shards (torch FSDP2)
+``local.sharding = "fsdp"`` (:mod:`.fsdp`): the workers hold the replica in shards (torch FSDP2)
 for a model that does not fit one device; rank 0 keeps the full parameters DiLoCo needs on its CPU.
 The launcher also watches each worker's heartbeat (:mod:`.launch`): a stopped or frozen worker takes
 the machine's peer down as a dead one does.

@@ -17,7 +17,7 @@ tensors), is one message per inner step (:meth:`LocalLeader.tell`)::
                      gather flag per fragment, gather-the-optimiser flag (both: ``local.sharding = "fsdp"``)
     then the changed parameters (from rank 0's model), then each changed fragment's θ‖momentum (fp32)
 
-Sharded (``local.sharding = "fsdp"``, :mod:`.shard`) the changed parameters are scattered (each
+Sharded (``local.sharding = "fsdp"``, :mod:`.fsdp`) the changed parameters are scattered (each
 worker receives its shard), the changed fragments' global copies are not sent (a worker holds no
 full fragment), only their digests (int64 each); the gather flags say which fragments' parameters
 (and whether the optimiser state) every worker gathers to rank 0's CPU after its next inner step,
@@ -37,20 +37,20 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import logging
 import os
+import socket
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ..digest import fragment_digest
+from ..digest import fragment_digest, tensors_digest
 from ..errors import LocalWorkerLost, WireError
 from .messages import MAX_BRIEF_BYTES, decode_brief, encode_brief
 
 __all__ = ["LocalGroup", "LocalLeader", "LocalFollower", "Control", "ENV_RANK", "ENV_WORLD", "ENV_STORE",
-           "ENV_PARENT", "COLLECTIVE_TIMEOUT_S", "LOOPBACK", "digest_of", "loopback_interface"]
+           "ENV_PARENT", "COLLECTIVE_TIMEOUT_S", "LOOPBACK", "loopback_interface"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,6 @@ BUCKET_NUMEL = 1 << 24
 
 def loopback_interface() -> str:
     """The name of the interface that holds 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS)."""
-    import socket
-
     try:
         import psutil
 
@@ -97,14 +95,6 @@ def _not_inherited_sockets() -> None:
             pass
 
 
-def digest_of(tensors: Sequence[torch.Tensor]) -> str:
-    """Short sha256 of the tensors' bytes in order (a model's digest in the ``local_sync`` events)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(-1).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 class LocalGroup:
     """This process's membership in its machine's group of ``world`` local workers."""
 
@@ -113,7 +103,7 @@ class LocalGroup:
         #: this worker's device: ``cuda:<rank>`` when the run trains on CUDA, else the CPU
         self.device = f"cuda:{rank}" if device.startswith("cuda") else device
         self.broken = False
-        #: ``local.sharding = "fsdp"``: parameters, gradients and optimiser state in shards (:mod:`.shard`)
+        #: ``local.sharding = "fsdp"``: parameters, gradients and optimiser state in shards (:mod:`.fsdp`)
         self.sharded = False
 
     @classmethod
@@ -122,10 +112,6 @@ class LocalGroup:
         if ENV_RANK not in os.environ:
             return None
         return cls(int(os.environ[ENV_RANK]), int(os.environ[ENV_WORLD]), os.environ[ENV_STORE], device)
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
 
     def set_threads(self, threads: int) -> None:
         """``train.threads``, or with 0 (torch's default, every core) on the CPU: this worker's share of
@@ -157,7 +143,7 @@ class LocalGroup:
         def init() -> None:
             store = dist.TCPStore(host, int(port), self.world, is_master=False, timeout=timeout)
             dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
-        self._call("join the local group", init)
+        self.collective("join the local group", init)
         _not_inherited_sockets()
 
     def close(self) -> None:
@@ -173,7 +159,7 @@ class LocalGroup:
     def guard(self, what: str):
         """Around code whose collectives torch issues itself (sharded: FSDP's gathers in the forward,
         its reduce-scatters in the backward, the gradient norm): a failed collective is
-        :class:`LocalWorkerLost`, as in :meth:`_call`. Only errors that come from the backend (a
+        :class:`LocalWorkerLost`, as in :meth:`collective`. Only errors that come from the backend (a
         ``DistError``, or gloo's/nccl's words): an out-of-memory or a bug stays what it is."""
         try:
             yield
@@ -183,9 +169,9 @@ class LocalGroup:
             text = str(e)
             if not isinstance(e, dist.DistError) and not any(w in text for w in _BACKEND_WORDS):
                 raise
-            self._call(what, _reraise, e)
+            self.collective(what, _reraise, e)
 
-    def _call(self, what: str, fn, *args, **kwargs):
+    def collective(self, what: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:  # gloo/nccl: a closed connection, a timeout (DistError is a RuntimeError)
@@ -211,14 +197,14 @@ class LocalGroup:
                 p.grad = torch.zeros_like(p)
         for bucket in _buckets([p.grad for p in params]) if not self.sharded else ():
             flat = torch.cat([g.reshape(-1) for g in bucket])
-            self._call("averaged gradients", dist.all_reduce, flat)
+            self.collective("averaged gradients", dist.all_reduce, flat)
             flat.div_(self.world)
             off = 0
             for g in bucket:
                 g.copy_(flat[off: off + g.numel()].view_as(g))
                 off += g.numel()
         t = torch.tensor([float(loss)], dtype=torch.float64)
-        self._call("averaged the loss", dist.all_reduce, t)
+        self.collective("averaged the loss", dist.all_reduce, t)
         return float(t[0]) / self.world
 
     # ---- broadcasts from rank 0 -----------------------------------------------------------------------
@@ -228,7 +214,7 @@ class LocalGroup:
 
         for bucket in _buckets(list(tensors)):
             flat = torch.cat([t.detach().reshape(-1) for t in bucket])
-            self._call(what, dist.broadcast, flat, 0)
+            self.collective(what, dist.broadcast, flat, 0)
             if self.rank:
                 off = 0
                 with torch.no_grad():
@@ -300,7 +286,7 @@ class LocalLeader:
 
     def __init__(self, group: LocalGroup, model: torch.nn.Module, diloco, shards=None, train_opt=None):
         """``model``: what DiLoCo syncs (the replica's full parameters; sharded, rank 0's CPU mirror).
-        ``shards`` (a :class:`.shard.Shards`) and ``train_opt``: this worker's shard and its optimiser,
+        ``shards`` (a :class:`.fsdp.FsdpShards`) and ``train_opt``: this worker's shard and its optimiser,
         with ``local.sharding = "fsdp"``."""
         self.group, self.diloco, self.shards, self.train_opt = group, diloco, shards, train_opt
         self.model = model
@@ -368,7 +354,7 @@ class LocalLeader:
                *(int(p in gather) for p in range(len(keys))), int(gather_opt)]
         self.group.broadcast([torch.tensor(msg, dtype=torch.int64)], "sent a step's message")
         for p, flat in flats.items():
-            self._frag_digests[p] = _fragment_digest(flat, keys[p][1])
+            self._frag_digests[p] = fragment_digest([flat], keys[p][1])
         if self.shards is None:
             if any(changed):
                 self.group.broadcast([p for p, c in zip(self.params, changed) if c], "sent the parameters")
@@ -389,21 +375,30 @@ class LocalLeader:
             if self.shards is not None:  # each worker's own shard
                 model_digest: Optional[str] = self.shards.digest()
             else:
-                model_digest = digest_of(self.params) if any(changed) or final else None
+                model_digest = tensors_digest(self.params) if any(changed) or final else None
             ctl.event = _event(0, ctl, [k[1] for k in keys], {p: self._frag_digests[p] for p in flats},
                                self._frag_digests, model_digest)
         return ctl
 
     def _plan(self, go: bool, final: bool) -> Tuple[set, bool]:
         """Sharded: the fragments every worker gathers to our mirror after the next inner step (all of
-        them, now, before DiLoCo's finish), and whether the optimiser state too (:func:`.shard.touched`)."""
+        them, now, before DiLoCo's finish), and whether the optimiser state too (:func:`fragments_needed`)."""
         if self.shards is None or final:
             return set(), False
         if not go:
             return set(range(self.diloco.num_fragments)), False
-        from .shard import touched
+        return fragments_needed(self.diloco, self.diloco.inner_step + 1)
 
-        return touched(self.diloco, self.diloco.inner_step + 1)
+
+def fragments_needed(diloco, t: int) -> Tuple[Set[int], bool]:
+    """The fragments DiLoCo will read or write in ``after_inner_step`` at schedule position ``t`` (rounds
+    of H steps), and whether the optimiser state is needed too. A landing sync result brings a
+    validation (of the whole model) and, for the last fragment, a checkpoint: then every fragment is
+    needed, and with the last fragment the optimiser state."""
+    lands = diloco.landing(t)
+    if lands:
+        return set(range(diloco.num_fragments)), diloco.num_fragments - 1 in lands
+    return set(diloco.due(t)), False
 
 
 class LocalFollower:
@@ -469,7 +464,7 @@ class LocalFollower:
             for p in sent:
                 flat = torch.empty(2 * self.numels[p], dtype=torch.float32)
                 self.group.broadcast([flat], "received a global copy")
-                got[p] = self._frag_digests[p] = _fragment_digest(flat, steps[p])
+                got[p] = self._frag_digests[p] = fragment_digest([flat], steps[p])
         else:
             self.shards.scatter([i for i, c in enumerate(changed) if c])
             if sent:
@@ -487,15 +482,9 @@ class LocalFollower:
             if self.shards is not None:
                 model_digest: Optional[str] = self.shards.digest()
             else:
-                model_digest = digest_of(self.params) if any(changed) or ctl.final else None
+                model_digest = tensors_digest(self.params) if any(changed) or ctl.final else None
             ctl.event = _event(self.group.rank, ctl, steps, got, self._frag_digests, model_digest)
         return ctl
-
-
-def _fragment_digest(flat: torch.Tensor, outer_steps: int) -> str:
-    """A fragment's global copy (θ‖momentum, fp32) after ``outer_steps`` outer steps: the same string as
-    :meth:`p2pdiloco.diloco.outer.OuterState.digest` (:mod:`p2pdiloco.digest`)."""
-    return fragment_digest(flat.detach().cpu().contiguous().numpy().tobytes(), outer_steps)
 
 
 def _digests_to_tensor(digests: Sequence[str]) -> torch.Tensor:

@@ -39,6 +39,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -123,8 +124,6 @@ def loopback_store(world_size: int, timeout: float = COLLECTIVE_TIMEOUT_S):
     kernel picks. (Given a host, TCPStore's server binds every interface: the host is only where its
     clients connect. So the listening socket is made here, on loopback, and handed over; the store
     owns and closes it.)"""
-    import socket
-
     import torch.distributed as dist
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

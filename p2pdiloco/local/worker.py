@@ -22,9 +22,10 @@ from ..config import RunConfig
 from ..data import load_corpus
 from ..diloco.fragments import split_fragments
 from ..metrics import MetricsWriter
-from ..model import build_model
+from ..model import seeded_model
 from ..train.inner import inner_optimizer, inner_step, local_stream
 from .group import LocalFollower, LocalGroup
+from .fsdp import FsdpShards, build_sharded
 
 __all__ = ["run_worker"]
 
@@ -41,13 +42,10 @@ def run_worker(cfg: RunConfig, group: LocalGroup) -> Dict[str, Any]:
     name = f"local worker {group.rank}/{group.world}"
     shards = None
     if group.sharded:  # only our shard of each parameter, filled by rank 0's brief
-        from .shard import Shards, build_sharded
-
         model = build_sharded(cfg, group.device)
-        shards = Shards(group, model)
+        shards = FsdpShards(group, model)
     else:
-        torch.manual_seed(cfg.train.seed)  # the run's θ, as on every peer (rank 0 sends its own anyway)
-        model = build_model(cfg.model).to(group.device)
+        model = seeded_model(cfg.model, cfg.train.seed).to(group.device)  # rank 0 sends its own θ anyway
     corpus = load_corpus(cfg.data)
     opt = inner_optimizer(cfg, model.parameters())
     layout = split_fragments(model, cfg.streaming.fragments, cfg.streaming.pattern)

@@ -15,7 +15,7 @@ import torch
 
 from ..config import RunConfig
 from ..data import BatchStream
-from ..model import build_model
+from ..model import seeded_model
 
 __all__ = ["lr_factor", "inner_optimizer", "inner_step", "inner_setup", "local_stream"]
 
@@ -86,7 +86,6 @@ def inner_setup(cfg: RunConfig, corpus, shard: int, device="cpu"):
     on every peer), the inner optimiser, the stream of data shard ``shard``. The benchmarks' and the
     tests' in-process references build their peers here. (The model's init draws from torch's global
     RNG: callers that build peers in threads hold a lock around this.)"""
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model).to(device)
+    model = seeded_model(cfg.model, cfg.train.seed).to(device)
     opt = inner_optimizer(cfg, model.parameters())
     return model, opt, local_stream(cfg, corpus, shard, 0, 1)

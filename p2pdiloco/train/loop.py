@@ -22,7 +22,8 @@ from ..checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from ..config import RunConfig
 from ..data import BatchStream, evaluate, load_corpus
 from ..metrics import MetricsWriter, format_bytes
-from ..model import build_model, count_parameters
+from ..run_identity import fingerprint_fields, fingerprint_of, run_fingerprint
+from ..model import count_parameters, seeded_model
 from ..errors import JoinFailed, SyncFailed
 from ..swarm.relay import RelayLimits
 from ..swarm.state_sync import StateServer, download_state, in_minority, pick_target, rival_lineage
@@ -88,7 +89,7 @@ class _Peer:
         self.world = local.world if local is not None else 1
         self.device = local.device if local is not None else cfg.train.resolved_device()
         #: local.sharding = "fsdp": ``model`` (what DiLoCo syncs, validates and checkpoints) is a full copy on
-        #: our CPU and the inner steps train our shard (``train_model``, ``train_opt``; :mod:`p2pdiloco.local.shard`)
+        #: our CPU and the inner steps train our shard (``train_model``, ``train_opt``; :mod:`p2pdiloco.local.fsdp`)
         self.sharded = local is not None and local.sharded
         self.eval_device = "cpu" if self.sharded else self.device
         self.shards = None
@@ -124,7 +125,8 @@ class _Peer:
             self.dashboard = serve_for_node(node, cfg.swarm.run_id, host=cfg.train.dashboard_host,
                                             port=cfg.train.dashboard_port, period=cfg.swarm.progress_period)
         swarm.allreducer.round_samples = cfg.inner.round_samples  # weights differ as speeds do (robust.screen)
-        swarm.check_fingerprint(cfg.fingerprint(), cfg.fingerprint_fields())
+        fields = fingerprint_fields(cfg)
+        swarm.check_fingerprint(fingerprint_of(fields), fields)
         swarm.timeouts.configure(min_link_mbit=cfg.swarm.min_link_mbit, adaptive=cfg.swarm.adaptive_timeouts)
         swarm.matchmaker.adaptive = cfg.swarm.adaptive_timeouts
         self.run_dir = cfg.train.run_dir or os.path.join("runs", cfg.swarm.run_id, self.me)
@@ -138,8 +140,7 @@ class _Peer:
         """Model, data, inner optimiser and DiLoCo; resume from this peer's checkpoint if there is one."""
         cfg, me = self.cfg, self.me
         # Same seed on every peer: everyone starts from the same global parameters without a download.
-        torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg.model).to(self.eval_device)
+        self.model = seeded_model(cfg.model, cfg.train.seed).to(self.eval_device)
         self.corpus = load_corpus(cfg.data)
         ckpt_path = find_checkpoint(self.run_dir)
         ckpt = load_checkpoint(ckpt_path) if ckpt_path is not None else None
@@ -149,15 +150,15 @@ class _Peer:
         self.inner_opt = inner_optimizer(cfg, self.model.parameters())
         self.train_model, self.train_opt = self.model, self.inner_opt
         if self.sharded:  # our shard; self.inner_opt only carries a resumed state to the workers' shards
-            from ..local.shard import Shards, build_sharded
+            from ..local.fsdp import FsdpShards, build_sharded
 
             self.train_model = build_sharded(cfg, self.device)
-            self.shards = Shards(self.local, self.train_model)
+            self.shards = FsdpShards(self.local, self.train_model)
             self.train_opt = inner_optimizer(cfg, self.train_model.parameters())
         self.diloco = diloco = DiLoCo(self.model, cfg, self.swarm)
         StateServer(self.node, cfg.swarm.run_id, diloco.snapshot)
         logger.info(f"[{me}] peer {self.node.peer_id_str} joined run {cfg.swarm.run_id} (fingerprint "
-                    f"{cfg.fingerprint()}); model {count_parameters(self.model):,} params on {self.device}; data shard "
+                    f"{run_fingerprint(cfg)}); model {count_parameters(self.model):,} params on {self.device}; data shard "
                     f"{self.shard}/{cfg.data.num_shards} of {self.corpus.description}")
         for line in diloco.layout.describe().splitlines():
             logger.info(f"[{me}] {line}")
@@ -332,7 +333,7 @@ class _Peer:
         cfg, swarm, diloco = self.cfg, self.swarm, self.diloco
         self.val = self.val0 = self.val_loss()
         self.metrics.write("start", peer=self.node.peer_id_str, shard=self.shard,
-                           params=count_parameters(self.model), val_loss=self.val0, fingerprint=cfg.fingerprint(),
+                           params=count_parameters(self.model), val_loss=self.val0, fingerprint=run_fingerprint(cfg),
                            digest=diloco.digest(), step=diloco.inner_step, device=str(self.device),
                            cpu_capability=torch.backends.cpu.get_cpu_capability(),
                            # rounds by the swarm's samples: tokens of the whole swarm per schedule position

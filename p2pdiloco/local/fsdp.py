@@ -11,12 +11,12 @@ AdamW steps the shard, so the inner optimiser's state is sharded too.
 Worker 0 stays the only swarm member, and its DiLoCo needs the replica's full parameters (the
 pseudo-gradient θ − θ_m, the merge of a sync result, validation, the checkpoint). It keeps them in
 a **mirror** on its CPU (a plain model, as the global copy already is) that is refreshed from the
-shards, one parameter at a time (:meth:`Shards.gather`: each worker holds one gathered parameter
+shards, one parameter at a time (:meth:`FsdpShards.gather`: each worker holds one gathered parameter
 on its device at a time, never the model), at the inner steps where DiLoCo reads or writes it
-(:func:`touched`); what DiLoCo writes into the mirror goes back to the shards, one parameter at a
-time from worker 0 (:meth:`Shards.scatter`: each worker receives only its shard). Checkpoints stay
+(:func:`.group.fragments_needed`); what DiLoCo writes into the mirror goes back to the shards, one parameter at a
+time from worker 0 (:meth:`FsdpShards.scatter`: each worker receives only its shard). Checkpoints stay
 one per machine: the full inner optimiser state is gathered to worker 0's CPU
-(:meth:`Shards.gather_optimizer`) in the format of an unsharded AdamW, so a checkpoint resumes with
+(:meth:`FsdpShards.gather_optimizer`) in the format of an unsharded AdamW, so a checkpoint resumes with
 either sharding and any K.
 
 All of this is collective: every worker calls the same methods in the same order, told by worker
@@ -25,14 +25,16 @@ global copy.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .group import LocalGroup, digest_of
+from ..model import build_model
+from ..digest import tensors_digest
+from .group import LocalGroup
 
-__all__ = ["SHARDINGS", "build_sharded", "Shards", "touched"]
+__all__ = ["SHARDINGS", "build_sharded", "FsdpShards"]
 
 #: ``local.sharding`` values: ``replicate`` (every worker holds the whole model, DDP-style) or ``fsdp``
 SHARDINGS = ("replicate", "fsdp")
@@ -41,10 +43,8 @@ SHARDINGS = ("replicate", "fsdp")
 def build_sharded(cfg, device: str) -> nn.Module:
     """The run's model, built on ``meta`` and sharded over the local group (which must be connected):
     this worker allocates only its shard of each parameter on ``device``, uninitialised (worker 0's
-    :meth:`Shards.scatter` fills it)."""
+    :meth:`FsdpShards.scatter` fills it)."""
     from torch.distributed.fsdp import fully_shard
-
-    from ..model import build_model
 
     with torch.device("meta"):
         model = build_model(cfg.model)
@@ -69,24 +69,7 @@ def _tie_hf(model: nn.Module) -> None:
         out.weight = inp.weight
 
 
-def touched(diloco, t: int) -> Tuple[Set[int], bool]:
-    """The fragments DiLoCo will read or write in ``after_inner_step`` at schedule position ``t`` (rounds
-    of H steps), and whether a sync result may land then. A landing brings a validation (of the whole
-    model) and, for the last fragment, a checkpoint: then every fragment is needed, and the optimiser
-    state too (the bool). Read by the training thread between two of its own steps: the jobs in
-    flight cannot change meanwhile."""
-    due = set(diloco.due(t))
-    if diloco.mode == "tau":
-        lands = {j.fragment for j in diloco._inflight if j.due_step <= t} | (due if diloco.tau == 0 else set())
-    else:  # delay/eager: a fragment's previous round lands when it is sent again
-        lands = set(due)
-    if lands:
-        last = diloco.num_fragments - 1
-        return set(range(diloco.num_fragments)), last in lands
-    return due, False
-
-
-class Shards:
+class FsdpShards:
     """This worker's shard of the replica, and the collectives between the shards and worker 0's CPU."""
 
     def __init__(self, group: LocalGroup, model: nn.Module):
@@ -99,12 +82,9 @@ class Shards:
         """Parameter elements this worker holds (about 1/K of the model)."""
         return sum(p.to_local().numel() for p in self.params)
 
-    def full_numel(self) -> int:
-        return sum(p.numel() for p in self.params)
-
     def digest(self) -> str:
         """Digest of this worker's shards, in parameter order (see :func:`shard_of`)."""
-        return digest_of([p.to_local() for p in self.params])
+        return tensors_digest([p.to_local() for p in self.params])
 
     # ---- worker 0's CPU <-> the shards ----------------------------------------------------------------
     def scatter(self, indices: Sequence[int], full: Optional[Sequence[torch.Tensor]] = None) -> None:
@@ -115,7 +95,7 @@ class Shards:
         for i in indices:
             p = self.params[i]
             src = self._source(p, full[i] if full is not None else None)
-            d = self.group._call("received a parameter's shard", distribute_tensor, src, p.device_mesh, p.placements,
+            d = self.group.collective("received a parameter's shard", distribute_tensor, src, p.device_mesh, p.placements,
                                  src_data_rank=0)
             with torch.no_grad():
                 p.to_local().copy_(d.to_local())
@@ -125,7 +105,7 @@ class Shards:
         """Parameters ``indices`` from the shards into worker 0's full tensors ``into`` (worker 0; the
         others pass None), one parameter at a time."""
         for i in indices:
-            full = self.group._call("gathered a parameter", self.params[i].full_tensor)
+            full = self.group.collective("gathered a parameter", self.params[i].full_tensor)
             if into is not None:
                 with torch.no_grad():
                     into[i].copy_(full.detach())
@@ -157,7 +137,7 @@ class Shards:
             entry = {}
             for k, v in sd["state"][i].items():
                 if _is_dtensor(v):
-                    v = self.group._call("gathered the optimiser state", v.full_tensor).cpu()
+                    v = self.group.collective("gathered the optimiser state", v.full_tensor).cpu()
                 elif isinstance(v, torch.Tensor):
                     v = v.cpu()
                 entry[k] = v
@@ -188,7 +168,7 @@ class Shards:
 
                     src = self._source(p, full) if full is not None else torch.empty(
                         shape, dtype=dtype, device=p.to_local().device)
-                    loaded[k] = self.group._call("received the optimiser state", distribute_tensor, src,
+                    loaded[k] = self.group.collective("received the optimiser state", distribute_tensor, src,
                                                  p.device_mesh, p.placements, src_data_rank=0)
                 else:
                     t = full.detach().clone() if full is not None else torch.zeros(shape, dtype=dtype)
