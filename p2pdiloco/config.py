@@ -76,7 +76,7 @@ class InnerConfig:
     batch_size: int = 8
     #: gradient-norm clip (0 disables)
     grad_clip: float = 1.0
-    #: rounds by the swarm's samples (issue 23): 0 = every peer takes sync_every inner steps per round
+    #: rounds by the swarm's samples: 0 = every peer takes sync_every inner steps per round
     #: (the papers' DiLoCo; the swarm runs at its slowest peer's speed); N > 0 = a round ends when the
     #: whole swarm has processed N sequences, each peer taking as many inner steps as it can meanwhile,
     #: and sync_every only sets the schedule's granularity (N / sync_every sequences per position).

@@ -25,8 +25,9 @@ PACKAGE = "p2pdiloco"
 #: (ModelConfig, DataConfig, RobustConfig) into RunConfig; run identity sits above swarm because the
 #: fingerprint carries swarm.protocol's PROTOCOL_VERSION, and swarm only compares fingerprints.
 LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
-    ("foundation", "errors, exact arithmetic, tensor digests, metrics, addresses, fault hooks, checkpoint files",
-     ("errors", "exact", "digest", "metrics", "addresses", "faults", "checkpoint")),
+    ("foundation", "errors, exact arithmetic, tensor digests, the snapshot layout, metrics, addresses, fault "
+     "hooks, checkpoint files",
+     ("errors", "exact", "digest", "snapshot", "metrics", "addresses", "faults", "checkpoint")),
     ("models and data", "the model builders (tiny GPT, Hugging Face), tokenizers, corpora and batch streams",
      ("model", "hf", "tokenizer", "sources", "text", "tokenized", "data")),
     ("compression", "gradient codecs and the robust aggregator", ("compression",)),
@@ -77,14 +78,11 @@ PENDING: Dict[Tuple[str, str], str] = {
     ("p2pdiloco.train.loop", "p2pdiloco.local.fsdp"): "module-level imports in the training loop",
     ("p2pdiloco.train.loop", "p2pdiloco.swarm.node"): "module-level imports in the training loop",
     ("p2pdiloco.train.loop", "p2pdiloco.swarm.swarm"): "module-level imports in the training loop",
-    ("p2pdiloco.train.loop", "p2pdiloco.swarm.relay"): "module-level imports in the training loop",
-    ("p2pdiloco.train.loop", "p2pdiloco.swarm.state_sync"): "module-level imports in the training loop",
     ("p2pdiloco.train.loop", "p2pdiloco.errors"): "module-level imports in the training loop",
     ("p2pdiloco.diloco.core", "p2pdiloco.swarm.allreduce"): "DiLoCo takes the group all-reduce from the swarm facade",
     ("p2pdiloco.swarm.dialing", "p2pdiloco.swarm.relay"): "swarm rooms: a module-level import",
     ("p2pdiloco.swarm.records", "p2pdiloco.swarm.standing"): "swarm rooms: a module-level import",
     ("p2pdiloco.swarm.state_sync", "p2pdiloco.swarm.dialing"): "swarm rooms: a module-level import",
-    ("p2pdiloco.compression.base", "p2pdiloco.errors"): "a module-level import",
 }
 
 #: standard-library and light third-party modules imported inside functions, tolerated while a move

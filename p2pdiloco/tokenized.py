@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Iterator, List, Tuple
+from typing import Callable, Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -95,89 +95,103 @@ def _cache_key(cfg, files: List[str]) -> str:
     return h.hexdigest()[:24]
 
 
+def _source_files(cfg, records: bool) -> List[str]:
+    """The files whose paths, sizes and times key the cache."""
+    if records:
+        return records_files(cfg.source)
+    if cfg.source == STDLIB_SOURCE:
+        return [full for _, full in stdlib_files()[1]]
+    if os.path.exists(cfg.source):
+        return [cfg.source] if os.path.isfile(cfg.source) else sorted(
+            os.path.join(d, n) for d, _, ns in os.walk(cfg.source) for n in ns)
+    text_corpus(cfg.source, cfg.max_bytes, cfg.val_fraction)  # its error: the path does not exist
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _tokenize(cfg, codec: TextCodec, files: List[str], records: bool, write: Callable[[str, List[int]], None]) -> int:
+    """Tokenize the source, handing ("train" or "val", ids) to ``write``; returns the documents read."""
+    if not records:
+        corpus = text_corpus(cfg.source, cfg.max_bytes, cfg.val_fraction)
+        for split, tokens in (("train", corpus.train), ("val", corpus.val)):
+            text = bytes(tokens.numpy()).decode("utf-8", errors="replace")
+            for piece in _chunks(text):
+                write(split, codec.encode(piece))
+        return len(files)
+    sep = [codec.eos_id] if codec.eos_id is not None else list(b"\n\n")
+    budget, n_docs = cfg.max_bytes, 0
+    batch: List[Tuple[str, str]] = []  # (split, text): encode_batch tokenizes in parallel
+
+    def flush() -> None:
+        for (split, _), ids in zip(batch, codec.encode_batch([t for _, t in batch])):
+            write(split, ids + sep)
+        batch.clear()
+
+    for f in files:
+        for i, text in iter_documents(f, cfg.text_field):
+            if budget <= 0:
+                break
+            budget -= len(text.encode("utf-8"))
+            batch.append(("val" if _is_val(os.path.basename(f), i, cfg.val_fraction) else "train", text))
+            n_docs += 1
+            if len(batch) >= 256:
+                flush()
+    flush()
+    return n_docs
+
+
+def _write_cache(cfg, files: List[str], records: bool, dtype, root: str, key: str, meta_path: str) -> None:
+    """Tokenize into ``<root>/<key>.{train,val}.bin`` and describe them in ``meta_path``; each file
+    appears complete (written aside, then renamed) or not at all."""
+    codec = TextCodec(cfg.tokenizer or None)
+    os.makedirs(root, exist_ok=True)
+    digest = hashlib.sha256(f"{_FORMAT}\0{key}".encode())
+    counts = {"train": 0, "val": 0}
+    tmp = {s: os.path.join(root, f".{key}.{s}.bin.{os.getpid()}.tmp") for s in counts}
+    outs = {s: open(p, "wb") for s, p in tmp.items()}
+    try:
+        def write(split: str, ids: List[int]) -> None:
+            arr = np.asarray(ids, dtype=dtype)
+            outs[split].write(arr.tobytes())
+            counts[split] += arr.size
+
+        n_docs = _tokenize(cfg, codec, files, records, write)
+    finally:
+        for fh in outs.values():
+            fh.close()
+    try:
+        if counts["train"] + counts["val"] < 2:
+            raise ConfigError(f"data.source {cfg.source!r} holds no text in field {cfg.text_field!r}; point it at "
+                              "records with text")
+        if counts["val"] == 0:
+            raise ConfigError(f"data.source {cfg.source!r}: no record was held out for validation ({n_docs} "
+                              "records); raise data.val_fraction or add records")
+        for s in counts:
+            with open(tmp[s], "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+            os.replace(tmp[s], os.path.join(root, f"{key}.{s}.bin"))
+    finally:
+        for p in tmp.values():
+            if os.path.exists(p):
+                os.unlink(p)
+    meta = {"format": _FORMAT, "dtype": np.dtype(dtype).name, "train": counts["train"], "val": counts["val"],
+            "docs": n_docs, "digest": digest.hexdigest()[:16]}
+    with open(meta_path + ".tmp", "w") as fh:
+        json.dump(meta, fh)
+    os.replace(meta_path + ".tmp", meta_path)
+
+
 def load_tokenized(cfg) -> Corpus:
     """The :class:`p2pdiloco.data.Corpus` of a records source or a tokenizer run (see the module docstring)."""
     records = is_records_source(cfg.source)
-    if records:
-        files = records_files(cfg.source)
-    elif cfg.source == STDLIB_SOURCE:
-        files = [full for _, full in stdlib_files()[1]]
-    elif os.path.exists(cfg.source):
-        files = [cfg.source] if os.path.isfile(cfg.source) else sorted(
-            os.path.join(d, n) for d, _, ns in os.walk(cfg.source) for n in ns)
-    else:
-        text_corpus(cfg.source, cfg.max_bytes, cfg.val_fraction)  # its error: the path does not exist
-        raise AssertionError("unreachable")  # pragma: no cover
+    files = _source_files(cfg, records)
     vocab = tokenizer_vocab_size(cfg.tokenizer) if cfg.tokenizer else 256
     dtype = np.uint8 if vocab <= 256 else np.uint16 if vocab <= 65536 else np.int32
     root = _cache_dir(cfg)
     key = _cache_key(cfg, files)
     meta_path = os.path.join(root, f"{key}.json")
     if not os.path.isfile(meta_path):
-        codec = TextCodec(cfg.tokenizer or None)
-        os.makedirs(root, exist_ok=True)
-        sep = [codec.eos_id] if codec.eos_id is not None else list(b"\n\n")
-        digest = hashlib.sha256(f"{_FORMAT}\0{key}".encode())
-        counts = {"train": 0, "val": 0}
-        n_docs = 0
-        tmp = {s: os.path.join(root, f".{key}.{s}.bin.{os.getpid()}.tmp") for s in counts}
-        outs = {s: open(p, "wb") for s, p in tmp.items()}
-        try:
-            def write(split: str, ids: List[int]) -> None:
-                arr = np.asarray(ids, dtype=dtype)
-                outs[split].write(arr.tobytes())
-                counts[split] += arr.size
-
-            if records:
-                budget = cfg.max_bytes
-                batch: List[Tuple[str, str]] = []  # (split, text): encode_batch tokenizes in parallel
-
-                def flush() -> None:
-                    for (split, _), ids in zip(batch, codec.encode_batch([t for _, t in batch])):
-                        write(split, ids + sep)
-                    batch.clear()
-
-                for f in files:
-                    for i, text in iter_documents(f, cfg.text_field):
-                        if budget <= 0:
-                            break
-                        budget -= len(text.encode("utf-8"))
-                        batch.append(("val" if _is_val(os.path.basename(f), i, cfg.val_fraction) else "train", text))
-                        n_docs += 1
-                        if len(batch) >= 256:
-                            flush()
-                flush()
-            else:
-                corpus = text_corpus(cfg.source, cfg.max_bytes, cfg.val_fraction)
-                for split, tokens in (("train", corpus.train), ("val", corpus.val)):
-                    text = bytes(tokens.numpy()).decode("utf-8", errors="replace")
-                    for piece in _chunks(text):
-                        write(split, codec.encode(piece))
-                n_docs = len(files)
-        finally:
-            for fh in outs.values():
-                fh.close()
-        try:
-            if counts["train"] + counts["val"] < 2:
-                raise ConfigError(f"data.source {cfg.source!r} holds no text in field {cfg.text_field!r}; point it at "
-                                  "records with text")
-            if counts["val"] == 0:
-                raise ConfigError(f"data.source {cfg.source!r}: no record was held out for validation ({n_docs} "
-                                  "records); raise data.val_fraction or add records")
-            for s in counts:
-                with open(tmp[s], "rb") as fh:
-                    for block in iter(lambda: fh.read(1 << 20), b""):
-                        digest.update(block)
-                os.replace(tmp[s], os.path.join(root, f"{key}.{s}.bin"))
-        finally:
-            for p in tmp.values():
-                if os.path.exists(p):
-                    os.unlink(p)
-        meta = {"format": _FORMAT, "dtype": np.dtype(dtype).name, "train": counts["train"], "val": counts["val"],
-                "docs": n_docs, "digest": digest.hexdigest()[:16]}
-        with open(meta_path + ".tmp", "w") as fh:
-            json.dump(meta, fh)
-        os.replace(meta_path + ".tmp", meta_path)
+        _write_cache(cfg, files, records, dtype, root, key, meta_path)
     with open(meta_path) as fh:
         meta = json.load(fh)
 

@@ -14,7 +14,7 @@ from typing import Dict, Type
 
 import torch
 
-from ..errors import WireError
+from ..errors import ConfigError, WireError
 
 __all__ = ["Codec", "register_codec", "get_codec", "codec_by_id", "CODECS"]
 
@@ -92,8 +92,6 @@ def register_codec(cls: Type[Codec]) -> Type[Codec]:
 
 
 def get_codec(name: str) -> Codec:
-    from ..errors import ConfigError
-
     try:
         return CODECS[name]
     except KeyError:

@@ -29,6 +29,7 @@ from torch import nn
 from ..compression import Codec, get_codec
 from ..config import RunConfig
 from ..errors import ConfigError, RoundMissed, SyncFailed
+from ..snapshot import walk
 from .background import BandwidthMeter, SyncJob, SyncReport, SyncWorker, note_coverage, solo_allreduce
 from .clock import SwarmClock
 from .fragment_state import FragmentState
@@ -400,9 +401,7 @@ class DiLoCo:
     def snapshot(self) -> Tuple[Dict[str, object], bytes]:
         """(meta, payload): every fragment's θ then momentum as fp32 bytes, taken under the lock."""
         with self.state_lock:
-            chunks = []
-            for o in self.outer:
-                chunks += [t.detach().cpu().contiguous().view(-1) for t in (*o.params, *o.buffers)]
+            chunks = [t.detach().cpu().contiguous().view(-1) for _, _, _, t, _ in walk(self.outer)]
             payload = torch.cat(chunks).numpy().tobytes()
             meta = {"step": self.synced_step, "outer_steps": [o.steps for o in self.outer],
                     "numels": [o.numel for o in self.outer], "digest": self._digest()}
@@ -416,20 +415,14 @@ class DiLoCo:
         if int(meta.get("step", -1)) != self.synced_step:
             return None
         flat = torch.frombuffer(bytearray(payload), dtype=torch.float32)
-        off = 0
         with self.state_lock:
-            for p, o in enumerate(self.outer):
-                names = self.layout.names[p]
-                for kind, tensors in (("theta", o.params), ("momentum", o.buffers)):
-                    for name, t in zip(names, tensors):
-                        theirs = flat[off: off + t.numel()].view_as(t)
-                        off += t.numel()
-                        mine = t.detach().cpu()
-                        differ = mine.view(torch.int32) != theirs.view(torch.int32)
-                        n = int(differ.sum())
-                        if n:
-                            return {"fragment": p, "tensor": name, "kind": kind, "differing": n, "numel": t.numel(),
-                                    "max_abs_diff": float((mine - theirs).abs().max())}
+            for p, kind, i, t, off in walk(self.outer):
+                theirs = flat[off: off + t.numel()].view_as(t)
+                mine = t.detach().cpu()
+                n = int((mine.view(torch.int32) != theirs.view(torch.int32)).sum())
+                if n:
+                    return {"fragment": p, "tensor": self.layout.names[p][i], "kind": kind, "differing": n,
+                            "numel": t.numel(), "max_abs_diff": float((mine - theirs).abs().max())}
         return None
 
     def load_snapshot(self, meta: Dict[str, object], payload: bytes) -> None:
@@ -438,12 +431,9 @@ class DiLoCo:
         flat = torch.frombuffer(bytearray(payload), dtype=torch.float32)
         with self.state_lock:
             self._epoch += 1
-            off = 0
-            for frag, steps in zip(self.fragments, meta["outer_steps"]):
-                o = frag.outer
-                for t in (*o.params, *o.buffers):
-                    t.copy_(flat[off: off + t.numel()].view_as(t))
-                    off += t.numel()
+            for _, _, _, t, off in walk(self.outer):
+                t.copy_(flat[off: off + t.numel()].view_as(t))
+            for o, steps in zip(self.outer, meta["outer_steps"]):
                 o.steps = int(steps)
             for frag in self.fragments:
                 frag.outer.copy_to(frag.model_params)

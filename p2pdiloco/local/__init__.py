@@ -1,4 +1,4 @@
-"""Local workers (issue 20): one swarm member per machine, K processes training its replica.
+"""Local workers: one swarm member per machine, K processes training its replica.
 
 ``p2pdiloco join --local-workers K`` starts K worker processes on this machine (:mod:`.launch`).
 Local rank 0 is the swarm member: the DHT node, the identity, the all-reduce, the checkpoint and the

@@ -95,8 +95,8 @@ class FsdpShards:
         for i in indices:
             p = self.params[i]
             src = self._source(p, full[i] if full is not None else None)
-            d = self.group.collective("received a parameter's shard", distribute_tensor, src, p.device_mesh, p.placements,
-                                 src_data_rank=0)
+            d = self.group.collective("received a parameter's shard", distribute_tensor, src, p.device_mesh,
+                                      p.placements, src_data_rank=0)
             with torch.no_grad():
                 p.to_local().copy_(d.to_local())
             del src, d
@@ -169,7 +169,7 @@ class FsdpShards:
                     src = self._source(p, full) if full is not None else torch.empty(
                         shape, dtype=dtype, device=p.to_local().device)
                     loaded[k] = self.group.collective("received the optimiser state", distribute_tensor, src,
-                                                 p.device_mesh, p.placements, src_data_rank=0)
+                                                      p.device_mesh, p.placements, src_data_rank=0)
                 else:
                     t = full.detach().clone() if full is not None else torch.zeros(shape, dtype=dtype)
                     self.group.broadcast([t], "received the optimiser state")

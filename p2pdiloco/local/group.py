@@ -47,6 +47,7 @@ import torch
 
 from ..digest import fragment_digest, tensors_digest
 from ..errors import LocalWorkerLost, WireError
+from ..snapshot import fragment_tensors
 from .messages import MAX_BRIEF_BYTES, decode_brief, encode_brief
 
 __all__ = ["LocalGroup", "LocalLeader", "LocalFollower", "Control", "ENV_RANK", "ENV_WORLD", "ENV_STORE",
@@ -345,7 +346,7 @@ class LocalLeader:
         with d.state_lock:  # one consistent view of the global copies (a background sync may land any time)
             keys = [(d._epoch, o.steps) for o in d.outer]
             send = [k != s for k, s in zip(keys, self._outer_keys)]
-            flats = {p: torch.cat([t.reshape(-1) for t in (*o.params, *o.buffers)])
+            flats = {p: torch.cat([t.reshape(-1) for t in fragment_tensors(o)])
                      for p, (o, s) in enumerate(zip(d.outer, send)) if s}
             step, synced = d.inner_step, d.synced_step
         ctl = Control(go=go, final=final, lr_step=lr_step, step=step, synced_step=synced)

@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 from .. import faults
 from ..digest import fragment_digest
+from ..snapshot import fragment_bounds
 from ..errors import SyncFailed, WireError
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
                        refuse_bad_request, write_frame)
@@ -65,20 +66,8 @@ Peers = Dict[str, Dict[str, Any]]
 def state_digest(payload: bytes, frag_numels: Sequence[int], outer_steps: Sequence[int]) -> str:
     """The DiLoCo digest of a payload (:mod:`p2pdiloco.digest`): per fragment sha256(outer step count ‖
     θ bytes ‖ momentum bytes)[:16], joined by '-'."""
-    out, off = [], 0
-    for n, steps in zip(frag_numels, outer_steps):
-        size = 2 * 4 * n
-        out.append(fragment_digest(payload[off: off + size], steps))
-        off += size
-    return "-".join(out)
-
-
-def _frag_offsets(numels: Sequence[int]) -> List[Tuple[int, int]]:
-    out, off = [], 0
-    for n in numels:
-        out.append((off, off + 8 * n))
-        off += 8 * n
-    return out
+    return "-".join(fragment_digest(payload[a:b], steps)
+                    for (a, b), steps in zip(fragment_bounds(frag_numels), outer_steps))
 
 
 class StateServer:
@@ -108,7 +97,7 @@ class StateServer:
                 refusal = "no state yet"
             if refusal is None:
                 meta, payload = snap
-                bounds = _frag_offsets(meta["numels"])
+                bounds = fragment_bounds(meta["numels"])
                 frags = header.get("frags", list(range(len(bounds))))
                 if (not isinstance(frags, list) or not frags or len(frags) > len(bounds)
                         or any(not isinstance(f, int) or not 0 <= f < len(bounds) for f in frags)
@@ -297,7 +286,7 @@ def _check_reply(header: Dict[str, Any], payload: bytes, frags: List[int], step:
         raise ValueError("its model layout differs")
     if meta.get("frags") != frags:
         raise ValueError("sent other fragments than asked")
-    bounds = _frag_offsets(numels)
+    bounds = fragment_bounds(numels)
     expected = sum(b - a for a, b in (bounds[f] for f in frags))
     if len(payload) != expected:
         raise ValueError(f"sent {len(payload)} bytes, expected {expected}")
@@ -364,7 +353,7 @@ async def _download_target(node, run_id: str, step: int, digest: str, donors: Li
     not ``timeout``); the first verified copy wins. A donor that fails once is not asked again.
     """
     P = len(numels)
-    bounds = _frag_offsets(numels)
+    bounds = fragment_bounds(numels)
     parts = digest.split("-")
     got: Dict[int, bytes] = {}
     outer_steps: Dict[int, int] = {}  # fragment -> its verified outer step count (the digest covers it)
