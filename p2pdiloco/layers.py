@@ -25,9 +25,9 @@ PACKAGE = "p2pdiloco"
 #: (ModelConfig, DataConfig, RobustConfig) into RunConfig; run identity sits above swarm because the
 #: fingerprint carries swarm.protocol's PROTOCOL_VERSION, and swarm only compares fingerprints.
 LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
-    ("foundation", "errors, exact arithmetic, tensor digests, the snapshot layout, metrics, addresses, fault "
-     "hooks, checkpoint files",
-     ("errors", "exact", "digest", "snapshot", "metrics", "addresses", "faults", "checkpoint")),
+    ("foundation", "errors, exact arithmetic, tensor digests, the snapshot layout, short peer ids, metrics, "
+     "addresses, fault hooks, checkpoint files",
+     ("errors", "exact", "digest", "snapshot", "ids", "metrics", "addresses", "faults", "checkpoint")),
     ("models and data", "the model builders (tiny GPT, Hugging Face), tokenizers, corpora and batch streams",
      ("model", "hf", "tokenizer", "sources", "text", "tokenized", "data")),
     ("compression", "gradient codecs and the robust aggregator", ("compression",)),
@@ -41,7 +41,7 @@ LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
     ("train", "the training loop of one peer", ("train",)),
     ("local workers", "the loop of a local worker process", ("local.worker", "local")),
     ("entry points", "library API, demo, command line, benchmarks, this module",
-     ("api", "demo", "cli", "bench", "layers", "")),
+     ("api", "demo", "cli", "bench", "layers", "")),  # "": the package itself (its lazy exports)
 ]
 
 #: third-party packages a function may import (not at module level), and why
@@ -181,15 +181,21 @@ def read_imports(files: Optional[Dict[str, str]] = None) -> Dict[str, Imports]:
     return out
 
 
-def layer_of(module: str) -> int:
-    """Index in :data:`LAYERS` of the module's layer (the longest matching prefix wins)."""
+def layer_of(module: str) -> Optional[int]:
+    """Index in :data:`LAYERS` of the module's layer (the longest matching prefix wins), None when no
+    prefix matches: a new module must be placed in the table."""
     rel = module[len(PACKAGE) + 1:] if module.startswith(PACKAGE + ".") else ""
-    best, best_len = len(LAYERS) - 1, -1
+    best, best_len = None, -1
     for i, (_, _, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            if (prefix == "" or rel == prefix or rel.startswith(prefix + ".")) and len(prefix) > best_len:
+            if (rel == prefix or (prefix and rel.startswith(prefix + "."))) and len(prefix) > best_len:
                 best, best_len = i, len(prefix)
     return best
+
+
+def unplaced(imports: Dict[str, Imports]) -> List[str]:
+    """Modules that no layer of :data:`LAYERS` holds, one line each."""
+    return [f"{m} has no layer: add it to p2pdiloco/layers.py LAYERS" for m in sorted(imports) if layer_of(m) is None]
 
 
 def edges(imports: Dict[str, Imports]) -> Iterable[Tuple[str, str]]:
@@ -202,7 +208,7 @@ def upward_imports(imports: Dict[str, Imports]) -> List[str]:
     """Imports of a higher layer, one line each (PENDING ones excepted)."""
     out = []
     for module, target in edges(imports):
-        if (module, target) in PENDING or target == PACKAGE:
+        if (module, target) in PENDING or target == PACKAGE or None in (layer_of(module), layer_of(target)):
             continue
         if layer_of(target) > layer_of(module):
             out.append(f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})")
@@ -284,7 +290,7 @@ def report(imports: Optional[Dict[str, Imports]] = None) -> Tuple[str, bool]:
                     for t in sorted(found.top | found.lazy) if t != PACKAGE]
             lines.append(f"    {_short(m) or PACKAGE} -> {', '.join(deps) or '-'}")
     lines.append("(* imported inside a function)")
-    problems = upward_imports(imports) + lazy_imports(imports)
+    problems = unplaced(imports) + upward_imports(imports) + lazy_imports(imports)
     found_cycles = cycles(imports)
     problems += ["cycle: " + " <-> ".join(map(_short, c)) for c in found_cycles]
     if PENDING:

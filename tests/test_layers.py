@@ -49,6 +49,8 @@ def test_the_rules_catch_what_they_forbid():
 
 
 def test_every_module_has_a_layer_and_the_table_is_ordered(imports):
+    assert layers.unplaced(imports) == []
+    assert layers.layer_of("p2pdiloco.newly_added") is None
     names = [name for name, _, _ in layers.LAYERS]
     assert len(names) == len(set(names))
     assert layers.layer_of("p2pdiloco.errors") < layers.layer_of("p2pdiloco.config") < \
