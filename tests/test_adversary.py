@@ -31,8 +31,8 @@ import torch
 
 from conftest import loopback_nodes
 from p2pdiloco.errors import FingerprintMismatch
-from p2pdiloco.swarm.state_sync import StateServer, download_state, in_minority, pick_target, rival_lineage, \
-    state_digest
+from p2pdiloco.swarm.standing import in_minority, pick_target, rival_lineage
+from p2pdiloco.swarm.state_sync import StateServer, download_state, state_digest
 from p2pdiloco.swarm.swarm import Swarm
 
 NUMELS = [3000, 2000]

@@ -10,8 +10,8 @@ import torch
 
 from p2pdiloco import faults
 from p2pdiloco.errors import ConfigError, SyncFailed
-from p2pdiloco.swarm.state_sync import (StateServer, download_state, in_minority, pick_target, rival_lineage,
-                                        state_digest)
+from p2pdiloco.swarm.standing import in_minority, pick_target, rival_lineage
+from p2pdiloco.swarm.state_sync import StateServer, download_state, state_digest
 from p2pdiloco.swarm.timeouts import Timeouts, allreduce_bytes
 
 NUMELS = [3000, 2000]  # two fragments

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pdiloco.swarm.standing import Partners, established, voters
-from p2pdiloco.swarm.state_sync import in_minority, pick_target, rival_lineage
+from p2pdiloco.swarm.standing import Partners, established, in_minority, pick_target, rival_lineage, voters
 
 D, E = "a" * 16, "b" * 16
 

@@ -1,8 +1,7 @@
 """Butterfly all-reduce of a flat fp32 vector within a group, on our own wire protocol.
 
 Why not hivemind's ``DecentralizedAverager``: it reports success when part of a tensor was not
-averaged, its results differ by an ULP between peers, and it cannot carry a new codec (traps 2, 3
-and 5 in hivemind-notes.md). Here:
+averaged, its results differ by an ULP between peers, and it cannot carry a new codec. Here:
 
 * The vector is cut into one contiguous shard per *owner*, shard ``k`` owned by ``owners[k]``
   (members are sorted peer ids, so every peer cuts identically). The owners are every member,
@@ -38,11 +37,11 @@ and 5 in hivemind-notes.md). Here:
 * **Memory** (besides the input): a member holds the result (one vector) and, as an owner, the
   other members' parts of its shard ((M-1)/M of a vector; its own part is read in place, or its
   codec round trip for lossy codecs), the shard's encoded result, and a few chunks in flight: about
-  two vectors of fp32 for the lossless codec, less for 4-bit ones (tests/test_allreduce_chunks.py
-  measures it at 100M values). The owner keeps the parts until the round ends because a late drop
+  two vectors of fp32 for the lossless codec, less for 4-bit ones (the chunked all-reduce's
+  memory test measures it at 100M values). The owner keeps the parts until the round ends because a late drop
   recomputes the shard from them.
 
-Hostile parts (reliability.md rows 6–7). The owner checks every part before using it, in this
+Hostile parts. The owner checks every part before using it, in this
 order, each before anything is allocated from the sender's numbers: header types; the sender is the
 group member at the index it claims; codec id and number of values equal what the owner expects
 for this shard; weight finite in (0, 1e12); payload byte length exactly ``codec.encoded_size``;
@@ -77,7 +76,7 @@ a later phase covers fewer members.
 Members check the owner's reply too: exact size, finite values, and a norm plausible next to their
 own part (at most ``norm_bound·√M`` times it); an implausible result is an offence of the owner and
 fails the round for that member (a Byzantine *owner* can still hand different members different
-bytes; divergence repair by majority digest, state_sync.in_minority, is the backstop).
+bytes; divergence repair by majority digest, standing.in_minority, is the backstop).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Dialing a peer: warm connections before a round, and libp2p's dial backoff (issue 22).
+"""Dialing a peer: warm connections before a round, and libp2p's dial backoff.
 
 libp2p (the p2pd daemon under hivemind's P2P) remembers every failed dial per (peer, address) and
 refuses new dials to that address for about 5 s ("all dials failed * [/ip4/...] dial backoff",
@@ -33,6 +33,8 @@ import asyncio
 import logging
 from collections import Counter
 from typing import Any, Optional, Tuple
+
+from ..ids import short_id
 
 __all__ = ["BACKOFF_POLL", "dial_reason", "ensure_connected", "open_stream"]
 
@@ -87,7 +89,7 @@ async def ensure_connected(node: Any, peer: str, deadline: float, first_error: O
 
     relay = getattr(node, "relay_routes", {}).get(peer)
     if relay is not None and relay != node.peer_id_str:
-        why = f"{why} (relay of {peer[-6:]})"
+        why = f"{why} (relay of {short_id(peer)})"
         peer = relay
 
     loop = asyncio.get_running_loop()
@@ -106,7 +108,7 @@ async def ensure_connected(node: Any, peer: str, deadline: float, first_error: O
                 await asyncio.wait_for(node.p2p._client.connect(pid, []), timeout=remaining)
                 if failed is not None:
                     stats["dial_recovered"] += 1
-                    logger.info(f"[{node.short_id}] connected to {peer[-6:]}{why} after {tries} tr"
+                    logger.info(f"[{node.short_id}] connected to {short_id(peer)}{why} after {tries} tr"
                                 f"{'y' if tries == 1 else 'ies'} (first failure: {failed[:200]})")
                 return None
             except asyncio.CancelledError:
@@ -119,7 +121,7 @@ async def ensure_connected(node: Any, peer: str, deadline: float, first_error: O
         if failed is None:
             failed = reason
             stats["dial_failed"] += 1
-            logger.info(f"[{node.short_id}] dialing {peer[-6:]}{why} failed: {reason}; retrying until the "
+            logger.info(f"[{node.short_id}] dialing {short_id(peer)}{why} failed: {reason}; retrying until the "
                         f"deadline ({max(0.0, deadline - loop.time()):.1f} s left)")
         backoff = "dial backoff" in reason
         stats["dial_backoff" if backoff else "dial_retries"] += 1
@@ -129,7 +131,7 @@ async def ensure_connected(node: Any, peer: str, deadline: float, first_error: O
             break
         await asyncio.sleep(pause)
     stats["dial_gave_up"] += 1
-    logger.warning(f"[{node.short_id}] could not connect to {peer[-6:]}{why} before the deadline "
+    logger.warning(f"[{node.short_id}] could not connect to {short_id(peer)}{why} before the deadline "
                    f"(first failure: {(failed or 'none')[:300]})")
     return failed or "no connection within the deadline"
 
@@ -162,4 +164,4 @@ async def open_stream(node: Any, peer: str, handler: str, deadline: float,
                 stats["dial_retries"] += 1
             failure = await ensure_connected(node, peer, deadline, first_error=e)
             if failure is not None:
-                raise ConnectionError(f"cannot dial {peer[-6:]}: {failure}") from None
+                raise ConnectionError(f"cannot dial {short_id(peer)}: {failure}") from None

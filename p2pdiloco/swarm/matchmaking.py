@@ -13,8 +13,8 @@
 3. A peer that is asked to lead but follows someone else refuses with a *hint* (its leader); a
    peer whose leader is unreachable drops it and tries the next smallest id. "Unreachable" means a
    dial that still fails after ``JOIN_DIAL_WAIT`` seconds: a first dial to a live leader can be
-   refused by libp2p's dial backoff left by an earlier failed dial (seen in the 2-peer benchmark:
-   the follower then led a group of one and the leader missed the round), which is waited out.
+   refused by libp2p's dial backoff left by an earlier failed dial, which is waited out: a follower
+   that gave up on a live leader would lead a group of its own and split the round.
 4. There is one group per (fragment, round), because all peers share one global state. The leader
    records the final members under ``<run>:group:<f>:<r>``. A peer that finds a closed group
    without itself (or is refused with ``closed``) raises :class:`MatchmakingFailed`: it missed
@@ -26,7 +26,7 @@
    the peers' measured speed: a missing peer at inner step ``s`` running ``sps`` steps/s is
    given ``eta_slack * (sync_step - s) / sps + eta_margin`` seconds from when we first see that
    record; ``matchmaking_timeout`` is only the upper bound. A peer that finds a verified sync of
-   the swarm (claimed by enough peers, see ``state_sync.pick_target``) at or beyond its own
+   the swarm (claimed by enough peers, see ``standing.pick_target``) at or beyond its own
    ``sync_step`` is *behind* (a straggler that woke up): it raises :class:`RoundMissed` before it
    announces anything, so it never contributes to a round that is already over.
 6. A group that formed without us makes us miss the round only if it is *our* round: it went on
@@ -36,7 +36,7 @@
    history went on without us. Another base: another history (the other side of a partition, an
    isolated peer that ran ahead alone; also a record left from before a heal, which reuses the
    round numbers): we form our own group for that round, and the minority history gives way
-   (``state_sync.rival_lineage``). Without a base or a lineage (a fresh run, a peer that just
+   (``standing.rival_lineage``). Without a base or a lineage (a fresh run, a peer that just
    joined from scratch) the group counts if it holds one of our latest group's peers or, when we
    have none, at least half of the live peers. The ``closed`` refusal carries size and base.
    While waiting for a group, a peer that sees a rival history outnumbering its own (the caller's
@@ -63,7 +63,7 @@
    such a request as that peer's ready record: usually the group closes without any peer waiting
    for another's record to reach the DHT. The request decides nothing: when the poll picks another
    leader (or us), the peer hangs up first, and a joiner that hung up is never admitted.
-10. Links are warmed before the round (issue 22). When the leader closes a group it first sends
+10. Links are warmed before the round. When the leader closes a group it first sends
    every joiner the *proposed* members and owners (``warm``); each member, the leader too, opens a
    connection to every owner it will send parts to (:func:`~p2pdiloco.swarm.dialing.ensure_connected`:
    waits out libp2p's dial backoff, and both ends of a public pair dial each other, so one failed
@@ -96,8 +96,7 @@ from .joining import JoinRequests
 from .keys import group_key, handler_name, progress_key, ready_key
 from .leading import Leading, _Slot, _consume
 from .reachability import REACHABILITY
-from .standing import Lineage, Partners, voters
-from .state_sync import pick_target
+from .standing import Lineage, Partners, pick_target, voters
 
 __all__ = ["Matchmaker", "expected_peers"]
 
@@ -277,7 +276,7 @@ class Matchmaker(Leading, JoinRequests):
     def companions(self) -> Set[str]:
         """The other members of our last successful group whose record we read within one record
         lifetime. A DHT read can miss a record: such a peer still counts as with us
-        (:func:`~p2pdiloco.swarm.state_sync.pick_target`, ``rival_lineage``); one unseen for longer
+        (:func:`~p2pdiloco.swarm.standing.pick_target`, ``rival_lineage``); one unseen for longer
         is gone or cut off and counts for nobody."""
         now = time.monotonic()
         return {pid for pid in self._companions if now - self._seen.get(pid, 0.0) <= self.record_lifetime}
@@ -449,14 +448,13 @@ class Matchmaker(Leading, JoinRequests):
             # back off while the reads bring nothing new: join requests and the early answer wake us at
             # once anyway, and each read asks several nodes for every signed record of the round
             a.quiet_polls = 0 if (len(a.ready), a.expected) != before else a.quiet_polls + 1
-            await self._wait_for_news(min(POLL_MAX_S, POLL_MIN_S * 2 ** min(a.quiet_polls, 8), max(0.02, a.deadline - now)),
-                            slot, a.early)
+            await self._wait_for_news(min(POLL_MAX_S, POLL_MIN_S * 2 ** min(a.quiet_polls, 8),
+                                          max(0.02, a.deadline - now)), slot, a.early)
 
     async def _last_look(self, a: "_Attempt") -> None:
         """The partners of our last group whose record we cannot see at all count as unseen: crashed, or
-        hidden by the DHT (a frozen node can hold every read and store for longer than a record lives;
-        both peers of a pair then saw an empty swarm and each closed a group of one: straggler test in
-        CI). About to sync alone while others are live: give the DHT a moment, then make sure they are
+        hidden by the DHT (a frozen node can hold every read and store for longer than a record lives,
+        and two peers that each see an empty swarm must not each close a group of one). About to sync alone while others are live: give the DHT a moment, then make sure they are
         not past this round already (their group record or progress may not have reached us yet)."""
         if a.sync_step is None:
             return
@@ -556,7 +554,7 @@ class Matchmaker(Leading, JoinRequests):
             raise
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(f"[{self.node.short_id}] frag {a.frag} round {a.round}: asked {short_id(leader)}: "
-                         f"{'group ' + short_ids(group.members) if group is not None else 'hint ' + str(hint)[-6:]}")
+                         f"{'group ' + short_ids(group.members) if group is not None else 'hint ' + short_id(hint)}")
         return group, hint
 
     @staticmethod

@@ -28,6 +28,7 @@ import msgpack
 
 from ..addresses import parse_maddrs
 from ..errors import BootstrapUnreachable, UserError
+from ..ids import short_id
 from ..identity import (discard_ephemeral, ephemeral_identity, load_signing_key, note_helpers, prepare_identity,
                         release_identity)
 from . import ledger
@@ -77,7 +78,7 @@ async def _serve_dht(initial_peers: List[str], _dht: Any, node: Any) -> int:
     return sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
 
 
-# ---- the background records' cheap path (Swarm's periodic publisher and reader; issue 17, "quiet when idle") ----
+# ---- the background records' cheap path (Swarm's periodic publisher and reader: quiet when idle) ----
 # hivemind's DHT.store first looks the key's nearest nodes up, and its find RPC returns the value it asks
 # about: every store of one progress record downloaded the whole dictionary (every peer's record, ~1.2 KB
 # each) from every node it asked, and a dictionary store into a cached key started a full read besides.
@@ -195,8 +196,8 @@ REUSEPORT_ENV = "LIBP2P_TCP_REUSEPORT"
 
 
 def no_tcp_reuseport() -> None:
-    """Outgoing TCP connections of our p2p daemon from ephemeral ports, not the listening port
-    (issue 22), unless ``LIBP2P_TCP_REUSEPORT`` is set already.
+    """Outgoing TCP connections of our p2p daemon from ephemeral ports, not the listening port,
+    unless ``LIBP2P_TCP_REUSEPORT`` is set already.
 
     With go-libp2p's default (reuseport on) a connection from A to B runs from A's listening port to
     B's. When A and B dial each other at the same moment, both SYNs carry the same two address:port
@@ -263,8 +264,6 @@ class SwarmNode:
         relay: Optional["RelayLimits"] = None,
         relays: Optional[List[str]] = None,
     ):
-        from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-
         if reachability not in SETTINGS:
             raise UserError(f"swarm.reachability ({reachability!r}) must be one of {', '.join(SETTINGS)}")
         # a node that may be private starts as a DHT client and becomes a server once it is known to be public
@@ -282,9 +281,9 @@ class SwarmNode:
         except BaseException:
             release_identity(self.identity_path)
             raise
-        # A peer that stops answering is skipped for 3 s, then tried again: hivemind's default doubles the
-        # ban at every miss, so after a minute-long partition the two sides ignored each other for
-        # another minute or more after it healed (measured in tests/test_partition.py).
+        # A peer that stops answering is skipped for 3 s, then tried again: with hivemind's default (the
+        # ban doubles at every miss) the two sides of a healed partition would ignore each other for
+        # about as long again as the partition lasted.
         kwargs: Dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=dht_client,
                                       identity_path=key_path, record_validators=self.records.validators(),
                                       blacklist_time=3.0, backoff_rate=1.0)
@@ -299,31 +298,7 @@ class SwarmNode:
         if announce_maddrs:
             kwargs["announce_maddrs"] = list(announce_maddrs)
         no_tcp_reuseport()
-        deadline = time.monotonic() + bootstrap_timeout
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                # its process and p2p daemon exit when this process dies, by any signal (lifeline.py)
-                self.dht = start_dht(initial_peers=list(initial_peers) or None, **kwargs)
-                break
-            except P2PDaemonError as e:
-                msg = str(e)
-                if "bootstrap" in msg and time.monotonic() < deadline:
-                    logger.info(f"initial peers not reachable yet (attempt {attempt}); retrying")
-                    time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
-                    continue
-                if "bootstrap" in msg:
-                    raise BootstrapUnreachable(
-                        f"none of the initial peers answered within {bootstrap_timeout:.0f} s: "
-                        f"{', '.join(initial_peers)}. Check that the bootstrap peer is running and the address "
-                        "(including /p2p/<peer id>) is the one it printed"
-                    ) from None
-                if "address already in use" in msg.lower() or "bind" in msg.lower():
-                    raise UserError(f"cannot listen on {', '.join(host_maddrs)}: address already in use") from None
-                if "identity" in msg.lower():
-                    raise UserError(f"identity {self.identity_path} is already used by a running peer") from None
-                raise UserError(f"the libp2p daemon failed to start: {msg.splitlines()[0][:300]}") from None
+        self.dht = self._start_dht(list(initial_peers), list(host_maddrs), bootstrap_timeout, kwargs)
         if ledger.enabled():  # benchmarks: count this node's DHT RPCs by record kind (ledger.py)
             self.dht.run_coroutine(ledger.install)
         if not self.identity_path:
@@ -339,7 +314,7 @@ class SwarmNode:
         self.p2p = self.call(self.dht.replicate_p2p(), timeout=30)
         self.peer_id = self.p2p.peer_id
         self.peer_id_str = self.peer_id.to_base58()
-        self.short_id = self.peer_id_str[-6:]
+        self.short_id = short_id(self.peer_id_str)
         self.gate.short_id = self.short_id
         self._closed = False
         #: ``public``, ``relayed`` or ``private`` (reachability.py); published in our progress record
@@ -365,6 +340,37 @@ class SwarmNode:
                 initial = [str(m).rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in str(m)]
                 self._find_relay(list(relays) if relays is not None else initial)
 
+    def _start_dht(self, initial_peers: List[str], host_maddrs: List[str], bootstrap_timeout: float,
+                   kwargs: Dict[str, Any]):
+        """Start our DHT node (its process and p2p daemon exit when this process dies, by any signal:
+        lifeline.py), retrying while the initial peers do not answer yet, for up to
+        ``bootstrap_timeout`` seconds; a failure is a :class:`UserError` that says what to fix."""
+        from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+        deadline = time.monotonic() + bootstrap_timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return start_dht(initial_peers=initial_peers or None, **kwargs)
+            except P2PDaemonError as e:
+                msg = str(e)
+                if "bootstrap" in msg and time.monotonic() < deadline:
+                    logger.info(f"initial peers not reachable yet (attempt {attempt}); retrying")
+                    time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+                    continue
+                if "bootstrap" in msg:
+                    raise BootstrapUnreachable(
+                        f"none of the initial peers answered within {bootstrap_timeout:.0f} s: "
+                        f"{', '.join(initial_peers)}. Check that the bootstrap peer is running and the address "
+                        "(including /p2p/<peer id>) is the one it printed"
+                    ) from None
+                if "address already in use" in msg.lower() or "bind" in msg.lower():
+                    raise UserError(f"cannot listen on {', '.join(host_maddrs)}: address already in use") from None
+                if "identity" in msg.lower():
+                    raise UserError(f"identity {self.identity_path} is already used by a running peer") from None
+                raise UserError(f"the libp2p daemon failed to start: {msg.splitlines()[0][:300]}") from None
+
     async def _inbound(self, info, reader, writer) -> None:
         """A stream our relay forwards (relay.serve_inbound); nothing escapes onto the event loop."""
         try:
@@ -383,9 +389,9 @@ class SwarmNode:
             if why is None:
                 self.reachability, self.via = "relayed", relay
                 self._renewer = asyncio.run_coroutine_threadsafe(self._renew(relay), self.loop)
-                logger.info(f"[{self.short_id}] relayed through {relay[-6:]}: other peers reach us through it")
+                logger.info(f"[{self.short_id}] relayed through {short_id(relay)}: other peers reach us through it")
                 return
-            refusals.append(f"{relay[-6:]}: {why}")
+            refusals.append(f"{short_id(relay)}: {why}")
         if candidates:
             logger.warning(f"[{self.short_id}] no relay took us ({'; '.join(refusals)}): we stay private "
                            "(we train, but cannot lead a group or own a shard)")
@@ -395,7 +401,7 @@ class SwarmNode:
             await asyncio.sleep(relay_mod.RESERVATION_TTL / 3)
             why = await relay_mod.reserve(self, relay)
             if why is not None:
-                logger.warning(f"[{self.short_id}] renewing our relay reservation with {relay[-6:]} failed: {why}")
+                logger.warning(f"[{self.short_id}] renewing our relay reservation with {short_id(relay)} failed: {why}")
 
     def _resolve_reachability(self, setting: str, initial_peers: List[str], announce_maddrs: List[str]) -> None:
         """Decide :attr:`reachability` (detecting it for ``auto``) and serve the DHT when public."""
@@ -489,10 +495,6 @@ class SwarmNode:
     def lookup_near(self, key: str) -> concurrent.futures.Future:
         """Refresh the routing table around ``key`` in the background (:func:`_lookup_near`)."""
         return self.dht.run_coroutine(partial(_lookup_near, key, self._initial_ids), return_future=True)
-
-    def get_value(self, key: str) -> Optional[Dict[str, Any]]:
-        """The most recently written valid record under ``key``, whoever wrote it."""
-        return self.records.newest(key, self.dht.get(key, latest=True))
 
     @staticmethod
     async def _cancel_tasks() -> None:

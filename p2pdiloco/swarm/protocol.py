@@ -47,7 +47,7 @@ Handlers (the name is prefixed with the run id, so several runs can share one DH
     any    {t: "refuse", reason}    sent by :class:`PeerGate` before a handler runs: the sender is
                                     banned (repeated offences) or has too many requests open (quotas below)
 
-Hostile input (reliability.md rows 8 and 10): nothing received is unpickled; headers are msgpack
+Hostile input: nothing received is unpickled; headers are msgpack
 with ``strict_map_key``, no bin or extension types and at most MAX_HEADER bytes, and must arrive
 within HEADER_TIMEOUT; payload sizes are checked before anything is read. A message that fails
 validation is an *offence* of its sender (:meth:`PeerGate.offence`), and so is failing a round one
@@ -77,7 +77,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Deque, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Awaitable, Callable, Deque, Dict, Iterable, Optional, Tuple
 
 import msgpack
 
@@ -379,11 +379,6 @@ class PeerGate:
         with self._lock:
             return max(0.0, self._until.get(peer, 0.0) - time.monotonic())
 
-    def banned_peers(self) -> List[str]:
-        now = time.monotonic()
-        with self._lock:
-            return [p for p, until in self._until.items() if until > now]
-
     def _forget_old(self, now: float) -> None:
         # bounded memory however many identities misbehave: drop expired bans, memberships and idle counters
         if len(self._recent) + len(self._until) + len(self._members) < 4096:
@@ -442,8 +437,8 @@ class PeerGate:
                 await handler(info, reader, writer)
             except asyncio.CancelledError:
                 # our node is shutting down (the peer leaves) while it served this stream: nothing to
-                # report. Re-raised, the cancelled task's exception reached asyncio's stream callback,
-                # which logged it as a traceback on every leave during a round (issue 20's tests).
+                # report, and nothing to re-raise (asyncio's stream callback would log the cancelled
+                # task's exception as a traceback on every leave during a round).
                 writer.close()
                 return
             except Exception as e:  # a handler bug must not take the peer down; say who triggered it
@@ -468,7 +463,7 @@ def note_offence(node: Any, sender: str, exc: BaseException) -> None:
 
 async def refuse_bad_request(node: Any, sender: str, exc: BaseException, writer: asyncio.StreamWriter) -> None:
     """What a handler does with a request that failed validation: count the offence (see
-    :func:`note_offence`) and tell the sender why in one ``refuse`` frame (row 8: a clear error to
+    :func:`note_offence`) and tell the sender why in one ``refuse`` frame (a clear error to
     the sender). Connection errors get no reply: there is nobody to read it."""
     note_offence(node, sender, exc)
     if isinstance(exc, WireError):

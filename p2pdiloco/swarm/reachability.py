@@ -57,6 +57,7 @@ import logging
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import WireError
+from ..ids import short_id
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
                        refuse_bad_request, write_frame)
 
@@ -141,7 +142,7 @@ async def dial_back(peer_id: str, maddrs: Sequence[str], timeout: float = DIAL_T
             await asyncio.wait_for(dialer._client.connect(target, [Multiaddr(m) for m in maddrs]), timeout)
             peers = await asyncio.wait_for(dialer._client.list_peers(), timeout)
         except Exception as e:  # refused, timed out, wrong peer id ("peer id mismatch"), not libp2p at all
-            logger.debug(f"dial-back to {peer_id[-6:]} at {', '.join(maddrs)} failed: {type(e).__name__}: "
+            logger.debug(f"dial-back to {short_id(peer_id)} at {', '.join(maddrs)} failed: {type(e).__name__}: "
                          f"{' '.join(str(e).split())[:300]}")
             return None
         for info in peers:
@@ -187,7 +188,7 @@ def serve_reach(node) -> None:
                     async with one_at_a_time:
                         hit = await dial_back(sender, maddrs)
                 except _DialerUnavailable as e:
-                    logger.warning(f"[{node.short_id}] cannot check reachability for {sender[-6:]}: {e}")
+                    logger.warning(f"[{node.short_id}] cannot check reachability for {short_id(sender)}: {e}")
                     await write_frame(writer, {"t": "refuse", "reason": "this peer could not start its "
                                                "dial-back check; ask another peer"}, traffic=traffic)
                     return
@@ -207,7 +208,7 @@ def serve_reach(node) -> None:
 async def _ask(node, helper: str, ports: Sequence[int], timeout: float) -> Optional[dict]:
     from hivemind.p2p import PeerID
 
-    async def go() -> dict:
+    async def ask() -> dict:
         _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(helper), HANDLER)
         try:
             await write_frame(writer, {"t": "reach", "v": PROTOCOL_VERSION, "ports": list(ports)},
@@ -218,13 +219,13 @@ async def _ask(node, helper: str, ports: Sequence[int], timeout: float) -> Optio
             writer.close()
 
     try:
-        reply = await asyncio.wait_for(go(), timeout)
+        reply = await asyncio.wait_for(ask(), timeout)
     except Exception as e:  # unreachable helper, an older peer without the handler, a timeout
-        logger.info(f"[{node.short_id}] reachability helper {helper[-6:]} did not answer ({type(e).__name__}: "
+        logger.info(f"[{node.short_id}] reachability helper {short_id(helper)} did not answer ({type(e).__name__}: "
                     f"{' '.join(str(e).split())[:200]})")
         return None
     if reply.get("t") == "refuse":
-        logger.info(f"[{node.short_id}] reachability helper {helper[-6:]} refused: {str(reply.get('reason'))[:200]}")
+        logger.info(f"[{node.short_id}] reachability helper {short_id(helper)} refused: {str(reply.get('reason'))[:200]}")
     return reply if reply.get("t") == "reach" and isinstance(reply.get("ok"), bool) else None
 
 
@@ -272,9 +273,9 @@ async def detect(node, helpers: Sequence[str], ports: Sequence[int], timeout: fl
     no = [(h, r) for h, r in answered if not r["ok"]]
     tally = f"{len(yes)} of {len(answered)} helper(s) that answered ({len(helpers)} asked) dialed us back"
     if verdict(len(helpers), [r["ok"] for _, r in answered]):
-        where = ", ".join(f"{h[-6:]} at {r.get('addr')}" for h, r in yes)
+        where = ", ".join(f"{short_id(h)} at {r.get('addr')}" for h, r in yes)
         return "public", f"{tally}, proving our peer id: {where}"
-    seen = ", ".join(f"{h[-6:]} could not dial {r.get('addr') or 'us'}" for h, r in no)
+    seen = ", ".join(f"{short_id(h)} could not dial {r.get('addr') or 'us'}" for h, r in no)
     if not yes:
         return "private", f"{tally}: {seen} (behind NAT or a firewall)"
     rule = ("one helper's yes counts only when it is the only other peer we know" if len(yes) == 1

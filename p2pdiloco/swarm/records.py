@@ -16,7 +16,7 @@ strictly increasing); ``d`` must match the kind's pydantic.v1 schema below (stri
 conversions). Progress records carry the claims other peers act on: step, synced step and state
 digest (the state *offer* a joining peer downloads against).
 
-Defences (reliability.md row 9):
+Defences:
 
 * **forged** records: the DHT of every p2pdiloco node (bootstrap peers included) runs
   :class:`~p2pdiloco.swarm.signing.OwnerSignatures` plus :class:`RecordSchema`: a record not signed by the key in its
@@ -139,7 +139,7 @@ class ProgressRecord(_Open):
     gone: Optional[StrictBool] = None
     #: can others dial this peer (swarm/reachability.py): public, private or relayed
     reach: Optional[constr(strict=True, regex=r"^(public|private|relayed)$")] = None
-    # -- a short history for the dashboard (issue 21; p2pdiloco/dashboard), filled by note_val_loss and
+    # -- a short history for the dashboard (p2pdiloco/dashboard), filled by note_val_loss and
     # note_failure below: a dashboard started mid-run still shows the recent past. Oldest first, equal lengths.
     #: the last VAL_HISTORY outer steps at which this peer measured a validation loss, and those losses
     vr: Optional[conlist(Count, max_items=VAL_HISTORY)] = None
@@ -359,15 +359,6 @@ class RecordBook:
                     out[peer] = dict(data)
         self._sweep(now)
         return out
-
-    def newest(self, key: str, found: Any) -> Optional[Dict[str, Any]]:
-        """The most recently written valid record under ``key``, whoever wrote it."""
-        records = self.decode(key, found)
-        if not records:
-            return None
-        with self._lock:
-            best = max(records, key=lambda p: self._latest.get((key, p), (0,))[0])
-        return records[best]
 
     @staticmethod
     def _owner(subkey: Any) -> Optional[str]:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from ..errors import WireError
+from ..ids import short_id
 from .protocol import PROTOCOL_VERSION, check_version, read_frame, read_header, write_frame
 
 __all__ = ["HANDLER", "INBOUND", "RelayLimits", "RelayServer", "reserve", "open_relayed", "serve_inbound",
@@ -156,11 +157,11 @@ class RelayServer:
                 return
             await self._forward(sender, target, handler, reader, writer)
         except (WireError, asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as e:
-            logger.info(f"[{self.node.short_id}] relay request from {sender[-6:]} failed: {e}")
+            logger.info(f"[{self.node.short_id}] relay request from {short_id(sender)} failed: {e}")
         except asyncio.CancelledError:  # the relay shuts down
             pass
         except Exception as e:  # noqa: BLE001 - a bug must not take the relay down; say who triggered it
-            logger.error(f"[{self.node.short_id}] relay request from {sender[-6:]} failed: {type(e).__name__}: {e}")
+            logger.error(f"[{self.node.short_id}] relay request from {short_id(sender)} failed: {type(e).__name__}: {e}")
         finally:
             writer.close()
 
@@ -172,7 +173,7 @@ class RelayServer:
                 self.node.p2p.call_binary_stream_handler(PeerID.from_base58(target), INBOUND), OPEN_TIMEOUT)
         except Exception as e:  # noqa: BLE001 - the private peer is gone, or its connection to us is
             self.stats["refused: target unreachable"] += 1
-            await write_frame(writer, {"t": "refuse", "reason": f"cannot reach {target[-6:]} from the relay: "
+            await write_frame(writer, {"t": "refuse", "reason": f"cannot reach {short_id(target)} from the relay: "
                                                                  f"{type(e).__name__}"}, traffic=self.node.traffic)
             return
         with self._lock:
@@ -319,7 +320,7 @@ async def open_relayed(node, relay: str, peer: str, handler: str, timeout: float
         raise
     if reply.get("t") != "ok":
         writer.close()
-        raise ConnectionError(f"relay {relay[-6:]} did not forward to {peer[-6:]}: "
+        raise ConnectionError(f"relay {short_id(relay)} did not forward to {short_id(peer)}: "
                               f"{str(reply.get('reason', 'refused'))[:200]}")
     node.relay_stats["outbound"] += 1
     return info, reader, _Counted(writer, node.relay_stats)

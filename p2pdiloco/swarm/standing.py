@@ -1,4 +1,6 @@
-"""Whose claims count: the rule behind every decision a peer takes from other peers' word.
+"""Whose claims count, and what a majority of them decides: the rules behind every decision a peer
+takes from other peers' word (the state to adopt, being behind, in the minority, or outnumbered by a
+rival history). :mod:`.state_sync` transfers the state these rules pick.
 
 A progress record says where its writer is: the step of its last sync, the digest of its state, the
 group of that sync (``gid``). Signatures (:mod:`~p2pdiloco.swarm.signing`) prove who wrote a record,
@@ -17,7 +19,7 @@ identities:
   sync, a history of their own. This is the joiner's rule; it counts identities, so it holds only
   while honest established peers outnumber fake identities that also fake a history (see below).
 
-Over the voters every decision takes a majority (:func:`~p2pdiloco.swarm.state_sync.pick_target`):
+Over the voters every decision takes a majority (:func:`pick_target`):
 a state is adopted only when at least two voters claim exactly it (one, when there is a single other
 voter: two peers cannot outvote each other) *and* a strict majority of the voters are at or beyond
 its step. A minority of voters claiming a far-future step, however absurd the step, moves nobody;
@@ -42,9 +44,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Dict, Iterable, Optional, Set
+from collections import Counter
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-__all__ = ["Partners", "Lineage", "PARTNER_MEMORY_S", "voters", "established"]
+__all__ = ["Partners", "Lineage", "PARTNER_MEMORY_S", "voters", "established", "pick_target", "in_minority",
+           "rival_lineage", "valid_digest"]
 
 #: how long a partner keeps its say after the last verified round we shared with it (seconds): long
 #: enough that the other side of a healed partition still counts, short enough that a swarm that
@@ -94,6 +98,115 @@ def voters(peers: Peers, me: str, partners: Iterable[str] = ()) -> Set[str]:
     ours = live & set(partners)
     return ours if ours else established(peers, me)
 
+
+
+def valid_digest(digest: Any, num_frags: Optional[int]) -> bool:
+    if not isinstance(digest, str) or len(digest) > 17 * 4096:
+        return False
+    parts = digest.split("-")
+    return (num_frags is None or len(parts) == num_frags) and all(
+        len(p) == 16 and all(c in "0123456789abcdef" for c in p) for p in parts)
+
+
+def pick_target(peers: Peers, me: str, min_step: int = 0, num_frags: Optional[int] = None,
+                companions: Iterable[str] = (), trusted: Optional[Iterable[str]] = None,
+                ) -> Optional[Tuple[int, str, List[str]]]:
+    """(step, digest, donors) the swarm's voters agree on beyond ``min_step``, or None when there is
+    nothing trustworthy to fetch. Claims with a malformed digest (or the wrong fragment count) are
+    ignored.
+
+    Only the claims of ``trusted`` identities count (our partners, see the module docstring; None: the
+    established identities among ``peers``, the joiner's rule). Of the voters (the trusted live
+    peers, plus ``companions`` missing from this read: the members of our last successful group, whom
+    a DHT read can miss), the target needs
+
+    * two voters claiming exactly (step, digest), or one when there is a single other voter (two
+      peers cannot outvote each other), and
+    * a strict majority of the voters at or beyond its step: a minority claiming a far-future step
+      moves nobody, and the furthest state a majority has passed is the one to fetch.
+
+    The donors are the voters that claim the target."""
+    live = set(peers) - {me}
+    counted = (established(peers, me) if trusted is None else set(trusted)) & live
+    claims: Counter = Counter()
+    donors: Dict[Tuple[int, str], List[str]] = {}
+    steps: List[int] = []  # every voter's valid synced step
+    for pid in counted:
+        v = peers[pid]
+        step, digest = v.get("synced_step"), v.get("digest")
+        if not isinstance(step, int) or isinstance(step, bool) or not valid_digest(digest, num_frags):
+            continue
+        steps.append(step)
+        if step <= min_step:
+            continue
+        claims[(step, digest)] += 1
+        donors.setdefault((step, digest), []).append(pid)
+    if not claims:
+        return None
+    others = len(counted | (set(companions) - set(peers) - {me}))
+    needed = 2 if others >= 2 else 1
+    majority = others // 2 + 1
+    # furthest ahead first, then most supported
+    for (step, digest), count in sorted(claims.items(), key=lambda kv: (-kv[0][0], -kv[1], kv[0][1])):
+        if count >= needed and sum(s >= step for s in steps) >= majority:
+            return step, digest, sorted(donors[(step, digest)])
+    return None
+
+
+def in_minority(peers: Peers, me: str, step: int, digest: str, trusted: Optional[Iterable[str]] = None) -> bool:
+    """True when more voters at our synced step hold another digest than ours (ties: the smaller digest
+    string wins). Peers that diverged (a race in group formation, a healed partition) use this to give
+    way and adopt the majority's state. Only ``trusted`` identities vote (None: the established ones)."""
+    counted = established(peers, me) if trusted is None else set(trusted)
+    counts = Counter({digest: 1})
+    for pid, v in peers.items():
+        if pid != me and pid in counted and v.get("synced_step") == step and isinstance(v.get("digest"), str):
+            counts[v["digest"]] += 1
+    best = max(counts.items(), key=lambda kv: (kv[1], [-ord(c) for c in kv[0]]))
+    return best[0] != digest
+
+
+def rival_lineage(peers: Peers, me: str, my_gids: Set[str], step: int, digest: str,
+                  companions: Iterable[str] = (), trusted: Optional[Iterable[str]] = None) -> Optional[Peers]:
+    """The live peers of a *rival lineage* we must give way to, or None.
+
+    Every peer publishes ``gid``, the id of the group of its last successful sync. Peers whose
+    ``gid`` is one of our recent groups (``my_gids``) share our history, merely a round behind or
+    ahead; peers with another ``gid`` trained in groups we were not part of: after a partition heals,
+    the other side. Rivals are grouped by that ``gid`` (one history each): we give way to the
+    strongest rival history when it alone outnumbers our side (us included) -- or ties and holds the
+    larger (step, digest) -- even if our step count is ahead (an isolated peer trains alone faster).
+    Histories are never added up: two rival histories of one peer each do not outnumber a third, and
+    their states differ, so no download from both could be verified (three lone peers would each
+    try to adopt "the others" forever). Between rival histories the larger wins, then the larger
+    (step, digest), so every peer ranks them alike and the swarm converges on one. Peers without a
+    gid (just joined) count for nobody; one that caught up publishes its donors' gid. ``companions``
+    (the members of our last successful group) that are missing from ``peers`` count for our side: a
+    DHT read that misses a record must not hand the majority's history to the minority. Only
+    ``trusted`` identities count on either side (None: the established ones; see :mod:`.standing`).
+    Returns the rival history's peers (pass them to :func:`.state_sync.download_state` with
+    ``min_step=-1``)."""
+    counted = established(peers, me) if trusted is None else set(trusted)
+    ours, histories = 1 + len(set(companions) - set(peers) - {me}), {}
+    for pid, v in peers.items():
+        gid = v.get("gid")
+        if pid == me or pid not in counted or not isinstance(gid, str) or not gid:
+            continue
+        if gid in my_gids:
+            ours += 1
+        elif isinstance(v.get("synced_step"), int) and v.get("digest") != digest:
+            histories.setdefault(gid, {})[pid] = v
+
+    def strength(h: Peers) -> Tuple[int, Tuple[int, str]]:
+        return len(h), max((v["synced_step"], str(v.get("digest"))) for v in h.values())
+
+    if not histories:
+        return None
+    best = max(histories.values(), key=strength)
+    size, top = strength(best)
+    if size < ours or (size == ours and top <= (step, digest)):
+        return None
+    return best
 
 class Lineage:
     """Our history as group ids (thread-safe: fed by the training loop, read by matchmaking): the

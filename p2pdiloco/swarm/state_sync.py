@@ -38,7 +38,6 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
@@ -46,11 +45,17 @@ from .. import faults
 from ..digest import fragment_digest
 from ..snapshot import fragment_bounds
 from ..errors import SyncFailed, WireError
+from ..ids import short_id
+from .dialing import open_stream
+from .keys import handler_name
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
                        refuse_bad_request, write_frame)
 from . import standing
+from .standing import in_minority, pick_target, rival_lineage, valid_digest
 from .reachability import is_private
 
+# pick_target, in_minority and rival_lineage (the majority rules, :mod:`.standing`) are imported here too by
+# the callers of the download
 __all__ = ["StateServer", "Download", "download_state", "state_digest", "pick_target",
            "in_minority", "rival_lineage"]
 
@@ -80,7 +85,7 @@ class StateServer:
     def __init__(self, node, run_id: str, provider: Callable[[], Optional[Snapshot]]):
         self.node = node
         self.provider = provider
-        self.handler_name = f"p2pdiloco.{run_id}.state"
+        self.handler_name = handler_name(run_id, "state")
         #: fault-injection hook for tests: maps the payload before it is sent (e.g. tamper with it)
         self.tamper: Optional[Callable[[bytes], bytes]] = None
         self.served = 0
@@ -119,118 +124,10 @@ class StateServer:
             await write_frame(writer, {"t": "state", "meta": dict(meta, frags=frags)}, payload, traffic=traffic)
             self.served += 1
         except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
-            logger.info(f"[{self.node.short_id}] state request from {sender[-6:]} failed: {e}")
+            logger.info(f"[{self.node.short_id}] state request from {short_id(sender)} failed: {e}")
             await refuse_bad_request(self.node, sender, e, writer)  # says why; counts toward a ban
         finally:
             await close_after_reply(reader, writer)
-
-
-def _valid_digest(digest: Any, num_frags: Optional[int]) -> bool:
-    if not isinstance(digest, str) or len(digest) > 17 * 4096:
-        return False
-    parts = digest.split("-")
-    return (num_frags is None or len(parts) == num_frags) and all(
-        len(p) == 16 and all(c in "0123456789abcdef" for c in p) for p in parts)
-
-
-def pick_target(peers: Peers, me: str, min_step: int = 0, num_frags: Optional[int] = None,
-                companions: Iterable[str] = (), trusted: Optional[Iterable[str]] = None,
-                ) -> Optional[Tuple[int, str, List[str]]]:
-    """(step, digest, donors) the swarm's voters agree on beyond ``min_step``, or None when there is
-    nothing trustworthy to fetch. Claims with a malformed digest (or the wrong fragment count) are
-    ignored.
-
-    Only the claims of ``trusted`` identities count (our partners, see :mod:`.standing`; None: the
-    established identities among ``peers``, the joiner's rule). Of the voters (the trusted live
-    peers, plus ``companions`` missing from this read: the members of our last successful group, whom
-    a DHT read can miss), the target needs
-
-    * two voters claiming exactly (step, digest), or one when there is a single other voter (two
-      peers cannot outvote each other), and
-    * a strict majority of the voters at or beyond its step: a minority claiming a far-future step
-      moves nobody, and the furthest state a majority has passed is the one to fetch.
-
-    The donors are the voters that claim the target."""
-    live = set(peers) - {me}
-    counted = (standing.established(peers, me) if trusted is None else set(trusted)) & live
-    claims: Counter = Counter()
-    donors: Dict[Tuple[int, str], List[str]] = {}
-    steps: List[int] = []  # every voter's valid synced step
-    for pid in counted:
-        v = peers[pid]
-        step, digest = v.get("synced_step"), v.get("digest")
-        if not isinstance(step, int) or isinstance(step, bool) or not _valid_digest(digest, num_frags):
-            continue
-        steps.append(step)
-        if step <= min_step:
-            continue
-        claims[(step, digest)] += 1
-        donors.setdefault((step, digest), []).append(pid)
-    if not claims:
-        return None
-    others = len(counted | (set(companions) - set(peers) - {me}))
-    needed = 2 if others >= 2 else 1
-    majority = others // 2 + 1
-    # furthest ahead first, then most supported
-    for (step, digest), count in sorted(claims.items(), key=lambda kv: (-kv[0][0], -kv[1], kv[0][1])):
-        if count >= needed and sum(s >= step for s in steps) >= majority:
-            return step, digest, sorted(donors[(step, digest)])
-    return None
-
-
-def in_minority(peers: Peers, me: str, step: int, digest: str, trusted: Optional[Iterable[str]] = None) -> bool:
-    """True when more voters at our synced step hold another digest than ours (ties: the smaller digest
-    string wins). Peers that diverged (a race in group formation, a healed partition) use this to give
-    way and adopt the majority's state. Only ``trusted`` identities vote (None: the established ones)."""
-    counted = standing.established(peers, me) if trusted is None else set(trusted)
-    counts = Counter({digest: 1})
-    for pid, v in peers.items():
-        if pid != me and pid in counted and v.get("synced_step") == step and isinstance(v.get("digest"), str):
-            counts[v["digest"]] += 1
-    best = max(counts.items(), key=lambda kv: (kv[1], [-ord(c) for c in kv[0]]))
-    return best[0] != digest
-
-
-def rival_lineage(peers: Peers, me: str, my_gids: Set[str], step: int, digest: str,
-                  companions: Iterable[str] = (), trusted: Optional[Iterable[str]] = None) -> Optional[Peers]:
-    """The live peers of a *rival lineage* we must give way to, or None.
-
-    Every peer publishes ``gid``, the id of the group of its last successful sync. Peers whose
-    ``gid`` is one of our recent groups (``my_gids``) share our history, merely a round behind or
-    ahead; peers with another ``gid`` trained in groups we were not part of: after a partition heals,
-    the other side. Rivals are grouped by that ``gid`` (one history each): we give way to the
-    strongest rival history when it alone outnumbers our side (us included) -- or ties and holds the
-    larger (step, digest) -- even if our step count is ahead (an isolated peer trains alone faster).
-    Histories are never added up: two rival histories of one peer each do not outnumber a third, and
-    their states differ, so no download from both could be verified (three lone peers would each
-    try to adopt "the others" forever). Between rival histories the larger wins, then the larger
-    (step, digest), so every peer ranks them alike and the swarm converges on one. Peers without a
-    gid (just joined) count for nobody; one that caught up publishes its donors' gid. ``companions``
-    (the members of our last successful group) that are missing from ``peers`` count for our side: a
-    DHT read that misses a record must not hand the majority's history to the minority. Only
-    ``trusted`` identities count on either side (None: the established ones; see :mod:`.standing`).
-    Returns the rival history's peers (pass them to :func:`download_state` with ``min_step=-1``)."""
-    counted = standing.established(peers, me) if trusted is None else set(trusted)
-    ours, histories = 1 + len(set(companions) - set(peers) - {me}), {}
-    for pid, v in peers.items():
-        gid = v.get("gid")
-        if pid == me or pid not in counted or not isinstance(gid, str) or not gid:
-            continue
-        if gid in my_gids:
-            ours += 1
-        elif isinstance(v.get("synced_step"), int) and v.get("digest") != digest:
-            histories.setdefault(gid, {})[pid] = v
-
-    def strength(h: Peers) -> Tuple[int, Tuple[int, str]]:
-        return len(h), max((v["synced_step"], str(v.get("digest"))) for v in h.values())
-
-    if not histories:
-        return None
-    best = max(histories.values(), key=strength)
-    size, top = strength(best)
-    if size < ours or (size == ours and top <= (step, digest)):
-        return None
-    return best
 
 
 @dataclass
@@ -251,10 +148,8 @@ class Download:
 
 async def _fetch(node, run_id: str, donor: str, frags: List[int], max_bytes: int,
                  timeout: float) -> Tuple[Dict[str, Any], bytes]:
-    from .dialing import open_stream
-
-    async def go():
-        _, reader, writer = await open_stream(node, donor, f"p2pdiloco.{run_id}.state",
+    async def request():
+        _, reader, writer = await open_stream(node, donor, handler_name(run_id, "state"),
                                               asyncio.get_running_loop().time() + timeout)
         try:
             await write_frame(writer, {"t": "state", "v": PROTOCOL_VERSION, "frags": frags}, traffic=node.traffic)
@@ -262,10 +157,10 @@ async def _fetch(node, run_id: str, donor: str, frags: List[int], max_bytes: int
         finally:
             writer.close()
 
-    return await asyncio.wait_for(go(), timeout=timeout)
+    return await asyncio.wait_for(request(), timeout=timeout)
 
 
-class _Moved(Exception):
+class _DonorsMovedOn(Exception):
     """The donor already serves a newer sync than the target (honest: the swarm moved on)."""
 
     def __init__(self, meta: Dict[str, Any]):
@@ -276,7 +171,7 @@ class _Moved(Exception):
 def _check_reply(header: Dict[str, Any], payload: bytes, frags: List[int], step: int, digest: str,
                  numels: Sequence[int]) -> Dict[str, Any]:
     """The reply's meta when every requested fragment matches the target digest; else raises
-    ValueError (bad donor) or _Moved (honest donor that synced again since the target was picked)."""
+    ValueError (bad donor) or _DonorsMovedOn (honest donor that synced again since the target was picked)."""
     if header.get("t") == "refuse":
         raise ValueError(f"refused: {str(header.get('reason'))[:200]}")
     meta = header.get("meta")
@@ -296,7 +191,7 @@ def _check_reply(header: Dict[str, Any], payload: bytes, frags: List[int], step:
         raise ValueError("malformed outer step counters")
     m_step = meta.get("step")
     moved = (isinstance(m_step, int) and not isinstance(m_step, bool) and m_step > step
-             and _valid_digest(meta.get("digest"), len(numels)))
+             and valid_digest(meta.get("digest"), len(numels)))
     if not moved and (m_step != step or meta.get("digest") != digest):
         raise ValueError(f"serves step {m_step!r} digest {meta.get('digest')!r}, not the swarm's")
     # a newer sync's fragments are checked against the digest the donor claims for it now (a bad copy
@@ -310,7 +205,7 @@ def _check_reply(header: Dict[str, Any], payload: bytes, frags: List[int], step:
             raise ValueError(f"fragment {f} does not match {whose} (tampered or corrupt)")
         off += size
     if moved:
-        raise _Moved(meta)
+        raise _DonorsMovedOn(meta)
     return meta
 
 
@@ -323,7 +218,7 @@ def _split(payload: bytes, frags: List[int], bounds: List[Tuple[int, int]]) -> D
     return out
 
 
-class _Stash:
+class _NewerSyncFragments:
     """Fragments an honest donor sent for a *newer* sync than our target; reused (after checking them
     against that sync's agreed digest) if the re-picked target is that sync. Only the newest is kept."""
 
@@ -340,11 +235,65 @@ class _Stash:
             self.frags.update({f: (donor, blob) for f, blob in frags.items()})
 
 
+async def _fetch_checked(node, run_id: str, donor: str, frags: List[int], bounds: List[Tuple[int, int]], step: int,
+                         digest: str, numels: Sequence[int], timeout: float) -> Tuple[Optional[Dict[str, Any]], bytes,
+                                                                                      Optional[str]]:
+    """Ask ``donor`` for ``frags`` and check its reply against the target: (meta, payload, None) when
+    verified, (meta, payload, "moved") when it serves a newer sync, (None, b"", why) when it failed."""
+    size = sum(bounds[f][1] - bounds[f][0] for f in frags)
+    t0 = time.monotonic()
+    try:
+        header, payload = await _fetch(node, run_id, donor, frags, size, timeout)
+        return _check_reply(header, payload, frags, step, digest, numels), payload, None
+    except asyncio.TimeoutError:
+        return None, b"", f"no reply within {timeout:.1f} s (stalled)"
+    except _DonorsMovedOn as e:
+        return e.meta, payload, "moved"
+    except ValueError as e:
+        return None, b"", str(e)
+    except Exception as e:  # unreachable, stream reset, wire error
+        return None, b"", f"{type(e).__name__}: {str(e)[:200]} after {time.monotonic() - t0:.1f} s"
+
+
+def _assign(pending: Iterable[int], order: List[str], tasks: Dict[asyncio.Task, Tuple[str, List[int], float]],
+            unusable: Set[str], asked: Dict[int, Set[str]], delivered: Dict[str, List[int]],
+            hedge_after: float, now: float) -> Dict[str, List[int]]:
+    """The next requests (donor -> fragments): each pending fragment not in flight (or in flight on one
+    donor for ``hedge_after`` seconds already) goes to a free donor that was not asked for it yet,
+    spread so that the donors that delivered fewest, a stash's share included, are asked first."""
+    busy = {d for d, _, _ in tasks.values()}
+    assign: Dict[str, List[int]] = {}
+    for f in pending:
+        inflight = [t0 for d, fs, t0 in tasks.values() if f in fs]
+        if len(inflight) >= 2 or (inflight and now - min(inflight) < hedge_after):
+            continue
+        free = [d for d in order if d not in unusable and d not in busy and d not in asked[f]]
+        if not free:
+            continue
+        donor = min(free, key=lambda d: (len(assign.get(d, [])) + len(delivered.get(d, [])), order.index(d)))
+        assign.setdefault(donor, []).append(f)
+    return assign
+
+
+def _from_stash(stash: "_NewerSyncFragments", step: int, digest: str, result: Download) -> Tuple[Dict[int, bytes], Dict[int, int]]:
+    """The stashed fragments of the target (step, digest) that match its digest: (fragment -> bytes,
+    fragment -> outer step count); their donors are credited in ``result``."""
+    got: Dict[int, bytes] = {}
+    outer_steps: Dict[int, int] = {}
+    if stash.key == (step, digest):
+        parts = digest.split("-")
+        for f, (donor, blob) in stash.frags.items():
+            if fragment_digest(blob, stash.outer_steps[f]) == parts[f]:
+                got[f], outer_steps[f] = blob, stash.outer_steps[f]
+                result.donors[donor] = sorted(result.donors.get(donor, []) + [f])
+    return got, outer_steps
+
+
 async def _download_target(node, run_id: str, step: int, digest: str, donors: List[str], numels: Sequence[int],
                            timeout: float, hedge_after: float, result: Download, bad: Dict[str, str],
-                           stash: _Stash) -> Optional[bytes]:
+                           stash: _NewerSyncFragments) -> Optional[bytes]:
     """Fetch every fragment of the target. Returns the payload; None when no usable donor is left
-    (``bad`` says why); raises _Moved when the donors moved on to a newer sync meanwhile.
+    (``bad`` says why); raises _DonorsMovedOn when the donors moved on to a newer sync meanwhile.
 
     Scheduling: each pending fragment is asked of one donor (donors rotated by our id; one request
     in flight per donor, fragments batched per donor, spread so that the donors that delivered
@@ -354,62 +303,22 @@ async def _download_target(node, run_id: str, step: int, digest: str, donors: Li
     """
     P = len(numels)
     bounds = fragment_bounds(numels)
-    parts = digest.split("-")
-    got: Dict[int, bytes] = {}
-    outer_steps: Dict[int, int] = {}  # fragment -> its verified outer step count (the digest covers it)
-    if stash.key == (step, digest):
-        for f, (donor, blob) in stash.frags.items():
-            if fragment_digest(blob, stash.outer_steps[f]) == parts[f]:
-                got[f], outer_steps[f] = blob, stash.outer_steps[f]
-                result.donors[donor] = sorted(result.donors.get(donor, []) + [f])
-    me = node.peer_id_str
-    shift = int(hashlib.sha256(me.encode()).hexdigest(), 16) % max(1, len(donors))
+    got, outer_steps = _from_stash(stash, step, digest, result)  # fragment -> verified bytes, outer step count
+    shift = int(hashlib.sha256(node.peer_id_str.encode()).hexdigest(), 16) % max(1, len(donors))
     order = donors[shift:] + donors[:shift]
     moved: Set[str] = set()
     asked: Dict[int, Set[str]] = {f: set() for f in range(P)}
     tasks: Dict[asyncio.Task, Tuple[str, List[int], float]] = {}
-
-    async def one(donor: str, frags: List[int]):
-        size = sum(bounds[f][1] - bounds[f][0] for f in frags)
-        t0 = time.monotonic()
-        try:
-            header, payload = await _fetch(node, run_id, donor, frags, size, timeout)
-            return _check_reply(header, payload, frags, step, digest, numels), payload, None
-        except asyncio.TimeoutError:
-            return None, b"", f"no reply within {timeout:.1f} s (stalled)"
-        except _Moved as e:
-            return e.meta, payload, "moved"
-        except ValueError as e:
-            return None, b"", str(e)
-        except Exception as e:  # unreachable, stream reset, wire error
-            return None, b"", f"{type(e).__name__}: {str(e)[:200]} after {time.monotonic() - t0:.1f} s"
-
-    def launch() -> None:
-        now = time.monotonic()
-        busy = {d for d, _, _ in tasks.values()}
-        assign: Dict[str, List[int]] = {}
-        for f in range(P):
-            if f in got:
-                continue
-            inflight = [t0 for d, fs, t0 in tasks.values() if f in fs]
-            if len(inflight) >= 2 or (inflight and now - min(inflight) < hedge_after):
-                continue
-            free = [d for d in order if d not in bad and d not in moved and d not in busy and d not in asked[f]]
-            if not free:
-                continue
-            # spread: prefer the free donor with the fewest fragments, counting those it already
-            # delivered (a stash of a newer sync may hold one donor's share but not another's)
-            donor = min(free, key=lambda d: (len(assign.get(d, [])) + len(result.donors.get(d, [])),
-                                             order.index(d)))
-            assign.setdefault(donor, []).append(f)
-        for donor, frags in assign.items():
-            for f in frags:
-                asked[f].add(donor)
-            tasks[asyncio.ensure_future(one(donor, frags))] = (donor, frags, now)
-
     try:
         while len(got) < P:
-            launch()
+            now = time.monotonic()
+            assign = _assign([f for f in range(P) if f not in got], order, tasks, set(bad) | moved, asked,
+                             result.donors, hedge_after, now)
+            for donor, frags in assign.items():
+                for f in frags:
+                    asked[f].add(donor)
+                tasks[asyncio.ensure_future(_fetch_checked(node, run_id, donor, frags, bounds, step, digest, numels,
+                                                           timeout))] = (donor, frags, now)
             if not tasks:
                 break
             done, _ = await asyncio.wait(list(tasks), timeout=max(0.05, hedge_after / 2),
@@ -420,23 +329,16 @@ async def _download_target(node, run_id: str, step: int, digest: str, donors: Li
                 if error == "moved":
                     moved.add(donor)
                     stash.add(donor, meta, _split(payload, frags, bounds))
-                    logger.info(f"[{node.short_id}] donor {donor[-6:]} already serves step {meta['step']} "
+                    logger.info(f"[{node.short_id}] donor {short_id(donor)} already serves step {meta['step']} "
                                 f"(target {step})")
-                    continue
-                if error is not None:
-                    bad[donor] = error
-                    result.rejected.append((donor, error))
-                    logger.warning(f"[{node.short_id}] state from donor {donor[-6:]} rejected: {error}; "
-                                   "its fragments go to another donor")
-                    note = getattr(getattr(node, "gate", None), "offence", None)
-                    if note is not None and "does not match" in error:
-                        note(donor, f"served state that does not match the swarm's digest: {error}")
-                    continue
-                new = {f: blob for f, blob in _split(payload, frags, bounds).items() if f not in got}
-                got.update(new)
-                outer_steps.update((f, meta["outer_steps"][f]) for f in new)
-                if new:
-                    result.donors[donor] = sorted(result.donors.get(donor, []) + list(new))
+                elif error is not None:
+                    _reject_donor(node, donor, error, bad, result)
+                else:
+                    new = {f: blob for f, blob in _split(payload, frags, bounds).items() if f not in got}
+                    got.update(new)
+                    outer_steps.update((f, meta["outer_steps"][f]) for f in new)
+                    if new:
+                        result.donors[donor] = sorted(result.donors.get(donor, []) + list(new))
     finally:
         now = time.monotonic()
         for task, (donor, _, t_start) in tasks.items():
@@ -446,11 +348,23 @@ async def _download_target(node, run_id: str, step: int, digest: str, donors: Li
                 result.rejected.append((donor, bad[donor]))
     if len(got) < P:
         if moved:
-            raise _Moved({"step": None})
+            raise _DonorsMovedOn({"step": None})
         return None
     result.meta = {"step": step, "digest": digest, "numels": list(numels),
                    "outer_steps": [outer_steps[f] for f in range(P)]}
     return b"".join(got[f] for f in range(P))
+
+
+def _reject_donor(node, donor: str, error: str, bad: Dict[str, str], result: Download) -> None:
+    """A donor failed us: not asked again in this download; serving state that does not match the
+    swarm's digest is an offence."""
+    bad[donor] = error
+    result.rejected.append((donor, error))
+    logger.warning(f"[{node.short_id}] state from donor {short_id(donor)} rejected: {error}; "
+                   "its fragments go to another donor")
+    note = getattr(getattr(node, "gate", None), "offence", None)
+    if note is not None and "does not match" in error:
+        note(donor, f"served state that does not match the swarm's digest: {error}")
 
 
 def dialable_first(donors: List[str], peers: Peers) -> List[str]:
@@ -489,7 +403,7 @@ def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], 
     t0 = time.monotonic()
     result = Download(meta={}, payload=b"", step=0, digest="")
     bad: Dict[str, str] = {}  # donors that failed us once are not asked again in this download
-    stash = _Stash()
+    stash = _NewerSyncFragments()
     passed: Optional[int] = None  # the step of a target the donors moved past
     for attempt in range(1, max_targets + 1):
         floor = min_step if passed is None else max(min_step, passed)
@@ -519,7 +433,7 @@ def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], 
         try:
             payload = node.call(_download_target(node, run_id, step, digest, donors, frag_numels, timeout, hedge,
                                                  result, bad, stash), timeout=overall)
-        except _Moved:
+        except _DonorsMovedOn:
             logger.info(f"[{node.short_id}] the swarm moved past step {step} during the download; picking again "
                         "from newer records")
             passed = step
@@ -531,6 +445,6 @@ def download_state(node, run_id: str, peers: Union[Peers, Callable[[], Peers]], 
         result.payload = payload
         result.seconds = time.monotonic() - t0
         return result
-    reasons = "; ".join(f"{d[-6:]}: {why}" for d, why in result.rejected[-8:]) or "the donors kept moving on"
+    reasons = "; ".join(f"{short_id(d)}: {why}" for d, why in result.rejected[-8:]) or "the donors kept moving on"
     raise SyncFailed(f"no donor delivered the swarm's state (step {result.step}, digest {result.digest}) "
                      f"({reasons}); not training on unverified state")
