@@ -36,7 +36,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact the hub: nothing here is loaded by name
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import ConfigError, UserError
+from .errors import ConfigError
 from .exact import exact_normal_
 
 __all__ = ["HFCausalLM", "build_hf_model", "resolve_hf_config", "hf_fingerprint", "init_digest", "is_config_path"]

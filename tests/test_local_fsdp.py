@@ -220,7 +220,7 @@ def _fsdp_rank(rank: int, port: int, out: str, modes) -> None:
                                      shards=shards, frag_params=[[index[n] for n in names] for names in layout.names])
             follower.brief(opt)
             ctl = follower.recv()
-            while ctl.go:
+            while ctl.keep_going:
                 inner_step(cfg, model, opt, stream, ctl.lr_step, "cpu", local=group)
                 follower.after_step()
                 ctl = follower.recv()

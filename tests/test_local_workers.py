@@ -517,7 +517,7 @@ def _protocol_rank(rank: int, port: int, out: str) -> None:
         info = follower.brief(opt)
         first, second = follower.recv(), follower.recv()
         result = dict(info=info, events=[first.event, second.event], digest=follower.digest,
-                      lr_step=second.lr_step, go=[first.go, second.go], final=second.final)
+                      lr_step=second.lr_step, go=[first.keep_going, second.keep_going], final=second.final)
     result["model"] = digest_model(model)
     result["opt"] = digest_model([t for s in opt.state.values() for t in s.values()])
     with open(out, "w") as f:

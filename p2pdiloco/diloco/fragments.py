@@ -38,7 +38,7 @@ import math
 import re
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import nn

@@ -12,7 +12,7 @@ The protocol, after rank 0's brief at the start (:meth:`LocalLeader.brief`: run 
 stream position, inner optimiser state; a fixed-format message, :mod:`.messages`, then the optimiser's
 tensors), is one message per inner step (:meth:`LocalLeader.tell`)::
 
-    control (int64): go, final, lr step of the next inner step, schedule position, synced step,
+    control (int64): keep going, final, lr step of the next inner step, schedule position, synced step,
                      changed flag per model parameter, changed flag per fragment, outer steps per fragment,
                      gather flag per fragment, gather-the-optimiser flag (both: ``local.sharding = "fsdp"``)
     then the changed parameters (from rank 0's model), then each changed fragment's θ‖momentum (fp32)
@@ -265,7 +265,7 @@ def _buckets(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
 class Control:
     """One message from rank 0 (see the module docstring)."""
 
-    go: bool            # take another inner step
+    keep_going: bool    # take another inner step
     final: bool         # rank 0 finished (its last syncs applied): the workers end
     lr_step: int        # the inner lr schedule's step for the next inner step
     step: int           # rank 0's schedule position
@@ -338,7 +338,7 @@ class LocalLeader:
         since our last inner step."""
         return self.opt_state
 
-    def tell(self, go: bool, lr_step: int, final: bool = False) -> Control:
+    def tell(self, keep_going: bool, lr_step: int, final: bool = False) -> Control:
         """Send this step's message and what changed; returns it with its event (None: nothing sent and
         not the final message)."""
         d = self.diloco
@@ -349,9 +349,9 @@ class LocalLeader:
             flats = {p: torch.cat([t.reshape(-1) for t in fragment_tensors(o)])
                      for p, (o, s) in enumerate(zip(d.outer, send)) if s}
             step, synced = d.inner_step, d.synced_step
-        ctl = Control(go=go, final=final, lr_step=lr_step, step=step, synced_step=synced)
-        gather, gather_opt = self._plan(go, final)
-        msg = [int(go), int(final), lr_step, step, synced, *map(int, changed), *map(int, send), *(k[1] for k in keys),
+        ctl = Control(keep_going=keep_going, final=final, lr_step=lr_step, step=step, synced_step=synced)
+        gather, gather_opt = self._plan(keep_going, final)
+        msg = [int(keep_going), int(final), lr_step, step, synced, *map(int, changed), *map(int, send), *(k[1] for k in keys),
                *(int(p in gather) for p in range(len(keys))), int(gather_opt)]
         self.group.broadcast([torch.tensor(msg, dtype=torch.int64)], "sent a step's message")
         for p, flat in flats.items():
@@ -366,7 +366,7 @@ class LocalLeader:
             if flats:
                 self.group.broadcast([_digests_to_tensor([self._frag_digests[p] for p in flats])], "sent the digests")
             self._gather, self._gather_opt = sorted(gather), gather_opt
-            if not go and not final:  # DiLoCo's finish() reads and writes the model next: gather it now
+            if not keep_going and not final:  # DiLoCo's finish() reads and writes the model next: gather it now
                 self.shards.gather([i for p in self._gather for i in self.frag_params[p]], self.params)
             if final:  # the last checkpoint
                 self.opt_state = self.shards.gather_optimizer(self.train_opt)
@@ -381,12 +381,12 @@ class LocalLeader:
                                self._frag_digests, model_digest)
         return ctl
 
-    def _plan(self, go: bool, final: bool) -> Tuple[set, bool]:
+    def _plan(self, keep_going: bool, final: bool) -> Tuple[set, bool]:
         """Sharded: the fragments every worker gathers to our mirror after the next inner step (all of
         them, now, before DiLoCo's finish), and whether the optimiser state too (:func:`fragments_needed`)."""
         if self.shards is None or final:
             return set(), False
-        if not go:
+        if not keep_going:
             return set(range(self.diloco.num_fragments)), False
         return fragments_needed(self.diloco, self.diloco.inner_step + 1)
 
@@ -454,7 +454,7 @@ class LocalFollower:
         msg = torch.zeros(5 + n + 3 * P + 1, dtype=torch.int64)
         self.group.broadcast([msg], "waited for rank 0")
         vals = msg.tolist()
-        ctl = Control(go=bool(vals[0]), final=bool(vals[1]), lr_step=vals[2], step=vals[3], synced_step=vals[4])
+        ctl = Control(keep_going=bool(vals[0]), final=bool(vals[1]), lr_step=vals[2], step=vals[3], synced_step=vals[4])
         changed, send = vals[5: 5 + n], vals[5 + n: 5 + n + P]
         steps, gather = vals[5 + n + P: 5 + n + 2 * P], vals[5 + n + 2 * P: 5 + n + 3 * P]
         sent = [p for p in range(P) if send[p]]
@@ -474,7 +474,7 @@ class LocalFollower:
                 for p, d in zip(sent, _tensor_to_digests(box)):
                     got[p] = self._frag_digests[p] = d
             self._gather, self._gather_opt = [p for p in range(P) if gather[p]], bool(vals[-1])
-            if not ctl.go and not ctl.final:
+            if not ctl.keep_going and not ctl.final:
                 self.after_step()
                 self._gather_opt = False
             if ctl.final:

@@ -16,8 +16,6 @@ import signal
 import time
 from typing import Any, Dict
 
-import torch
-
 from ..config import RunConfig
 from ..data import load_corpus
 from ..diloco.fragments import split_fragments
@@ -67,7 +65,7 @@ def run_worker(cfg: RunConfig, group: LocalGroup) -> Dict[str, Any]:
                     f"{group.device}, {held:,} parameter elements ({cfg.local.sharding})")
         model.train()
         ctl = _receive(follower, metrics, info["me"])
-        while ctl.go:
+        while ctl.keep_going:
             inner_step(cfg, model, opt, stream, ctl.lr_step, group.device, local=group)
             follower.after_step()
             steps += 1
