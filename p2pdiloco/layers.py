@@ -82,7 +82,6 @@ PENDING: Dict[Tuple[str, str], str] = {
     ("p2pdiloco.diloco.core", "p2pdiloco.swarm.allreduce"): "DiLoCo takes the group all-reduce from the swarm facade",
     ("p2pdiloco.swarm.dialing", "p2pdiloco.swarm.relay"): "swarm rooms: a module-level import",
     ("p2pdiloco.swarm.records", "p2pdiloco.swarm.standing"): "swarm rooms: a module-level import",
-    ("p2pdiloco.swarm.state_sync", "p2pdiloco.swarm.dialing"): "swarm rooms: a module-level import",
 }
 
 #: standard-library and light third-party modules imported inside functions, tolerated while a move
