@@ -35,6 +35,7 @@ from collections import Counter
 from typing import Any, Optional, Tuple
 
 from ..ids import short_id
+from .relay import open_relayed
 
 __all__ = ["BACKOFF_POLL", "dial_reason", "ensure_connected", "open_stream"]
 
@@ -143,9 +144,7 @@ async def open_stream(node: Any, peer: str, handler: str, deadline: float,
     are raised at once; a dial still failing at the deadline raises ConnectionError with its cause.
     ``stats["dial_retries"]`` (when given) counts the dials that failed and were waited out here. A peer
     that is reached through a relay (``node.relay_routes``) gets the stream through it (swarm/relay.py)."""
-    from hivemind.p2p import PeerID
-
-    from .relay import open_relayed
+    from hivemind.p2p import PeerID  # hivemind costs seconds to import: only when dialing
 
     pid = PeerID.from_base58(peer)
     loop = asyncio.get_running_loop()

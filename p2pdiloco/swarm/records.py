@@ -54,6 +54,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from ..identity import peer_id_of_public_key
 from .keys import kind_of
 from .signing import OwnerSignatures, SigningKey
+from .standing import established
 
 __all__ = ["RecordBook", "RecordSchema", "SCHEMAS", "MAX_RECORD", "run_fingerprint", "note_val_loss",
            "note_failure"]
@@ -396,8 +397,6 @@ def run_fingerprint(claims: Dict[str, Dict[str, Any]], mine: Dict[str, Any],
     the most claimed fingerprint is the run's, ours winning ties. With no claims at all, ours is the
     run's.
     """
-    from .standing import established
-
     progress = progress or {}
     live = {pid for pid, v in progress.items() if isinstance(v, dict) and not v.get("gone")}
     trained = established({pid: progress[pid] for pid in live}, "")
