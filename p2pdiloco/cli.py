@@ -164,6 +164,7 @@ def _relay_limits(cfg):
 
 
 def _cmd_bootstrap(args: argparse.Namespace) -> int:
+    from .addresses import with_quic
     from .config import load_bootstrap_config
     from .metrics import format_bytes
     from .swarm.node import SwarmNode
@@ -171,7 +172,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     cfg = load_bootstrap_config(args.config, identity=args.identity, host_maddrs=args.host_maddrs,
                                 announce_maddrs=args.announce_maddrs, initial_peers=args.initial_peers,
                                 relay=args.relay)
-    node = SwarmNode(cfg.initial_peers, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
+    node = SwarmNode(cfg.initial_peers, host_maddrs=with_quic(cfg.host_maddrs), announce_maddrs=cfg.announce_maddrs,
                      identity_path=cfg.identity, bootstrap_timeout=cfg.bootstrap_timeout, relay=_relay_limits(cfg))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,4 +1,4 @@
-"""A real NAT in network namespaces, for tests/test_nat.py (issue 16).
+"""Real NATs in network namespaces, for tests/test_nat.py and tests/test_relay.py.
 
 Topology: the public side is an :class:`~p2pdiloco.bench.wan.EmulatedWAN` (hosts on one bridge,
 ``10.x.y.0/24``); its last host is the *router*. Behind it, a private LAN ``192.168.77.0/24`` on a
@@ -6,12 +6,15 @@ bridge ``lan0`` inside the router namespace, one namespace per private host::
 
     public hosts h0..h(n-1) ── br0 ── router eth0 (10.x.y.R)
                                        │  nftables: masquerade out of eth0; forward policy drop,
-                                       │  only LAN → WAN and connection-tracked replies pass
+                                       │  only LAN → WAN and connection-tracked replies pass;
+                                       │  nothing unsolicited from eth0 reaches the router itself
                                       lan0 192.168.77.1 ── p0 .2, p1 .3, p2 .4 ...
 
 The public hosts have a route to 192.168.77.0/24 *via the router*: without the firewall they could
 open connections to the private hosts, so it is the NAT alone (masquerading with connection
-tracking, inbound dropped) that keeps them out, as on a home router. Every namespace belongs to the
+tracking, inbound dropped) that keeps them out, as on a home router. The outside port of a mapping is
+the LAN socket's own when free (``ports="kept"``, Linux's and most home routers' way: hole punching
+works) or a random one per mapping (``ports="random"``: it cannot). Every namespace belongs to the
 EmulatedWAN: its teardown (also on SIGTERM / atexit) kills every process in them and deletes them.
 """
 from __future__ import annotations
@@ -28,10 +31,15 @@ RULES = """
 table ip nat {
   chain postrouting {
     type nat hook postrouting priority 100; policy accept;
-    oifname "eth0" masquerade
+    oifname "eth0" masquerade MAPPING
   }
 }
 table inet filter {
+  chain input {
+    type filter hook input priority 0; policy accept;
+    iifname "eth0" ct state established,related accept
+    iifname "eth0" drop
+  }
   chain forward {
     type filter hook forward priority 0; policy drop;
     ct state established,related accept
@@ -84,8 +92,13 @@ class NatNet:
     """``n_public`` public hosts, ``routers`` NAT routers, ``n_private`` hosts behind them (private host k
     behind router k % routers, on LAN ``192.168.(77 + r).0/24``); a context manager."""
 
-    def __init__(self, n_public: int, n_private: int, routers: int = 1):
+    def __init__(self, n_public: int, n_private: int, routers: int = 1, ports: str = "kept"):
+        if ports not in ("kept", "random"):
+            raise ValueError("ports must be 'kept' or 'random'")
         self.nft = ensure_nft()
+        #: how the routers pick a mapping's outside port: ``kept`` (the LAN socket's port when free, as
+        #: Linux and most home routers do) or ``random`` (a new port per mapping: hole punching fails)
+        self.ports = ports
         self.wan = EmulatedWAN(n_public + routers, LinkSpec(rate_mbit=1000))
         self.n_public, self.n_private, self.n_routers = n_public, n_private, routers
         self.public: List[Host] = []
@@ -137,7 +150,8 @@ class NatNet:
             self.behind.append(router)
         for r, router in enumerate(self.routers):
             _sh(["ip", "netns", "exec", router.netns, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"])
-            subprocess.run(["ip", "netns", "exec", router.netns, self.nft, "-f", "-"], input=RULES, text=True,
+            rules = RULES.replace("MAPPING", "fully-random" if self.ports == "random" else "")
+            subprocess.run(["ip", "netns", "exec", router.netns, self.nft, "-f", "-"], input=rules, text=True,
                            check=True, capture_output=True, timeout=30)
             # a route to the LAN through its router for every other WAN host: only the NAT keeps them out
             for host in self.public + [x for x in self.routers if x is not router]:

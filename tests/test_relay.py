@@ -1,16 +1,16 @@
-"""Home volunteers only: private peers behind two different NATs train together through the bootstrap's
-relay, with no public trainer (reliability.md row 19), through the real CLI.
+"""Home volunteers only: private peers behind two different NATs train together, with no public
+trainer (reliability.md row 19), through the real CLI: directly after a hole punch where their routers
+keep a socket's port, through the bootstrap's relay where they do not.
 
 Topology (tests/nat_support.py): a bootstrap on a public bridge; two routers, each masquerading
 (nftables, connection tracking, inbound dropped) for its own LAN with one volunteer. Nobody forwards a
 port, nobody sets an address or a reachability: both volunteers run ``join --initial-peers <bootstrap>``.
 Shown: the NATs are in effect (neither volunteer can open a connection to the other, nor the bootstrap
 to either); each volunteer is detected private and takes a slot on the bootstrap's relay (``relayed``);
-every round is a group of the two with one digest after every sync, their all-reduce streams carried by
-the relay (the relayed bytes in their metrics, the relay's own count in the bootstrap's log); ``status``
-shows both as relayed.
-
-Hole punching is not used (swarm/relay.py says why): every private-to-private stream is relayed.
+every round is a group of the two with one digest after every sync. Which path their all-reduce took is
+read from their metrics: the bytes their relayed streams carried stop growing once the hole is punched
+(ports kept), and grow to the end when the routers pick random ports (the punch failed, logged);
+``status`` shows both as relayed.
 """
 from __future__ import annotations
 
@@ -31,12 +31,13 @@ _missing = [tool for tool in ("ip",) if subprocess.run(["which", tool], capture_
 
 @pytest.mark.timeout(360)
 @pytest.mark.skipif(os.geteuid() != 0 or bool(_missing), reason="needs root and iproute2 (ip netns) for the NATs")
-def test_private_peers_behind_two_nats_train_through_the_bootstraps_relay(tmp_path):
+@pytest.mark.parametrize("ports", ["kept", "random"])
+def test_private_peers_behind_two_nats_train_together_punched_or_relayed(tmp_path, ports):
     from nat_support import NatNet
 
     peers = NsPeers(tmp_path)
     dirs = {n: tmp_path / n for n in "ab"}
-    with NatNet(n_public=1, n_private=2, routers=2) as net:
+    with NatNet(n_public=1, n_private=2, routers=2, ports=ports) as net:
         (h0,), (pa, pb) = net.public, net.private
         assert net.behind[0] is not net.behind[1]
 
@@ -51,9 +52,10 @@ def test_private_peers_behind_two_nats_train_through_the_bootstraps_relay(tmp_pa
         lp.wait(10)
 
         boot = peers.start(h0, "boot", "bootstrap", "--identity", str(tmp_path / "boot.key"),
-                           "--host-maddrs", f"/ip4/{h0.address}/tcp/0")
+                           "--host-maddrs", f"/ip4/{h0.address}/tcp/31337")  # and UDP 31337: QUIC
         addr = wait_for(lambda: next((l.strip() for l in (tmp_path / "boot.out").read_text().splitlines()
-                                      if h0.address in l and "/p2p/" in l), None), 90, "the bootstrap address")
+                                      if h0.address in l and "/tcp/" in l and "/p2p/" in l), None), 90,
+                        "the bootstrap address")
         settings = ["swarm.run_id=homes", f"inner.sync_every={H}", "train.max_outer_steps=40",
                     "swarm.min_peers_to_start=2"]
         for host, n in ((pa, "a"), (pb, "b")):
@@ -80,7 +82,15 @@ def test_private_peers_behind_two_nats_train_through_the_bootstraps_relay(tmp_pa
         syncs = read_events(dirs[n], "sync")
         assert len(syncs) == 40 and all(r["ok"] and r["group_size"] == 2 for r in syncs), \
             [(r["step"], r["ok"], r["group_size"], r.get("error")) for r in syncs]
-        assert syncs[-1]["relayed_bytes"] > 0, syncs[-1]  # its streams went through the relay
+        assert syncs[0]["relayed_bytes"] > 0, syncs[0]  # its first streams went through the relay
+        half = syncs[len(syncs) // 2]["relayed_bytes"]
+        if ports == "kept":  # punched: the second half of the run moved nothing through the relay
+            assert "hole punched to" in err, err[-3000:]
+            assert syncs[-1]["relayed_bytes"] == half, [r["relayed_bytes"] for r in syncs]
+        else:  # the punch fails against random ports; every round keeps crossing the relay
+            assert "hole punch to" in err and "failed" in err, err[-3000:]
+            assert "hole punched to" not in err, err[-3000:]
+            assert syncs[-1]["relayed_bytes"] > half, [r["relayed_bytes"] for r in syncs]
     assert assert_agree([dirs["a"], dirs["b"]], min_common=40) == 40
 
 
@@ -238,3 +248,51 @@ def test_a_caller_holding_its_share_of_circuits_is_refused_and_others_are_not(re
         for _, _, w in held:
             w.close()
         r.relay_server.limits.max_circuits_per_caller, r.relay_server.limits.max_circuits = 16, 2
+
+
+# ---- hole punching's inputs ---------------------------------------------------------------------------------
+def test_quic_twins_and_punchable_addresses():
+    from p2pdiloco.addresses import punchable, with_quic
+
+    pid = "12D3KooWLAPTmwJ35V6oejXDxyodgqzi9EAn9ZChLsRTnFPkDg4E"
+    assert with_quic([f"/ip4/10.0.0.1/tcp/31337/p2p/{pid}"]) == [
+        f"/ip4/10.0.0.1/tcp/31337/p2p/{pid}", f"/ip4/10.0.0.1/udp/31337/quic-v1/p2p/{pid}"]
+    assert with_quic(["/ip4/0.0.0.0/tcp/31337"]) == ["/ip4/0.0.0.0/tcp/31337", "/ip4/0.0.0.0/udp/31337/quic-v1"]
+    # loopback stays TCP only; a UDP address already listed is not doubled
+    assert with_quic(["/ip4/127.0.0.1/tcp/5"]) == ["/ip4/127.0.0.1/tcp/5"]
+    assert with_quic(["/ip4/0.0.0.0/tcp/1", "/ip4/0.0.0.0/udp/2/quic-v1"]) == [
+        "/ip4/0.0.0.0/tcp/1", "/ip4/0.0.0.0/udp/2/quic-v1"]
+    # a punch aims only at QUIC addresses without a relay hop, at most four, from whatever a peer sent
+    got = punchable(["/ip4/1.2.3.4/udp/5/quic-v1", "/ip4/1.2.3.4/tcp/5", "junk", 7, None, "x" * 500,
+                     f"/ip4/1.2.3.4/udp/5/quic-v1/p2p/{pid}/p2p-circuit",
+                     *[f"/ip4/1.2.3.{k}/udp/9/quic-v1" for k in range(10, 20)]])
+    assert got == ["/ip4/1.2.3.4/udp/5/quic-v1", "/ip4/1.2.3.10/udp/9/quic-v1", "/ip4/1.2.3.11/udp/9/quic-v1",
+                   "/ip4/1.2.3.12/udp/9/quic-v1"]
+    assert punchable("/ip4/1.2.3.4/udp/5/quic-v1") == [] and punchable({"a": 1}) == []
+
+
+def test_a_punch_request_that_does_not_come_through_our_relay_is_refused(relayed):
+    """The callee dials only what its relay attests (the caller's outside address): a caller that dials
+    it directly cannot make it dial anything."""
+    import asyncio
+
+    from p2pdiloco.swarm import punch as punch_mod
+    from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, read_frame, write_frame
+
+    r, a, b = relayed
+    b.add_handler(punch_mod.HANDLER + ".t", lambda info, rd, wr: punch_mod.serve_punch(b, info, rd, wr))
+    before = b.relay_stats["punched"] + b.relay_stats["punch_failed"]
+
+    async def ask():
+        from hivemind.p2p import PeerID
+        _, reader, writer = await a.p2p.call_binary_stream_handler(PeerID.from_base58(b.peer_id_str),
+                                                                  punch_mod.HANDLER + ".t")
+        try:
+            await write_frame(writer, {"t": "punch", "v": PROTOCOL_VERSION})
+            return (await asyncio.wait_for(read_frame(reader, 0), 10))[0]
+        finally:
+            writer.close()
+
+    reply = a.call(ask(), timeout=20)
+    assert reply["t"] == "refuse" and "through our relay" in reply["reason"], reply
+    assert b.relay_stats["punched"] + b.relay_stats["punch_failed"] == before  # it dialed nothing

@@ -150,6 +150,12 @@ async def open_stream(node: Any, peer: str, handler: str, deadline: float,
     loop = asyncio.get_running_loop()
     while True:
         relay = getattr(node, "relay_routes", {}).get(peer)
+        if relay is not None and peer in getattr(node, "direct", ()):
+            if await is_direct(node, peer):  # a hole punch connected us: the relay is not needed
+                node.relay_stats["direct_streams"] += 1
+                relay = None
+            else:
+                node.direct.discard(peer)
         try:
             if relay is not None and relay != node.peer_id_str:
                 return await open_relayed(node, relay, peer, handler, timeout=max(1.0, deadline - loop.time()))
@@ -164,3 +170,14 @@ async def open_stream(node: Any, peer: str, handler: str, deadline: float,
             failure = await ensure_connected(node, peer, deadline, first_error=e)
             if failure is not None:
                 raise ConnectionError(f"cannot dial {short_id(peer)}: {failure}") from None
+
+
+async def is_direct(node: Any, peer: str) -> bool:
+    """Whether our daemon holds a connection to ``peer`` that is not through a libp2p relay."""
+    try:
+        for info in await node.p2p.list_peers():
+            if info.peer_id.to_base58() == peer and any("p2p-circuit" not in str(a) for a in info.addrs):
+                return True
+    except Exception:  # noqa: BLE001 - the daemon is shutting down
+        pass
+    return False

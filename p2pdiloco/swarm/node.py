@@ -22,16 +22,17 @@ import threading
 import time
 from collections import Counter
 from functools import partial
-from typing import Any, Awaitable, Callable, Dict, List, Optional
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Set
 
 import msgpack
 
-from ..addresses import parse_maddrs
+from ..addresses import parse_maddrs, with_quic
 from ..errors import BootstrapUnreachable, UserError
 from ..ids import short_id
 from ..identity import (discard_ephemeral, ephemeral_identity, load_signing_key, note_helpers, prepare_identity,
                         release_identity)
 from . import ledger
+from . import punch as punch_mod
 from . import relay as relay_mod
 from .lifeline import descendants, start_dht
 from .protocol import PeerGate, Traffic
@@ -298,7 +299,10 @@ class SwarmNode:
         if announce_maddrs:
             kwargs["announce_maddrs"] = list(announce_maddrs)
         no_tcp_reuseport()
-        self.dht = self._start_dht(list(initial_peers), list(host_maddrs), bootstrap_timeout, kwargs)
+        # a node listening on QUIC reaches its initial peers over QUIC where it can (addresses.with_quic)
+        quic = any("/quic-v1" in str(m) for m in host_maddrs)
+        dial_peers = with_quic(initial_peers) if quic else [str(m) for m in initial_peers]
+        self.dht = self._start_dht(dial_peers, list(host_maddrs), bootstrap_timeout, kwargs)
         if ledger.enabled():  # benchmarks: count this node's DHT RPCs by record kind (ledger.py)
             self.dht.run_coroutine(ledger.install)
         if not self.identity_path:
@@ -323,8 +327,17 @@ class SwarmNode:
         self.via = ""
         #: other relayed peers' relays, from their records and join requests (matchmaking keeps it)
         self.relay_routes: Dict[str, str] = {}
-        #: streams our relayed traffic took: inbound / outbound count, bytes we wrote on them
+        #: streams our relayed traffic took: inbound / outbound count, bytes we wrote on them; hole punches
         self.relay_stats: Counter = Counter()
+        #: hole punching (punch.py): the outside QUIC addresses our relay sees us at; relayed peers we hold
+        #: a direct connection to; punches under way; when we last tried each peer; when we began waiting
+        #: for a peer to ask first
+        self.observed: List[str] = []
+        self.direct: Set[str] = set()
+        self.punching: Set[str] = set()
+        self.punch_tried: Dict[str, float] = {}
+        self.punch_waited: Dict[str, float] = {}
+        self._puncher = None
         self.relay_server = None
         self._handlers: Dict[str, Callable] = {}  # name -> the gated handler (relayed streams call it too)
         if not client_mode:
@@ -362,7 +375,8 @@ class SwarmNode:
                 if "bootstrap" in msg:
                     raise BootstrapUnreachable(
                         f"none of the initial peers answered within {bootstrap_timeout:.0f} s: "
-                        f"{', '.join(initial_peers)}. Check that the bootstrap peer is running and the address "
+                        f"{', '.join(m for m in initial_peers if '/quic-v1' not in m) or ', '.join(initial_peers)}. "
+                        "Check that the bootstrap peer is running and the address "
                         "(including /p2p/<peer id>) is the one it printed"
                     ) from None
                 if "address already in use" in msg.lower() or "bind" in msg.lower():
@@ -389,6 +403,8 @@ class SwarmNode:
             if why is None:
                 self.reachability, self.via = "relayed", relay
                 self._renewer = asyncio.run_coroutine_threadsafe(self._renew(relay), self.loop)
+                self.add_handler(punch_mod.HANDLER, partial(punch_mod.serve_punch, self))
+                self._puncher = asyncio.run_coroutine_threadsafe(punch_mod.puncher(self), self.loop)
                 logger.info(f"[{self.short_id}] relayed through {short_id(relay)}: other peers reach us through it")
                 return
             refusals.append(f"{short_id(relay)}: {why}")

@@ -221,12 +221,13 @@ async def read_frame(reader: asyncio.StreamReader, max_payload: int, traffic: Op
     return header, await read_payload(reader, header, declared, traffic, sender)
 
 
-async def close_after_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float = 10.0) -> None:
+async def close_after_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float = 60.0) -> None:
     """Close a handler's stream only after the caller has closed its end (EOF), bounded by ``timeout``.
 
     Closing right after the last write lets the p2p daemon reset the stream with the reply's tail
-    still in flight (seen here: a 1.1 MB reply cut at 1 MB). The caller closes once it has read
-    everything, so waiting for its EOF guarantees delivery. Whatever the caller still sends is
+    still in flight (a 1.1 MB reply cut at 1 MB over TCP; over QUIC any reply still in flight). The
+    caller closes once it has read everything, so waiting for its EOF guarantees delivery; a minute
+    covers a large reply read slowly over a home uplink. Whatever the caller still sends is
     discarded in small chunks, at most ``_MAX_DRAIN`` bytes: a caller cannot make us buffer data.
     """
 

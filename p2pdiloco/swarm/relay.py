@@ -43,9 +43,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
+from ..addresses import punchable
 from ..errors import WireError
 from ..ids import short_id
-from .protocol import PROTOCOL_VERSION, check_version, read_frame, read_header, write_frame
+from .protocol import PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header, write_frame
 
 __all__ = ["HANDLER", "INBOUND", "RelayLimits", "RelayServer", "reserve", "open_relayed", "serve_inbound",
            "RESERVATION_TTL"]
@@ -133,6 +134,7 @@ class RelayServer:
 
     async def _handle(self, info, reader, writer) -> None:
         sender = info.peer_id.to_base58()
+        forwarded = False
         try:
             header = await read_header(reader, self.node.traffic, sender)
             refusal = check_version(header)
@@ -153,9 +155,11 @@ class RelayServer:
                 with self._lock:
                     self._reserved[sender] = time.monotonic() + RESERVATION_TTL
                 self.stats["reservations"] += 1
-                await write_frame(writer, {"t": "ok", "ttl": RESERVATION_TTL}, traffic=self.node.traffic)
+                await write_frame(writer, {"t": "ok", "ttl": RESERVATION_TTL, "seen": await self._seen(sender)},
+                                  traffic=self.node.traffic)
                 return
             await self._forward(sender, target, handler, reader, writer)
+            forwarded = True
         except (WireError, asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as e:
             logger.info(f"[{self.node.short_id}] relay request from {short_id(sender)} failed: {e}")
         except asyncio.CancelledError:  # the relay shuts down
@@ -163,7 +167,18 @@ class RelayServer:
         except Exception as e:  # noqa: BLE001 - a bug must not take the relay down; say who triggered it
             logger.error(f"[{self.node.short_id}] relay request from {short_id(sender)} failed: {type(e).__name__}: {e}")
         finally:
-            writer.close()
+            if forwarded:
+                writer.close()
+            else:  # a reply (a reservation, a refusal) must reach the caller before we close: it closes first
+                await close_after_reply(reader, writer, timeout=10.0)
+
+    async def _seen(self, peer: str) -> list:
+        """The outside QUIC addresses our daemon sees ``peer`` at (where a hole punch must aim)."""
+        try:
+            return punchable([str(a) for info in await self.node.p2p.list_peers()
+                              if info.peer_id.to_base58() == peer for a in info.addrs])
+        except Exception:  # noqa: BLE001 - the daemon is shutting down
+            return []
 
     async def _forward(self, caller: str, target: str, handler: str, reader, writer) -> None:
         from hivemind.p2p import PeerID
@@ -181,7 +196,8 @@ class RelayServer:
             self._by_caller[caller] += 1
         self.stats["circuits"] += 1
         try:
-            await write_frame(t_writer, {"t": "in", "v": PROTOCOL_VERSION, "from": caller, "h": handler})
+            await write_frame(t_writer, {"t": "in", "v": PROTOCOL_VERSION, "from": caller, "h": handler,
+                                         "seen": await self._seen(caller)})
             await write_frame(writer, {"t": "ok"}, traffic=self.node.traffic)
             budget = self.limits.max_circuit_bytes or (1 << 62)
             moved = await pipe(reader, writer, t_reader, t_writer, budget, self._count)
@@ -250,7 +266,10 @@ async def reserve(node, relay: str, timeout: float = 10.0) -> Optional[str]:
     try:
         await write_frame(writer, {"t": "reserve", "v": PROTOCOL_VERSION}, traffic=node.traffic)
         reply, _ = await asyncio.wait_for(read_frame(reader, 0, node.traffic, relay), timeout)
-        return None if reply.get("t") == "ok" else str(reply.get("reason", "refused"))[:200]
+        if reply.get("t") != "ok":
+            return str(reply.get("reason", "refused"))[:200]
+        node.observed = punchable(reply.get("seen"))  # where the relay sees us: a hole punch aims there
+        return None
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {str(e)[:160]}"
     finally:
@@ -281,14 +300,16 @@ async def serve_inbound(node, trusted: Callable[[], Set[str]], handlers: Dict[st
         writer.close()
         return
     node.relay_stats["inbound"] += 1
-    await handler(_Info(pid), reader, _Counted(writer, node.relay_stats))
+    await handler(_Info(pid, punchable(header.get("seen"))), reader, _Counted(writer, node.relay_stats))
 
 
 class _Info:
-    """What a handler reads of its stream's origin: the caller the relay names."""
+    """What a handler reads of its stream's origin: the caller the relay names, and the outside
+    addresses the relay sees it at (swarm/punch.py)."""
 
-    def __init__(self, peer_id):
+    def __init__(self, peer_id, seen=()):
         self.peer_id = peer_id
+        self.seen = list(seen)
 
 
 class _Counted:
