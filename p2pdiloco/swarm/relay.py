@@ -13,10 +13,11 @@ Why our own forwarding and not libp2p's circuit relay: in the p2p daemon hivemin
 cut after 128 KiB unless the relay's own AutoNAT already found it public (which takes another public
 peer on another IP: not the case when the bootstrap is the swarm's only public machine), reservations
 made before that are lost, and auto-relay waits minutes for relay candidates; a pseudo-gradient part
-is megabytes. Hole punching (DCUtR) needs TCP reuseport, which our daemons run without (simultaneous
-dials of two public peers failed with it), and its QUIC path lost large streams in our tests. So
-relayed traffic is what a private peer gets; two private peers that can reach each other otherwise (a
-LAN) are public to each other's detection and talk directly.
+is megabytes. libp2p's hole punching (DCUtR) needs TCP reuseport, which our daemons run without
+(simultaneous dials of two public peers failed with it); two relayed peers punch with our own
+protocol instead (swarm/punch.py), over QUIC, and talk directly when it succeeds. For that the relay
+tells a reserving peer the outside addresses it sees it at (``seen``), and names the addresses it sees
+a caller at when it forwards its stream.
 
 Trust: a private peer trusts its relay as it trusts its bootstrap: the relay names each caller (the
 handlers' quotas, offences and group checks use that name), sees the bytes and could drop or alter
@@ -28,10 +29,11 @@ private peer publishes the bytes its relayed streams carried (``rb``) for ``stat
 dashboard.
 
 Wire (protocol.py framing), on ``p2pdiloco.relay`` (the relay's handler):
-  ``{t: "reserve", v}``                 -> ``{t: "ok", ttl}`` | ``{t: "refuse", reason}``
+  ``{t: "reserve", v}``                 -> ``{t: "ok", ttl, seen}`` | ``{t: "refuse", reason}``
   ``{t: "fwd", v, to, h}``              -> ``{t: "ok"}`` then raw bytes both ways | ``{t: "refuse", reason}``
 and on ``p2pdiloco.relayed`` (a private peer's, called by its relay only):
-  ``{t: "in", v, from, h}`` then raw bytes both ways: the stream of handler ``h`` from caller ``from``.
+  ``{t: "in", v, from, h, seen}`` then raw bytes both ways: the stream of handler ``h`` from caller
+  ``from``, whom the relay sees at ``seen``.
 """
 from __future__ import annotations
 
