@@ -80,16 +80,12 @@ PENDING: Dict[Tuple[str, str], str] = {
     ("p2pdiloco.train.loop", "p2pdiloco.swarm.swarm"): "module-level imports in the training loop",
     ("p2pdiloco.train.loop", "p2pdiloco.errors"): "module-level imports in the training loop",
     ("p2pdiloco.diloco.core", "p2pdiloco.swarm.allreduce"): "DiLoCo takes the group all-reduce from the swarm facade",
-    ("p2pdiloco.swarm.dialing", "p2pdiloco.swarm.relay"): "swarm rooms: a module-level import",
-    ("p2pdiloco.swarm.records", "p2pdiloco.swarm.standing"): "swarm rooms: a module-level import",
 }
 
 #: standard-library and light third-party modules imported inside functions, tolerated while a move
 #: is under way: importer -> modules
 PENDING_LAZY_THIRD_PARTY: Dict[str, Set[str]] = {
     "p2pdiloco.train.loop": {"json", "shutil", "threading", "tqdm"},
-    "p2pdiloco.swarm.reachability": {"multiaddr"},
-    "p2pdiloco.swarm.lifeline": {"psutil"},
     "p2pdiloco.compression.fused": {"types"},
 }
 

@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Any, Callable, List
 
+import psutil
+
 __all__ = ["start_dht", "stop_tree", "descendants", "POLL_S", "GRACE_S"]
 
 logger = logging.getLogger(__name__)
@@ -45,8 +47,6 @@ GRACE_S = 1.0
 
 def descendants(pid: int) -> List[int]:
     """Pids of every live descendant of ``pid`` (children first); empty if ``pid`` is gone."""
-    import psutil
-
     try:
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
@@ -56,8 +56,6 @@ def descendants(pid: int) -> List[int]:
 def stop_tree(pid: int, *, include_root: bool, grace: float = GRACE_S) -> None:
     """Stop the descendants of ``pid`` (SIGTERM, then SIGKILL after ``grace`` s), then ``pid`` itself
     with SIGKILL if ``include_root``. Never raises."""
-    import psutil
-
     try:
         procs = psutil.Process(pid).children(recursive=True)
     except psutil.Error:

@@ -56,6 +56,8 @@ import asyncio
 import logging
 from typing import Iterable, List, Optional, Sequence, Tuple
 
+from multiaddr import Multiaddr
+
 from ..errors import WireError
 from ..ids import short_id
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
@@ -128,7 +130,6 @@ async def dial_back(peer_id: str, maddrs: Sequence[str], timeout: float = DIAL_T
     one left behind by a killed process goes away."""
     from hivemind.p2p import P2P, PeerID
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-    from multiaddr import Multiaddr
 
     try:
         dialer = await P2P.create(no_listen=True, auto_nat=False, nat_port_map=False, use_relay=False,
