@@ -92,8 +92,8 @@ from .. import faults
 from ..compression import Codec
 from ..compression.robust import RobustConfig
 from ..errors import SyncFailed, WireError
-from .allreduce_member import PartSender, _Excluded
-from .allreduce_owner import ShardOwner, _Round
+from .allreduce_member import OwnerExcludedUs, PartSender
+from .allreduce_owner import ShardOwner, ShardRound
 from .group import Coverage, Group, restricted_group
 from .keys import handler_name
 from .partition import shard_bounds, squared_norm
@@ -125,7 +125,7 @@ class AllReducer(ShardOwner, PartSender):
         #: inner.round_samples of the run (rounds by the swarm's samples): the weight screen's budget
         self.round_samples = 0
         self.handler_name = handler_name(run_id, "part")
-        self._rounds: Dict[Tuple[str, str], _Round] = {}
+        self._rounds: Dict[Tuple[str, str], ShardRound] = {}
         self.stats: Counter = Counter()
         self.dropped_log: Deque[Tuple[str, str, str, str]] = deque(maxlen=256)
         #: fault-injection hook: called with (group, phase) before parts are sent; tests use it
@@ -199,7 +199,7 @@ class AllReducer(ShardOwner, PartSender):
         return out, list(results)
 
     async def _run_exchanges(self, group: Group, phase: str, tasks: List[asyncio.Future],
-                             rnd: Optional[_Round]) -> List[Tuple[Tuple[int, ...], float]]:
+                             rnd: Optional[ShardRound]) -> List[Tuple[Tuple[int, ...], float]]:
         """Await every shard's exchange (ours: ``rnd``) within 1.5 timeouts; any failure is the whole
         round's :class:`SyncFailed` (never a partial average)."""
         deadline = asyncio.get_running_loop().time() + self.timeout * 1.5
@@ -207,7 +207,7 @@ class AllReducer(ShardOwner, PartSender):
         try:
             faults.fire("allreduce.send", frag=group.frag, round=group.round)  # fault-injection hook
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=self.timeout * 1.5)
-        except _Excluded:
+        except OwnerExcludedUs:
             excluded = True
             raise
         except asyncio.TimeoutError:

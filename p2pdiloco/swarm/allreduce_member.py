@@ -23,7 +23,7 @@ from .protocol import PROTOCOL_VERSION, Traffic, note_offence, read_frame, write
 __all__ = ["PartSender"]
 
 
-class _Excluded(SyncFailed):
+class OwnerExcludedUs(SyncFailed):
     """An owner left *our* part out (or refuses us): the others' round goes on without us."""
 
 
@@ -97,7 +97,7 @@ class PartSender:
             if kind in ("abort", "refuse"):
                 reason = str(reply.get("reason"))[:500]
                 excluded = reason.startswith("your part was dropped") or "is banned here" in reason
-                raise (_Excluded if excluded else SyncFailed)(f"owner {short_id(owner)} aborted the round: {reason}")
+                raise (OwnerExcludedUs if excluded else SyncFailed)(f"owner {short_id(owner)} aborted the round: {reason}")
             if kind == "c" and got < len(chunks):
                 a, b = chunks[got]
                 codec.decode_into(payload, out[a:b], owner)

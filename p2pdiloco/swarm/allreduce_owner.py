@@ -1,5 +1,5 @@
 """The owner's side of the all-reduce: reducing one shard of a group's vector (:mod:`.allreduce` has
-the protocol). A state machine per (group, phase), :class:`_Round`: the members' parts arrive chunk by
+the protocol). A state machine per (group, phase), :class:`ShardRound`: the members' parts arrive chunk by
 chunk on the ``part`` handler, each checked before it counts; chunk ``j`` of the mean is reduced and
 streamed to every member once every kept part's chunk ``j`` is in; screens drop bad parts, never the
 round; a missing or cut part aborts the round for everyone.
@@ -41,7 +41,7 @@ MAX_PENDING_STRANGERS = 256
 
 
 @dataclass
-class _Round:
+class ShardRound:
     """The owner's side of one (gid, phase): the members' parts as they arrive chunk by chunk, parts
     dropped, and the encoded result chunks that every member's reply streams out."""
 
@@ -101,7 +101,7 @@ class ShardOwner:
     rounds by (gid, phase))."""
 
     def _open_own_shard(self, group: Group, phase: str, vec: torch.Tensor, weight: float, codec: Codec,
-                        bounds: Tuple[int, int], finite: bool) -> _Round:
+                        bounds: Tuple[int, int], finite: bool) -> ShardRound:
         """Configure the round of the shard we own (``bounds`` of ``vec``) and put our own part in it:
         the parts that arrived before we formed the group start counting now."""
         me = group.my_index
@@ -127,7 +127,7 @@ class ShardOwner:
         self._advance(rnd)
         return rnd
 
-    async def _own_result(self, rnd: _Round, out: torch.Tensor) -> Tuple[Tuple[int, ...], float]:
+    async def _own_result(self, rnd: ShardRound, out: torch.Tensor) -> Tuple[Tuple[int, ...], float]:
         """Wait for our shard's result and decode it into ``out`` (the same bytes every member decodes);
         returns (covered member indexes, their weight). Incomplete at the timeout: the round fails."""
         try:
@@ -142,7 +142,7 @@ class ShardOwner:
             rnd.codec.decode_into(data, out[s:e])
         return rnd.covered, rnd.covered_weight
 
-    async def _close_own_shard(self, rnd: _Round, phase: str, excluded: bool, deadline: float) -> None:
+    async def _close_own_shard(self, rnd: ShardRound, phase: str, excluded: bool, deadline: float) -> None:
         """We leave the round. When an owner dropped our part (``excluded``) the others' round goes on:
         keep serving our shard until it is decided (up to ``deadline``, loop time), so one rejected
         member never aborts everyone's round; then the round is closed."""
@@ -155,7 +155,7 @@ class ShardOwner:
                                    "was complete"))
         self._rounds.pop((rnd.group.gid, phase), None)
 
-    def _round(self, gid: str, phase: str, sender: str = "") -> _Round:
+    def _round(self, gid: str, phase: str, sender: str = "") -> ShardRound:
         self._sweep()
         key = (gid, phase)
         if key not in self._rounds:
@@ -172,7 +172,7 @@ class ShardOwner:
                                     f"{refusal}", sender)
                     err.benign = True
                     raise err
-            self._rounds[key] = _Round(opened_by=sender, phase=phase)
+            self._rounds[key] = ShardRound(opened_by=sender, phase=phase)
         return self._rounds[key]
 
     def _sweep(self) -> None:
@@ -185,7 +185,7 @@ class ShardOwner:
         chunks out as they are reduced (:meth:`_reply` is the only writer of the stream)."""
         sender = info.peer_id.to_base58()
         traffic = self.node.traffic
-        rnd: Optional[_Round] = None
+        rnd: Optional[ShardRound] = None
         idx: Optional[int] = None
         reply: Optional[asyncio.Future] = None
         try:
@@ -256,7 +256,7 @@ class ShardOwner:
                 reply.cancel()
             await close_after_reply(reader, writer)
 
-    async def _receive(self, rnd: _Round, idx: int, reader: asyncio.StreamReader, codec: Codec, sender: str) -> None:
+    async def _receive(self, rnd: ShardRound, idx: int, reader: asyncio.StreamReader, codec: Codec, sender: str) -> None:
         """Read member ``idx``'s chunks into its part, checking each (exact length, finite values)
         before it counts; stops early when the part was dropped or the round ended."""
         traffic = self.node.traffic
@@ -285,7 +285,7 @@ class ShardOwner:
             rnd.got[idx] += 1
             self._advance(rnd)
 
-    async def _reply(self, rnd: _Round, idx: int, writer: asyncio.StreamWriter, traffic: Traffic) -> None:
+    async def _reply(self, rnd: ShardRound, idx: int, writer: asyncio.StreamWriter, traffic: Traffic) -> None:
         """Stream the shard's result chunks to member ``idx`` as they are reduced, then the trailer
         naming whose parts they average (``avg``); ``again`` first when the results sent so far were
         replaced (a part dropped after they went out); ``abort`` if its part was dropped or the round
@@ -313,7 +313,7 @@ class ShardOwner:
                 await changed.wait()
 
     @staticmethod
-    def _check_open(rnd: _Round, idx: int, sender: str) -> None:
+    def _check_open(rnd: ShardRound, idx: int, sender: str) -> None:
         """Member ``idx`` may still deliver its part: not dropped, not delivered, round not over."""
         if idx in rnd.dropped:
             raise _Rejected("dropped", rnd.dropped[idx])
@@ -325,7 +325,7 @@ class ShardOwner:
             raise WireError(f"second part from member {idx} for the same round", sender)
 
     @staticmethod
-    def _check_header(header: dict, rnd: _Round, idx: int, sender: str) -> Tuple[float, Codec]:
+    def _check_header(header: dict, rnd: ShardRound, idx: int, sender: str) -> Tuple[float, Codec]:
         """(weight, codec) of a member's part header; raises _Rejected naming the failed check."""
         claimed, weight = header.get("idx"), header.get("w")
         if type(claimed) is not int or claimed != idx:
@@ -342,7 +342,7 @@ class ShardOwner:
             raise _Rejected("weight", f"weight {str(weight)[:30]} out of range (0, 1e12)")
         return float(weight), codec
 
-    def _drop(self, rnd: _Round, idx: int, check: str, reason: str, reduce: bool = True) -> None:
+    def _drop(self, rnd: ShardRound, idx: int, check: str, reason: str, reduce: bool = True) -> None:
         """Leave member ``idx``'s part out of this shard; log it with the peer id, count an offence."""
         peer = rnd.group.members[idx]
         rnd.dropped[idx] = reason
@@ -358,7 +358,7 @@ class ShardOwner:
         if reduce:
             self._advance(rnd)
 
-    def _stalled(self, rnd: _Round, late: Optional[List[int]] = None) -> None:
+    def _stalled(self, rnd: ShardRound, late: Optional[List[int]] = None) -> None:
         """Our shard timed out (or member ``late[0]`` sent no chunk within the timeout): count an
         offence of each member whose part is incomplete, when another member's part did come in full
         (so our own link is not what failed). A member that stalls fails the round of every group it
@@ -389,7 +389,7 @@ class ShardOwner:
         except Exception:
             pass
 
-    def _advance(self, rnd: _Round) -> None:
+    def _advance(self, rnd: ShardRound) -> None:
         """Reduce what can be reduced. Once every live member's weight is in, the weight screen runs
         and fixes the members the results average (``streaming``); from then on chunk ``j`` is reduced
         (in member order) as soon as every such member's chunk ``j`` is in, and its encoded result
@@ -415,7 +415,7 @@ class ShardOwner:
         if all(rnd.got.get(i, 0) == n for i in live):
             self._finish(rnd)
 
-    def _finish(self, rnd: _Round) -> None:
+    def _finish(self, rnd: ShardRound) -> None:
         """Every live part is complete: screen norms, then make the result final. When the chunks sent
         so far average a member that is now dropped (the norm screen, or a bad chunk after results had
         gone out), the whole result is recomputed and sent again (``epoch``; rare: only a bad part)."""
@@ -442,7 +442,7 @@ class ShardOwner:
     def _clipping(self, live: Sequence[int]) -> bool:
         return self.robust.aggregator == "centered_clip" and len(live) > 2
 
-    def _screen(self, rnd: _Round, live: List[int], weights: bool) -> None:
+    def _screen(self, rnd: ShardRound, live: List[int], weights: bool) -> None:
         """The robust screen over the live parts (member order): weights (known from the headers) or
         norms (known once the parts are complete). The owner's own part is never dropped."""
         me = rnd.group.my_index
@@ -455,7 +455,7 @@ class ShardOwner:
             self._drop(rnd, live[k], reason.split(" ", 1)[0], reason, reduce=False)
 
     @staticmethod
-    def _fail(rnd: _Round, exc: Exception) -> None:
+    def _fail(rnd: ShardRound, exc: Exception) -> None:
         if not rnd.done.done():
             rnd.done.set_exception(exc)
             rnd.done.exception()  # mark retrieved

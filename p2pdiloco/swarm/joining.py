@@ -18,7 +18,7 @@ from ..errors import MatchmakingFailed, RoundMissed, WireError
 from ..ids import short_id
 from .dialing import dial_reason, ensure_connected, open_stream
 from .group import Group, make_group_id
-from .leading import _LeftOut, _Proposal, _Slot
+from .leading import LeftOut, Proposal, RoundSlot
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
                        refuse_bad_request, write_frame)
 
@@ -168,12 +168,12 @@ class JoinRequests:
                         f"round {round_} before the group closed; not admitted")
             return None
         answer = fut.result()
-        if isinstance(answer, _Proposal):  # closing: the link check first (matchmaking item 10)
+        if isinstance(answer, Proposal):  # closing: the link check first (matchmaking item 10)
             answer = await self._warm_exchange(reader, writer, sender, answer)
         return self._final_reply(answer, slot)
 
     @staticmethod
-    def _refusal(slot: _Slot) -> Optional[Dict[str, Any]]:
+    def _refusal(slot: RoundSlot) -> Optional[Dict[str, Any]]:
         """The refusal for a joiner once our slot decided (None: we lead and admit it)."""
         if not slot.decided.is_set():
             return {"t": "refuse", "reason": "undecided"}
@@ -185,9 +185,9 @@ class JoinRequests:
         return None
 
     @staticmethod
-    def _final_reply(answer: Union[Group, _LeftOut, str, None], slot: _Slot) -> Dict[str, Any]:
+    def _final_reply(answer: Union[Group, LeftOut, str, None], slot: RoundSlot) -> Dict[str, Any]:
         """The leader's last word to an admitted joiner: the group, or why there is none for it."""
-        if isinstance(answer, _LeftOut):
+        if isinstance(answer, LeftOut):
             return {"t": "refuse", "reason": "left out", "why": str(answer)[:300]}
         if isinstance(answer, str):  # we stepped down: a peer with a smaller id leads this round
             return {"t": "refuse", "reason": "not leader", "hint": answer}
@@ -211,7 +211,7 @@ class JoinRequests:
         return {t for t, failure in zip(targets, results) if failure is not None}
 
     async def _warm_exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sender: str,
-                             proposal: _Proposal) -> Union[Group, _LeftOut, None]:
+                             proposal: Proposal) -> Union[Group, LeftOut, None]:
         """Handler side of the link check with one joiner: send the proposal, read its report, wait for
         the final group. Returns the group, the reason it was left out, or None (no group)."""
         traffic = self.node.traffic
@@ -238,7 +238,7 @@ class JoinRequests:
         except asyncio.TimeoutError:
             return None
         if sender in proposal.left:
-            return _LeftOut(proposal.left[sender])
+            return LeftOut(proposal.left[sender])
         return group
 
     async def _answer_warm(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: Dict[str, Any],

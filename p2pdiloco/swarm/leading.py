@@ -1,7 +1,7 @@
 """The leader's side of group formation (:mod:`.matchmaking` has the protocol, items 2, 7 and 10):
 admit joiners for the join grace, step down when a better-ranked ready peer shows up, propose the
 group and warm its links, leave out members nobody can reach, close the group and announce it.
-The per-round state both sides of the join protocol share is :class:`_Slot`.
+The per-round state both sides of the join protocol share is :class:`RoundSlot`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Slot:
+class RoundSlot:
     """This peer's matchmaking state for one (fragment, round)."""
 
     decided: asyncio.Event = field(default_factory=asyncio.Event)
@@ -39,7 +39,7 @@ class _Slot:
 
 
 @dataclass
-class _Proposal:
+class Proposal:
     """The group a leader is about to close, sent to its joiners to warm their links (matchmaking item 10)."""
 
     members: Tuple[str, ...]
@@ -49,17 +49,17 @@ class _Proposal:
     left: Dict[str, str] = field(default_factory=dict)  # members left out -> why
 
 
-class _LeftOut(str):
+class LeftOut(str):
     """A joiner's answer: it was left out of the group (the reason)."""
 
 
-def _consume(fut: asyncio.Future) -> None:
+def consume_outcome(fut: asyncio.Future) -> None:
     """Done-callback of a future nobody awaits any more: retrieve its outcome (no 'never retrieved' log)."""
     if not fut.cancelled():
         fut.exception()
 
 
-def _answer_joiners(slot: _Slot, answer: object) -> None:
+def _answer_joiners(slot: RoundSlot, answer: object) -> None:
     """Give every joiner still waiting for our answer ``answer``: a group, a proposal, the id of the
     peer we stepped down for (their hint), or None (no group)."""
     for fut in slot.joiners.values():
@@ -70,7 +70,7 @@ def _answer_joiners(slot: _Slot, answer: object) -> None:
 class Leading:
     """The leader's side of :class:`~p2pdiloco.swarm.matchmaking.Matchmaker` (a base class of it)."""
 
-    async def _lead(self, slot: _Slot, frag: int, round_: int, expected_joiners: Set[str],
+    async def _lead(self, slot: RoundSlot, frag: int, round_: int, expected_joiners: Set[str],
                     unseen: Set[str] = frozenset(), due: Optional[int] = None,
                     skip: Set[str] = frozenset()) -> Union[Group, str]:
         """Lead the round: admit joiners (:meth:`_admit`), then close the group (:meth:`_close`).
@@ -88,7 +88,7 @@ class Leading:
             return better
         return await self._close(slot, frag, round_, expected_joiners, unseen, due)
 
-    async def _admit(self, slot: _Slot, frag: int, round_: int, expected_joiners: Set[str], unseen: Set[str],
+    async def _admit(self, slot: RoundSlot, frag: int, round_: int, expected_joiners: Set[str], unseen: Set[str],
                      skip: Set[str]) -> Optional[str]:
         """Admit joiners for up to ``join_grace`` seconds: everyone we saw ready, plus the live peers due
         at this sync whose ready record we did not see (DHT views differ: a record we missed must not
@@ -115,7 +115,7 @@ class Leading:
                 return better[0]
         return None
 
-    async def _close(self, slot: _Slot, frag: int, round_: int, expected_joiners: Set[str], unseen: Set[str],
+    async def _close(self, slot: RoundSlot, frag: int, round_: int, expected_joiners: Set[str], unseen: Set[str],
                      due: Optional[int]) -> Group:
         """Close the group: refuse latecomers, check that the round did not go on without us, warm the
         links (members nobody can reach are left out), answer every joiner and announce the group."""
@@ -162,15 +162,15 @@ class Leading:
         """The shard owners of ``members`` (:func:`.formation.shard_owners`)."""
         return formation.shard_owners(members, self._tier)
 
-    async def _warm_group(self, slot: _Slot, frag: int, round_: int,
-                          members: Tuple[str, ...]) -> Tuple[Tuple[str, ...], _Proposal]:
+    async def _warm_group(self, slot: RoundSlot, frag: int, round_: int,
+                          members: Tuple[str, ...]) -> Tuple[Tuple[str, ...], Proposal]:
         """Leader: propose ``members`` to the joiners, warm our own links meanwhile, collect their
         reports; returns the members that stay (and the proposal, whose ``final`` the caller sets)."""
         loop = asyncio.get_running_loop()
         me = self.node.peer_id_str
         owners = self._owners(members)
         joiners = {j: f for j, f in slot.joiners.items() if j in members}
-        proposal = _Proposal(members, owners, {j: loop.create_future() for j in joiners}, loop.create_future())
+        proposal = Proposal(members, owners, {j: loop.create_future() for j in joiners}, loop.create_future())
         for fut in joiners.values():
             if not fut.done():
                 fut.set_result(proposal)
@@ -179,7 +179,7 @@ class Leading:
         reports = {j: (f.result() if f.done() else None) for j, f in proposal.reports.items()}
         if not own.done():
             own.cancel()
-            own.add_done_callback(_consume)
+            own.add_done_callback(consume_outcome)
         reports[me] = own.result() if own.done() and not own.cancelled() else set()
         proposal.left = self._left_out(members, reports)
         if proposal.left:

@@ -94,7 +94,7 @@ from .formation import expected_peers
 from .group import Group, tier_of
 from .joining import JoinRequests
 from .keys import group_key, handler_name, progress_key, ready_key
-from .leading import Leading, _Slot, _consume
+from .leading import Leading, RoundSlot, consume_outcome
 from .reachability import REACHABILITY
 from .standing import Lineage, Partners, pick_target, voters
 
@@ -119,7 +119,7 @@ class _Attempt:
     round: int
     sync_step: Optional[int]
     expected: int                          # ready peers to wait for, us included
-    slot: _Slot
+    slot: RoundSlot
     key: str                               # the round's ready-record key
     t_enter: float
     start: float
@@ -177,7 +177,7 @@ class Matchmaker(Leading, JoinRequests):
         #: False: wait up to matchmaking_timeout for every expected peer (nothing derived)
         self.adaptive = True
         self.handler_name = handler_name(run_id, "join")
-        self._slots: Dict[Tuple[int, int], _Slot] = {}
+        self._slots: Dict[Tuple[int, int], RoundSlot] = {}
         self._live_count = 1  # live peers (us included) at the last read of the progress records
         #: recently finalized groups by (fragment, round): the training loop reads a sync's group id here
         self.groups: Dict[Tuple[int, int], Group] = {}
@@ -312,10 +312,10 @@ class Matchmaker(Leading, JoinRequests):
     def _group_key(self, frag: int, round_: int) -> str:
         return group_key(self.run_id, frag, round_)
 
-    def _slot(self, frag: int, round_: int) -> _Slot:
+    def _slot(self, frag: int, round_: int) -> RoundSlot:
         for key in [k for k in self._slots if k[1] < round_ - 2]:
             del self._slots[key]  # forget rounds long gone
-        return self._slots.setdefault((frag, round_), _Slot())
+        return self._slots.setdefault((frag, round_), RoundSlot())
 
     # ---- one formation: form_group and its steps ---------------------------------------------------
 
@@ -425,7 +425,7 @@ class Matchmaker(Leading, JoinRequests):
                 await self._wait_for_news(None, slot, reads, a.early)
             if not reads.done():
                 reads.cancel()
-                reads.add_done_callback(_consume)
+                reads.add_done_callback(consume_outcome)
             if a.early is not None and a.early.done():
                 group, _ = a.early.result()  # a RoundMissed (closed without us) ends matchmaking here
                 a.early = None
@@ -558,7 +558,7 @@ class Matchmaker(Leading, JoinRequests):
         return group, hint
 
     @staticmethod
-    async def _wait_for_news(timeout: Optional[float], slot: _Slot, *futures: Optional[asyncio.Future]) -> None:
+    async def _wait_for_news(timeout: Optional[float], slot: RoundSlot, *futures: Optional[asyncio.Future]) -> None:
         """Wait until a peer asks us to admit it, one of ``futures`` is done, or ``timeout`` passes."""
         slot.arrived.clear()
         arrived = asyncio.ensure_future(slot.arrived.wait())
