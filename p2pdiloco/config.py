@@ -455,7 +455,10 @@ def describe_scheme(cfg: "RunConfig") -> str:
         what = f"Streaming DiLoCo, {s.fragments} fragment{'s' if s.fragments > 1 else ''}, {overlap}"
     wire = c.codec + (f" + low-rank (rank {c.rank})" if c.lowrank else "")
     name = scheme_of(cfg)
-    return f"{what}, {wire} on the wire, outer lr {cfg.outer.lr:g}" + (f" (scheme '{name}')" if name else "")
+    rounds = (f"rounds of {cfg.inner.round_samples} samples by the whole swarm" if cfg.inner.round_samples
+              else f"rounds of {cfg.inner.sync_every} inner steps on every peer")
+    return (f"{what}, {wire} on the wire, outer lr {cfg.outer.lr:g}" + (f" (scheme '{name}')" if name else "")
+            + f"; {rounds}")
 
 
 def _get(cfg: "RunConfig", dotted: str) -> Any:

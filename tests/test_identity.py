@@ -96,9 +96,10 @@ def test_default_listen_addresses_are_loopback_unless_the_swarm_is_elsewhere():
     assert listen_maddrs([], []) == ["/ip4/127.0.0.1/tcp/0"]
     assert listen_maddrs([], ["/ip4/127.0.0.1/tcp/31337" + peer, "/dns/localhost/tcp/1" + peer]) == [
         "/ip4/127.0.0.1/tcp/0"]
+    # beyond loopback: TCP and QUIC (a QUIC dial leaves from the listening socket: hole punching)
     assert listen_maddrs([], ["/ip4/127.0.0.1/tcp/31337" + peer, "/ip4/192.0.2.7/tcp/31337" + peer]) == [
-        "/ip4/0.0.0.0/tcp/0"]
-    assert listen_maddrs([], ["/ip6/2001:db8::7/tcp/31337" + peer]) == ["/ip6/::/tcp/0"]
+        "/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
+    assert listen_maddrs([], ["/ip6/2001:db8::7/tcp/31337" + peer]) == ["/ip6/::/tcp/0", "/ip6/::/udp/0/quic-v1"]
     assert listen_maddrs(["/ip4/127.0.0.1/tcp/5"], ["/ip4/192.0.2.7/tcp/31337" + peer]) == ["/ip4/127.0.0.1/tcp/5"]
     assert BootstrapConfig().host_maddrs == ["/ip4/127.0.0.1/tcp/0"]
     assert RunConfig().swarm.announce_maddrs == [] and BootstrapConfig().announce_maddrs == []
