@@ -105,7 +105,7 @@ def test_a_fragment_without_samples_is_not_sent():
     diloco = p2pdiloco.DiLoCo(model, cfg)
     diloco.start_clock()
     reports = diloco.after_inner_step(10)    # 1 round of 4 positions... of 10 each: position 1
-    assert reports == [] and diloco.inner_step == 1
+    assert reports == [] and diloco.position == 1
     reports = diloco.after_inner_step(75)    # 8.5 positions: to 9, passing 4 (ours) and 8 (nothing of ours)
     assert [(r.step, r.ok, r.missed) for r in reports] == [(4, True, False), (8, False, True)]
     assert "not a member" in reports[1].error
@@ -147,7 +147,7 @@ def test_a_blocking_sync_sets_the_clock(monkeypatch, steps, at, settled):
         now[0] += 1.0                                       # every step one second of computing
         reports += diloco.after_inner_step(samples)
     assert [(r.step, r.ok) for r in reports] == [(8, True)]
-    assert diloco.inner_step == at
+    assert diloco.position == at
     assert diloco.clock.pos == pytest.approx(settled)
 
 

@@ -80,7 +80,7 @@ class FakeSwarm:
         return self.hub.m
 
     def form_group(self, frag: int, round_: int, sync_step: int) -> Group:
-        self.hub.groups.append((self.idx, frag, round_, sync_step, self.diloco.inner_step))
+        self.hub.groups.append((self.idx, frag, round_, sync_step, self.diloco.position))
         members = tuple(f"peer{i}" for i in range(self.hub.m))
         return Group(gid=f"{frag}:{round_}", members=members, my_index=self.idx, frag=frag, round=round_)
 
@@ -90,7 +90,7 @@ class FakeSwarm:
         if self.hold is not None:
             self.hold(self, group, phase)
         self.hub.calls.append((self.idx, group.frag, group.round, phase,
-                               -1 if self.finishing else self.diloco.inner_step))
+                               -1 if self.finishing else self.diloco.position))
         if (group.frag, group.round) in self.hub.fail:
             raise SyncFailed(f"injected failure of fragment {group.frag} round {group.round}")
         self.node.traffic.add(sent=4 * vec.numel(), received=4 * vec.numel())
@@ -104,7 +104,7 @@ def hold_until(steps_after_send: Callable[[int], int], extra_sleep: float = 0.0)
         d = swarm.diloco
         send = d.schedule.send_step(group.frag, group.round)
         target = send + steps_after_send(group.frag)
-        while d.inner_step < target and not swarm.finishing:
+        while d.position < target and not swarm.finishing:
             time.sleep(0.001)
         if extra_sleep:
             time.sleep(extra_sleep)
@@ -146,7 +146,7 @@ def run_peers(cfg, m: int, outer_steps: int, hub: Optional[Hub] = None, hold=Non
                 d.on_sync = lambda r: on_sync(i, d, r)
             reports = []
             while d.outer_round() < outer_steps:
-                n = _inner_step(cfg, model, opt, stream, d.inner_step)
+                n = _inner_step(cfg, model, opt, stream, d.position)
                 for r in d.after_inner_step(n):
                     reports.append(r)
                     if after_report is not None:
@@ -460,7 +460,7 @@ class FoundationDiLoCo:
                       for ps in self.local]
         self.codec = get_codec(cfg.compression.codec)
         self.reducers = [make_reducer(cfg, ps) for ps in self.local]
-        self.inner_step, self.synced_step, self.samples_since = 0, 0, [0] * P
+        self.position, self.synced_step, self.samples_since = 0, 0, [0] * P
         self.state_lock = threading.Lock()
 
     def offset(self, p):
@@ -477,18 +477,18 @@ class FoundationDiLoCo:
         return self.outer[0].steps
 
     def after_inner_step(self, samples):
-        self.inner_step += 1
+        self.position += 1
         for p in range(len(self.outer)):
             self.samples_since[p] += samples
-        return [self._sync(p, self.round_of(p, self.inner_step)) for p in self.due(self.inner_step)]
+        return [self._sync(p, self.round_of(p, self.position)) for p in self.due(self.position)]
 
     def _sync(self, p, round_):
         outer = self.outer[p]
         delta = outer.pseudo_gradient(self.local[p])
-        report = SimpleNamespace(step=self.inner_step, fragment=p, round=round_, ok=False, digest="")
+        report = SimpleNamespace(step=self.position, fragment=p, round=round_, ok=False, digest="")
         weight = float(self.samples_since[p])
         try:
-            group = self.swarm.form_group(p, round_, self.inner_step)
+            group = self.swarm.form_group(p, round_, self.position)
 
             def allreduce(vec, phase, codec=None):
                 return self.swarm.allreduce(group, f"f{p}.{phase}", vec, weight, codec or self.codec)
@@ -500,7 +500,7 @@ class FoundationDiLoCo:
             with self.state_lock:
                 outer.step(avg)
                 outer.copy_to(self.local[p])
-                self.synced_step = self.inner_step
+                self.synced_step = self.position
             self.samples_since[p] = 0
             report.ok, report.digest = True, outer.digest()
         return report
@@ -804,7 +804,7 @@ def test_eager_follows_each_peers_paper_trajectory_through_failures(pattern):
                     job.future.result(30)
                 dilocos[m] = make(m)
                 dilocos[m].load_snapshot(*donor.snapshot())
-                assert dilocos[m].inner_step == k * H
+                assert dilocos[m].position == k * H
             for step in range(H):
                 for m, d in dilocos.items():
                     for fut in list(d.groups.prepared.values()):  # formed before the send: its size is known there

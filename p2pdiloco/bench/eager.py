@@ -129,7 +129,7 @@ def run_variant(config: Optional[str], sets: Sequence[str], spec: str, peers: in
                             status(f"{spec}: outer step {len(curve)}/{outer_steps} val {curve[-1]:.4f}")
                 d.on_sync = on_sync
             while d.outer_round() < outer_steps:
-                _, batch = inner_step(cfg, model, opt, stream, d.inner_step)
+                _, batch = inner_step(cfg, model, opt, stream, d.position)
                 d.after_inner_step(batch)
             d.finish()
             d.close()

@@ -66,7 +66,7 @@ class SyncJob:
 class SyncReport:
     """What one fragment sync did (one line of metrics.jsonl)."""
 
-    step: int                 # inner step after which the pseudo-gradient was sent
+    step: int                 # schedule position after which the pseudo-gradient was sent
     fragment: int
     round: int                # the fragment's outer round (0-based)
     ok: bool
@@ -78,7 +78,7 @@ class SyncReport:
     digest: str = ""          # of the fragment's θ and momentum after the sync
     error: str = ""
     missed: bool = False      # the round's group closed without us: the caller must catch up
-    applied_step: int = 0     # inner step after which the result reached the model
+    applied_step: int = 0     # schedule position after which the result reached the model
     wait_seconds: float = 0.0  # how long the training loop blocked on this sync
     overlapped_steps: int = 0  # inner steps taken while its all-reduce was in flight
     peak_bytes_per_s: float = 0.0  # peak traffic (sent + received, 1 s window) since the previous report

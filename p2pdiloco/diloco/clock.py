@@ -97,6 +97,19 @@ class SwarmClock:
         a = 0.3
         self.step_seconds = busy if self.step_seconds == 0 else (1 - a) * self.step_seconds + a * busy
 
+    def step(self, samples: int, now: float, compute_seconds: float, others: Dict[str, dict]) -> None:
+        """One inner step of ours ended: read the other live peers' published records (``rate``, and
+        ``pos`` read at ``pt``), advance (:meth:`observe`) and agree with them (:meth:`align`). Values
+        that are missing or not finite are skipped."""
+        rates = [float(v["rate"]) if isinstance(v.get("rate"), (int, float)) and 0 < v["rate"] < 1e9 else None
+                 for v in others.values()]
+        # a peer whose rate we do not know yet (its first records) counts as fast as we are
+        self.others_rate = sum(r if r is not None else self.rate() for r in rates)
+        self.observe(samples, now, compute_seconds)
+        self.align([(pid, float(v["pos"]), float(v["pt"])) for pid, v in others.items()
+                    if isinstance(v.get("pos"), (int, float)) and isinstance(v.get("pt"), (int, float))
+                    and math.isfinite(v["pos"]) and math.isfinite(v["pt"])], now)
+
     def _remember(self, now: float) -> None:
         self._history.append((now, self.pos))
         while len(self._history) > 2 and now - self._history[1][0] > 3 * self.window:

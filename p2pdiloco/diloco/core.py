@@ -113,7 +113,7 @@ class DiLoCo:
         self.fragments: List[FragmentState] = self._build_fragments(model, cfg, outer_device)
         #: the schedule position: inner steps taken (rounds of H steps), or the swarm clock's position
         #: (inner.round_samples > 0, :mod:`.clock`); send steps, synced_step and tau count positions
-        self.inner_step = 0
+        self.position = 0
         #: inner steps this peer took (the inner lr warm-up's counter with the swarm clock)
         self.local_steps = 0
         #: rounds by the swarm's samples: the swarm clock, None for rounds of H steps
@@ -177,18 +177,19 @@ class DiLoCo:
         return self.schedule.offset(p)
 
     def due(self, t: int) -> List[int]:
-        """Fragments that sync right after inner step ``t`` (1-based count of steps taken)."""
+        """Fragments that sync right after schedule position ``t`` (1-based; with rounds of H steps the
+        count of inner steps taken)."""
         return self.schedule.due(t)
 
     def round_of(self, p: int, t: int) -> int:
         return self.schedule.round_of(p, t)
 
     def next_sync_step(self) -> int:
-        """Inner step of this peer's next group formation: a sync whose group is still forming, or the
+        """Schedule position of this peer's next group formation: a sync whose group is still forming, or the
         next scheduled one. Peers matchmaking for a step wait for everyone whose next sync is not later."""
         forming = [j.send_step for j in self._inflight if j.group is not None and not j.group.done()]
         forming += self.groups.forming_send_steps()
-        return min(forming + [self.schedule.next_send(self.inner_step)])
+        return min(forming + [self.schedule.next_send(self.position)])
 
     def outer_round(self) -> int:
         """Outer rounds of fragment 0 applied or still in flight (failed ones are not counted): the
@@ -207,7 +208,7 @@ class DiLoCo:
     def lr_step(self) -> int:
         """The inner lr schedule's step: the schedule position with rounds of H steps (as the papers),
         this peer's own step count with the swarm clock (positions are not steps there)."""
-        return self.inner_step if self.clock is None else self.local_steps
+        return self.position if self.clock is None else self.local_steps
 
     def after_inner_step(self, samples: int) -> List[SyncReport]:
         """Count one inner step of ``samples`` sequences; send the fragments that are due and apply the
@@ -224,7 +225,7 @@ class DiLoCo:
             if not job.future.done():
                 job.overlapped_steps += 1
         if self.clock is None:
-            return self._advance_to(self.inner_step + 1)
+            return self._advance_to(self.position + 1)
         reports = self._advance_to(self._clock_target(samples))
         self._resumed_at = time.time()
         return reports
@@ -233,9 +234,9 @@ class DiLoCo:
         reports: List[SyncReport] = []
         blocking_at = None  # the position of the last blocking sync that ended here
         has_samples = (lambda p: True) if self.clock is None else (lambda p: self.fragments[p].samples_since_send > 0)
-        while self.inner_step < target:
-            self.inner_step += 1
-            t = self.inner_step
+        while self.position < target:
+            self.position += 1
+            t = self.position
             for p in self.schedule.due(t):
                 reports += self._send(self.fragments[p], t)
             resolved, blocking_ended = self.overlap.resolve_due(self, t)
@@ -261,15 +262,8 @@ class DiLoCo:
         compute = now - self._resumed_at if not math.isnan(self._resumed_at) else 0.0
         view = self.swarm.peers_view() if self.swarm is not None else None
         others = {pid: v for pid, v in (view or {}).items() if pid != self.swarm.peer_id and not v.get("gone")}
-        rates = [float(v["rate"]) if isinstance(v.get("rate"), (int, float)) and 0 < v["rate"] < 1e9 else None
-                 for v in others.values()]
-        # a peer whose rate we do not know yet (its first records) counts as fast as we are
-        clock.others_rate = sum(r if r is not None else clock.rate() for r in rates)
-        clock.observe(samples, now, compute)
-        clock.align([(pid, float(v["pos"]), float(v["pt"])) for pid, v in others.items()
-                     if isinstance(v.get("pos"), (int, float)) and isinstance(v.get("pt"), (int, float))
-                     and math.isfinite(v["pos"]) and math.isfinite(v["pt"])], now)
-        return clock.target(self.inner_step, self.schedule.next_send)
+        clock.step(samples, now, compute, others)
+        return clock.target(self.position, self.schedule.next_send)
 
     def finish(self) -> List[SyncReport]:
         """End of training: wait for every sync in flight and apply it (in ``delay``/``eager`` the model
@@ -368,7 +362,7 @@ class DiLoCo:
         report = SyncReport(step=job.send_step, fragment=p, round=job.round, ok=job.ok, group_size=job.group_size,
                             seconds=job.seconds, samples=int(job.weight), bytes_sent=job.bytes_sent,
                             bytes_received=job.bytes_received, digest=job.digest, error=job.error,
-                            missed=job.missed, applied_step=self.inner_step, wait_seconds=waited,
+                            missed=job.missed, applied_step=self.position, wait_seconds=waited,
                             overlapped_steps=job.overlapped_steps,
                             peak_bytes_per_s=self.meter.take_peak() if self.meter is not None else 0.0,
                             extra={**(job.extra if job.ok else {}),
@@ -437,16 +431,16 @@ class DiLoCo:
                 o.steps = int(steps)
             for frag in self.fragments:
                 frag.outer.copy_to(frag.model_params)
-            self.inner_step = self.synced_step = int(meta["step"])
+            self.position = self.synced_step = int(meta["step"])
             if self.clock is not None:
-                self.clock.jump_to(self.inner_step)
+                self.clock.jump_to(self.position)
                 self._resumed_at = time.time()  # the download's time was no computing
             for frag in self.fragments:
                 frag.samples_since_send = 0
             if self._inflight:
                 logger.info(f"dropped {len(self._inflight)} sync(s) in flight for the downloaded state")
             self._inflight.clear()
-            self.groups.drop_through(self.inner_step)
+            self.groups.drop_through(self.position)
             for frag in self.fragments:
                 self.overlap.begin_phase(frag)
                 frag.forget_offset()  # the peer restarts on the agreed trajectory

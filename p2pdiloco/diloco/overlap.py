@@ -105,10 +105,10 @@ __all__ = ["OverlapMode", "TauMode", "DelayMode", "EagerMode", "EagerHeuristicMo
 class OverlapMode:
     """How one mode (``streaming.mode``) sends a fragment and applies its results (module docstring).
 
-    The modes are parts of :class:`~.core.DiLoCo` (``dl``, not imported here: core imports this module):
-    they run on the training thread and use its job list, groups and lock. ``restarts_phases``: each inner phase restarts from a start point
-    W_m (``delay``/``eager``); ``keeps_offset``: the start point carries a per-peer offset that a
-    checkpoint keeps (``eager``).
+    The modes are parts of :class:`~.core.DiLoCo` (``dl``, not imported here: core imports this
+    module): they run on the training thread and use its job list, groups and lock.
+    ``restarts_phases``: each inner phase restarts from a start point W_m (``delay``/``eager``);
+    ``keeps_offset``: the start point carries a per-peer offset that a checkpoint keeps (``eager``).
     """
 
     name = ""
@@ -346,7 +346,7 @@ def _expected_size(dl: "DiLoCo", group: concurrent.futures.Future, prev: Optiona
         return max(1, int(getattr(group.result(), "size", 1)))
     if prev is not None and prev.ok:
         return max(1, prev.group_size)
-    return max(1, dl.swarm.expected_group(dl.inner_step)) if dl.swarm is not None else 1
+    return max(1, dl.swarm.expected_group(dl.position)) if dl.swarm is not None else 1
 
 
 def overlap_mode(streaming, H: int) -> OverlapMode:

@@ -348,7 +348,7 @@ class LocalLeader:
             send = [k != s for k, s in zip(keys, self._outer_keys)]
             flats = {p: torch.cat([t.reshape(-1) for t in fragment_tensors(o)])
                      for p, (o, s) in enumerate(zip(d.outer, send)) if s}
-            step, synced = d.inner_step, d.synced_step
+            step, synced = d.position, d.synced_step
         ctl = Control(keep_going=keep_going, final=final, lr_step=lr_step, step=step, synced_step=synced)
         gather, gather_opt = self._plan(keep_going, final)
         msg = [int(keep_going), int(final), lr_step, step, synced, *map(int, changed), *map(int, send), *(k[1] for k in keys),
@@ -388,7 +388,7 @@ class LocalLeader:
             return set(), False
         if not keep_going:
             return set(range(self.diloco.num_fragments)), False
-        return fragments_needed(self.diloco, self.diloco.inner_step + 1)
+        return fragments_needed(self.diloco, self.diloco.position + 1)
 
 
 def fragments_needed(diloco, t: int) -> Tuple[Set[int], bool]:

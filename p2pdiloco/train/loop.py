@@ -169,8 +169,8 @@ class _Peer:
             _restore(ckpt, self.model, self.inner_opt, diloco, self.stream if saved_world == self.world else None)
             if saved_world != self.world:
                 self._reshard(ckpt, saved_world)
-            logger.info(f"[{me}] resumed from {ckpt_path} at inner step {diloco.inner_step}")
-            self.metrics.write("resume", step=diloco.inner_step, synced_step=diloco.synced_step,
+            logger.info(f"[{me}] resumed from {ckpt_path} at inner step {diloco.position}")
+            self.metrics.write("resume", step=diloco.position, synced_step=diloco.synced_step,
                                digest=diloco.digest(), outer_step=diloco.outer_round())
         self.numels = [o.numel for o in diloco.outer]
         self.recent = 2 * diloco.num_fragments + 2  # how many of our lineage's latest groups identify our side
@@ -190,7 +190,7 @@ class _Peer:
                        f"{self.world}: resuming the model, optimiser and global state, with the data re-sliced "
                        f"into {self.world} sub-shard(s) of shard {self.shard}")
         self.metrics.write("reshard", local_workers=self.world, saved_local_workers=saved_world,
-                           step=self.diloco.inner_step, batches_drawn=drawn)
+                           step=self.diloco.position, batches_drawn=drawn)
 
     # ---- catching up, giving way -------------------------------------------------------------------------
     def rivals(self, peers: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, Dict[str, Any]]]:
@@ -256,7 +256,7 @@ class _Peer:
                                      # is retried within a progress period
                                      record_wait=swarm.progress_period + 5.0)
             except SyncFailed as e:
-                metrics.write("catch_up_failed", step=diloco.inner_step, error=str(e),
+                metrics.write("catch_up_failed", step=diloco.position, error=str(e),
                               seconds=round(time.time() - t_try, 3))
                 if joining:
                     raise JoinFailed(f"could not join run {cfg.swarm.run_id!r}: {e}") from None
@@ -281,11 +281,11 @@ class _Peer:
         gids = [g for g in dict.fromkeys(read.get(d, {}).get("gid") for d in got.donors) if isinstance(g, str) and g]
         swarm.matchmaker.adopt_lineage(gids)
         swarm.matchmaker.set_companions(got.donors)
-        logger.info(f"[{self.me}] caught up with the swarm: step {diloco.inner_step}, digest {diloco.digest()} "
+        logger.info(f"[{self.me}] caught up with the swarm: step {diloco.position}, digest {diloco.digest()} "
                     f"from {len(got.donors)} donor(s) in {got.seconds:.1f} s")
-        metrics.write("catch_up", step=diloco.inner_step, digest=diloco.digest(), outer_step=diloco.outer_round(),
+        metrics.write("catch_up", step=diloco.position, digest=diloco.digest(), outer_step=diloco.outer_round(),
                       donors=got.donors, seconds=round(got.seconds, 3), rejected=len(got.rejected))
-        swarm.update_progress(step=diloco.inner_step, synced_step=diloco.synced_step, gid=gids[0] if gids else "",
+        swarm.update_progress(step=diloco.position, synced_step=diloco.synced_step, gid=gids[0] if gids else "",
                               round=diloco.outer_round(), digest=diloco.digest(), next_sync=diloco.next_sync_step())
         swarm.publish_progress()
 
@@ -334,12 +334,12 @@ class _Peer:
         self.val = self.val0 = self.val_loss()
         self.metrics.write("start", peer=self.node.peer_id_str, shard=self.shard,
                            params=count_parameters(self.model), val_loss=self.val0, fingerprint=run_fingerprint(cfg),
-                           digest=diloco.digest(), step=diloco.inner_step, device=str(self.device),
+                           digest=diloco.digest(), step=diloco.position, device=str(self.device),
                            cpu_capability=torch.backends.cpu.get_cpu_capability(),
                            # rounds by the swarm's samples: tokens of the whole swarm per schedule position
                            tokens_per_position=(cfg.inner.round_samples / cfg.inner.sync_every * cfg.model.seq_len
                                                 if cfg.inner.round_samples else None))
-        swarm.update_progress(step=diloco.inner_step, round=diloco.outer_round(), samples=0, sent=0, recv=0,
+        swarm.update_progress(step=diloco.position, round=diloco.outer_round(), samples=0, sent=0, recv=0,
                               loss=None, val_loss=self.val0, digest=diloco.digest(), last_sync=None, sps=0.0,
                               next_sync=diloco.next_sync_step(), synced_step=diloco.synced_step)
         swarm.update_progress(lw=self.world)  # local workers training this replica (status)
@@ -394,7 +394,7 @@ class _Peer:
         while self.go:
             t0 = time.perf_counter()
             loss, batch = self._inner_step()
-            faults.set_step(diloco.inner_step + 1)
+            faults.set_step(diloco.position + 1)
             # fault-injection hook: after this step's update, before its syncs (``slow``: a slower machine)
             faults.fire("step", busy=time.perf_counter() - t0)
             self._after_syncs(diloco.after_inner_step(batch))
@@ -421,7 +421,7 @@ class _Peer:
         diloco, now = self.diloco, time.time()
         sent, recv = self.node.traffic.snapshot()
         rate = self.samples / max(now - self.t_start, 1e-9)  # this session's
-        fields = dict(step=diloco.inner_step, samples=self.samples, sent=sent, recv=recv, rate=rate,
+        fields = dict(step=diloco.position, samples=self.samples, sent=sent, recv=recv, rate=rate,
                       sps=self.steps / max(now - self.t_start, 1e-9))
         if diloco.clock is not None:
             fields.update(sps=diloco.clock.speed(), rate=diloco.clock.rate(), pos=diloco.clock.pos, pt=now)
@@ -544,7 +544,7 @@ class _Peer:
         if self.sharded:  # the workers gathered the full optimiser state to us after this step (or not)
             opt = self.leader.optimizer_state() if self.leader is not None else None
             if opt is None:
-                logger.debug(f"[{self.me}] no checkpoint at step {self.diloco.inner_step}: optimiser state not gathered")
+                logger.debug(f"[{self.me}] no checkpoint at step {self.diloco.position}: optimiser state not gathered")
                 return
         with self.diloco.state_lock:  # not while a background sync writes a global copy
             snap = _snapshot(self.model, opt, self.diloco, self.stream, local_workers=self.world)
@@ -563,7 +563,7 @@ class _Peer:
         sent, recv = self.node.traffic.snapshot()
         summary = {"peer": self.node.peer_id_str, "short_id": self.me, "val_loss_start": self.val0,
                    "val_loss_end": self.val, "outer_steps": diloco.outer_round(), "inner_steps": diloco.local_steps,
-                   "schedule_position": diloco.inner_step,
+                   "schedule_position": diloco.position,
                    "syncs": self.syncs, "failed_syncs": self.failed, "bytes_sent": sent, "bytes_received": recv,
                    "reachability": self.node.reachability, "relayed_bytes": self.node.relay_stats["bytes"],
                    "seconds": round(time.time() - self.t_start, 2), "digest": diloco.digest(),
@@ -644,7 +644,7 @@ def _wait_for_peers(swarm, cfg: RunConfig, me: str) -> None:
 def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream, local_workers: int = 1) -> Dict[str, Any]:
     opt_state = inner_opt if isinstance(inner_opt, dict) else inner_opt.state_dict()  # a dict: gathered shards
     return {"format": 1, "local_workers": local_workers, "model": model.state_dict(), "inner_opt": opt_state,
-            "outer": [o.state_dict() for o in diloco.outer], "inner_step": diloco.inner_step,
+            "outer": [o.state_dict() for o in diloco.outer], "inner_step": diloco.position,
             "samples_since": list(diloco.samples_since), "stream": stream.state_dict(),
             "torch_rng": torch.get_rng_state(), "reducers": [r.state_dict() for r in diloco.reducers],
             "synced_step": diloco.synced_step, "digest": diloco.digest(), "overlap": diloco.overlap_state_dict(),
@@ -660,12 +660,12 @@ def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: Op
         inner_opt.load_state_dict(state["inner_opt"])
         for o, s in zip(diloco.outer, state["outer"], strict=True):
             o.load_state_dict(s)
-        diloco.inner_step = int(state["inner_step"])
+        diloco.position = int(state["inner_step"])
         diloco.synced_step = int(state.get("synced_step", state["inner_step"]))
         diloco.samples_since = [int(x) for x in state["samples_since"]]
-        diloco.local_steps = int(state.get("local_steps", diloco.inner_step))
+        diloco.local_steps = int(state.get("local_steps", diloco.position))
         if diloco.clock is not None:
-            diloco.clock.load_state_dict(state.get("clock") or {"pos": diloco.inner_step})
+            diloco.clock.load_state_dict(state.get("clock") or {"pos": diloco.position})
         if "reducers" in state:  # error-feedback residuals, low-rank bases and ranks
             for r, s in zip(diloco.reducers, state["reducers"], strict=True):
                 r.load_state_dict(s)
@@ -720,7 +720,7 @@ class _ProgressLine:
         if due:
             self.last = now
             if self.metrics is not None:
-                self.metrics.write("progress", step=diloco.inner_step, outer_step=diloco.outer_round(), loss=loss,
+                self.metrics.write("progress", step=diloco.position, outer_step=diloco.outer_round(), loss=loss,
                                    bytes_sent=sent, bytes_received=recv)
         if self.bar is not None:
             self.bar.update(1)
@@ -728,7 +728,7 @@ class _ProgressLine:
                                  sent=format_bytes(sent), refresh=False)
             return
         if due:
-            print(f"[{self.me}] step {diloco.inner_step}{'/' + str(self.total) if self.total else ''} "
+            print(f"[{self.me}] step {diloco.position}{'/' + str(self.total) if self.total else ''} "
                   f"outer {diloco.outer_round()} loss {loss:.3f} val {val:.3f} sent {format_bytes(sent)} "
                   f"recv {format_bytes(recv)}", file=sys.stderr, flush=True)
 
