@@ -104,8 +104,8 @@ class DiLoCo:
         if st.mode == "tau" and st.tau >= self.H // P:
             raise ConfigError(f"streaming.tau ({st.tau}) must be smaller than inner.sync_every / streaming.fragments "
                               f"= {self.H // P}")
-        #: ``streaming.mode`` and ``tau`` as configured, and the rules that implement the mode
-        self.mode, self.tau = st.mode, st.tau
+        #: ``streaming.mode`` as configured, and the rules that implement it
+        self.mode = st.mode
         self.overlap: OverlapMode = overlap_mode(st, self.H)
         self.schedule = Schedule(self.H, P)
         self.layout: FragmentLayout = split_fragments(model, P, st.pattern)
@@ -420,7 +420,7 @@ class DiLoCo:
         return None
 
     def load_snapshot(self, meta: Dict[str, object], payload: bytes) -> None:
-        """Adopt a verified snapshot: global state, local parameters and schedule position. Syncs in
+        """Adopt a verified snapshot: global state, model parameters and schedule position. Syncs in
         flight are dropped (their results would belong to the state we are leaving)."""
         flat = torch.frombuffer(bytearray(payload), dtype=torch.float32)
         with self.state_lock:
