@@ -37,7 +37,7 @@ from ..data import BatchStream, evaluate, load_corpus
 from ..train.inner import inner_optimizer, inner_step
 from ..diloco.outer import OuterState
 from ..diloco.reducers import make_reducer
-from ..model import build_model
+from ..model import seeded_model
 from ..swarm.partition import shard_bounds
 
 __all__ = ["SETTINGS", "run_setting", "format_table", "main"]
@@ -105,8 +105,7 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False)
     corpus = load_corpus(cfg.data)
     models, opts, streams = [], [], []
     for m in range(peers):
-        torch.manual_seed(cfg.train.seed)  # the same θ everywhere, as in the swarm
-        model = build_model(cfg.model)
+        model = seeded_model(cfg.model, cfg.train.seed)  # the same θ everywhere, as in the swarm
         models.append(model)
         opts.append(inner_optimizer(cfg, model.parameters()))
         streams.append(BatchStream(corpus.train, shard=m, num_shards=peers, batch_size=cfg.inner.batch_size,

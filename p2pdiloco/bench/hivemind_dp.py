@@ -171,7 +171,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
     from ..data import BatchStream, evaluate, load_corpus
     from ..train.inner import lr_factor
     from ..metrics import MetricsWriter
-    from ..model import build_model, count_parameters
+    from ..model import count_parameters, seeded_model
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -190,8 +190,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
         os.makedirs(run_dir, exist_ok=True)
         metrics = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))
 
-        torch.manual_seed(cfg.train.seed)  # the same θ on every peer, as in p2pdiloco join
-        model = build_model(cfg.model).to(device)
+        model = seeded_model(cfg.model, cfg.train.seed).to(device)  # the same θ on every peer, as in join
         corpus = load_corpus(cfg.data)
         shard = cfg.data.shard_for(str(dht.peer_id))
         stream = BatchStream(corpus.train, shard=shard, num_shards=cfg.data.num_shards,
