@@ -82,12 +82,19 @@ class InnerConfig:
     #: and sync_every only sets the schedule's granularity (N / sync_every sequences per position).
     #: docs/heterogeneous.md
     round_samples: int = 0
+    #: with round_samples > 0: each member's pseudo-gradient is normalized to sync_every steps before the
+    #: sample-weighted average (Δ_m · H / k_m, FedNova), so a member counts by its samples and the update is
+    #: H steps' worth whatever the speeds; false: the raw displacements are averaged by samples (a fast
+    #: member then counts by samples x steps). docs/heterogeneous.md
+    normalize_steps: bool = True
 
     def validate(self) -> None:
         _positive(self, "inner", "sync_every", "batch_size")
         if not isinstance(self.round_samples, int) or self.round_samples < 0:
             raise ConfigError(f"inner.round_samples ({self.round_samples!r}) must be an integer >= 0 (0: rounds of "
                               "inner.sync_every steps on every peer)")
+        if not isinstance(self.normalize_steps, bool):
+            raise ConfigError(f"inner.normalize_steps ({self.normalize_steps!r}) must be true or false")
         if 0 < self.round_samples < self.sync_every:
             raise ConfigError(f"inner.round_samples ({self.round_samples}) must be >= inner.sync_every "
                               f"({self.sync_every}): a schedule position is round_samples / sync_every sequences")

@@ -45,6 +45,8 @@ def fingerprint_fields(cfg: RunConfig) -> Dict[str, Any]:
     out["train.seed"] = cfg.train.seed
     out["inner.sync_every"] = cfg.inner.sync_every
     out["inner.round_samples"] = cfg.inner.round_samples  # the budget; each peer's steps per round are its own
+    if cfg.inner.round_samples:  # what a round averages (rounds of H steps: every member took H steps)
+        out["inner.normalize_steps"] = cfg.inner.normalize_steps
     for k, v in d["outer"].items():
         out[f"outer.{k}"] = v
     for k, v in d["streaming"].items():

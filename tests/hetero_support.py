@@ -17,7 +17,8 @@ def replay_rounds(cfg, plan: Sequence[Sequence[Tuple[int, int]]],
     inner steps it took in that round), in the group's member order (the order the owners sum in).
     Each peer keeps its own model, AdamW state, data stream and step count (the inner lr warm-up's)
     across rounds, restarts every round from the global θ, and the round applies the sample-weighted
-    mean of the members' pseudo-gradients (weight = steps x batch) with the outer Nesterov step.
+    mean (weight = steps x batch) of the members' pseudo-gradients normalized to H steps (Δ_m · H / k_m,
+    docs/heterogeneous.md) with the outer Nesterov step.
     Returns the final θ and the global state's digest after each round.
 
     The order matters beyond the last bit: AdamW's normalised steps turn a one-ulp difference in θ
@@ -42,7 +43,9 @@ def replay_rounds(cfg, plan: Sequence[Sequence[Tuple[int, int]]],
             for _ in range(n):
                 inner_step(cfg, peer["model"], peer["opt"], peer["stream"], peer["steps"])
                 peer["steps"] += 1
-            deltas.append(outer.pseudo_gradient(local))
+            delta = outer.pseudo_gradient(local)
+            scale = cfg.inner.sync_every / n
+            deltas.append(delta if scale == 1.0 else delta * scale)
             weights.append(float(n * cfg.inner.batch_size))
         outer.step(weighted_mean(deltas, weights))
         digests.append(outer.digest())

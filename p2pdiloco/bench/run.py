@@ -107,6 +107,12 @@ MODES: Dict[str, Tuple[str, ...]] = {
     # rounds of the full-speed peers alone (FAST_ONLY), the slower ones left out, for as many tokens
     "rounds-samples": ("inner.round_samples=auto",),
     "fast-only": (),
+    # the weighting of rounds by samples: members' pseudo-gradients normalized to H steps (the default) or
+    # raw displacements by samples; on each peer's own slice of the corpus (non-IID, as every matrix) or
+    # all peers sampling the whole corpus with their own seeds (IID_MODES)
+    "samples-raw": ("inner.round_samples=auto", "inner.normalize_steps=false"),
+    "samples-normalized-iid": ("inner.round_samples=auto",),
+    "samples-raw-iid": ("inner.round_samples=auto", "inner.normalize_steps=false"),
 }
 
 #: the ``--set`` overrides every mode starts from (its own come after them and win)
@@ -114,6 +120,8 @@ BASE_SETS: Tuple[str, ...] = ("scheme=diloco",)
 
 #: modes in which only the peers at full speed (--speeds 1) train, for as many rounds as make the same tokens
 FAST_ONLY = frozenset({"fast-only"})
+#: modes whose peers all sample the whole corpus (one data shard), each with its own seed: IID data
+IID_MODES = frozenset({"samples-normalized-iid", "samples-raw-iid"})
 #: --speeds of the "speeds" matrix when none are given: two full-speed peers, one at half and one at a fifth
 SPEEDS_DEFAULT = (1.0, 1.0, 0.5, 0.2)
 
@@ -159,6 +167,8 @@ MATRICES: Dict[str, Tuple[str, ...]] = {
     # issue 23: peers of different speeds (--speeds, default 1,1,0.5,0.2): rounds of H steps on every peer,
     # rounds by the swarm's samples, and the full-speed peers alone
     "speeds": ("diloco-fp32", "rounds-samples", "fast-only"),
+    # the weighting of rounds by samples at the same speeds: normalized to H steps or raw, non-IID and IID
+    "weighting": ("rounds-samples", "samples-raw", "samples-normalized-iid", "samples-raw-iid"),
     # issue 18: the long horizon (30 outer steps at H = 60): data parallelism's curve computed in process over
     # the whole budget, its time and bytes per step from a networked hivemind run over DP_STEPS steps
     "long": ("hivemind-dp", "diloco-fp32", "default", "streaming4-tau4-nf4-lowrank"),
@@ -179,7 +189,7 @@ _DP_EVALS = 3
 #: default budget of each matrix in outer rounds (inner steps per peer = rounds * H), sized for
 #: about 20 minutes on 2 cores at 10 Mbit/s (the data-parallel baseline needs ~8 s per step there)
 MATRIX_ROUNDS: Dict[str, int] = {"smoke": 2, "quick": 2, "full": 4, "streaming": 4, "overlap": 4, "overlap-h40": 4,
-                                 "private": 4, "speeds": 6, "long": 30}
+                                 "private": 4, "speeds": 6, "weighting": 6, "long": 30}
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _DEFAULT_CONFIG = os.path.join(_REPO, "peers", "tiny-cpu.toml")
@@ -281,8 +291,8 @@ class _ModeRun:
 def _peer_overrides(plan: _Plan, name: str, i: int, host: Optional[Host]) -> List[str]:
     sets = [
         *BASE_SETS,
-        f"data.num_shards={plan.peers}",
-        f"data.shard={i}",
+        *((f"data.num_shards=1", "data.shard=0", f"data.seed={i + 1}") if name in IID_MODES
+          else (f"data.num_shards={plan.peers}", f"data.shard={i}")),
         f"train.run_dir={os.path.join(plan.out, name, f'peer{i}')}",
         "train.threads=1",
         "train.progress_bar=false",
@@ -1113,7 +1123,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
 
 def _speeds(args: argparse.Namespace) -> Tuple[float, ...]:
     if not args.speeds:
-        return SPEEDS_DEFAULT if args.matrix == "speeds" and not args.modes and args.peers == len(SPEEDS_DEFAULT) else ()
+        return SPEEDS_DEFAULT if args.matrix in ("speeds", "weighting") and not args.modes and args.peers == len(SPEEDS_DEFAULT) else ()
     try:
         speeds = tuple(float(x) for x in args.speeds.split(","))
     except ValueError:

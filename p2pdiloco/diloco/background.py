@@ -37,7 +37,7 @@ class SyncJob:
     round: int
     send_step: int
     due_step: int
-    delta: torch.Tensor            # this peer's flat fp32 pseudo-gradient, as sent
+    delta: torch.Tensor            # this peer's flat fp32 pseudo-gradient, as measured
     weight: float                  # samples behind it
     epoch: int                     # DiLoCo's state epoch at launch; results of an older epoch are dropped
     group: concurrent.futures.Future = None   # the Group (or SyncFailed from matchmaking)
@@ -56,6 +56,8 @@ class SyncJob:
     missed: bool = False
     extra: dict = field(default_factory=dict)  # the reducer's info() after a successful sync
     group_wait: float = 0.0        # seconds the worker waited for the group (formation not done in time)
+    steps: int = 0                 # inner steps behind ``delta`` (a resend's included)
+    scale: float = 1.0             # what is sent is delta * scale (DiLoCo.step_scale: normalized to H steps)
     coverage: Any = None           # swarm.allreduce.Coverage of the applied result (None alone)
     covered_weight: float = 0.0    # total sample weight the applied average covers (W)
     # counted by the loop

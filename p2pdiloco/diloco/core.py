@@ -95,6 +95,7 @@ class DiLoCo:
         self.cfg = cfg
         self.swarm = swarm
         self.H = cfg.inner.sync_every
+        self.normalize_steps = cfg.inner.normalize_steps
         st = cfg.streaming
         st.validate()
         P = st.fragments
@@ -168,6 +169,16 @@ class DiLoCo:
         for f, n in zip(self.fragments, counts, strict=True):
             f.samples_since_send = n
 
+    @property
+    def steps_since(self) -> List[int]:
+        """Each fragment's inner steps since its last send (a checkpoint entry)."""
+        return [f.steps_since_send for f in self.fragments]
+
+    @steps_since.setter
+    def steps_since(self, counts: List[int]) -> None:
+        for f, n in zip(self.fragments, counts, strict=True):
+            f.steps_since_send = n
+
     # ---- schedule ---------------------------------------------------------------------------------
     @property
     def num_fragments(self) -> int:
@@ -221,6 +232,7 @@ class DiLoCo:
         self.groups.observe_step()
         for frag in self.fragments:
             frag.samples_since_send += samples
+            frag.steps_since_send += 1
         for job in self._inflight:
             if not job.future.done():
                 job.overlapped_steps += 1
@@ -296,14 +308,29 @@ class DiLoCo:
         self._notify(report)
         return report
 
+    def step_scale(self, steps: int) -> float:
+        """What a pseudo-gradient of ``steps`` inner steps is multiplied by before it is averaged.
+
+        Rounds of H steps: 1. Swarm clock: ``H / steps``, so that a member sends its displacement per
+        step times H and the round's average is ``H · Σ_m p_m Δ_m / k_m`` with p_m its share of the
+        round's samples (FedNova, Wang et al. 2020). A member's influence is then its samples, as the
+        weight says, not samples times steps (a multi-step AdamW displacement grows with its steps),
+        and the update stays H steps' worth of progress whatever the swarm's mix of speeds. Members at
+        equal speeds take H steps per round when N = peers x H x batch: the scale is exactly 1 then."""
+        if self.clock is None or steps <= 0 or not self.normalize_steps:
+            return 1.0
+        return self.H / steps
+
     def _launch(self, frag: FragmentState, t: int, delta: torch.Tensor, weight: float, due: int,
-                group: Optional[concurrent.futures.Future] = None) -> None:
-        """Hand fragment ``frag``'s sync sent at position ``t`` to the background worker; due at ``due``."""
+                group: Optional[concurrent.futures.Future] = None, steps: int = 0) -> None:
+        """Hand fragment ``frag``'s sync sent at position ``t`` to the background worker; due at ``due``.
+        ``steps``: the inner steps behind ``delta`` (it is sent times :meth:`step_scale` of them)."""
         round_ = self.schedule.round_of(frag.index, t)
         if group is None:
             group = self.groups.take(frag.index, round_, t)
         job = SyncJob(fragment=frag.index, round=round_, send_step=t, due_step=due, delta=delta,
-                      weight=float(weight), epoch=self._epoch, group=group)
+                      weight=float(weight), epoch=self._epoch, group=group, steps=int(steps),
+                      scale=self.step_scale(steps))
         job.future = self._worker.submit(self._run, job)
         self._inflight.append(job)
 
@@ -322,7 +349,8 @@ class DiLoCo:
                 allreduce = solo_allreduce(self.codec)
             else:
                 allreduce = group_allreduce(self.swarm, job, group, self.codec)
-            avg = frag.reducer.reduce(job.delta, allreduce)
+            sent = job.delta if job.scale == 1.0 else job.delta * job.scale
+            avg = frag.reducer.reduce(sent, allreduce)
             info = getattr(frag.reducer, "info", None)
             job.extra = dict(info()) if info is not None else {}
             note_coverage(job, group)
@@ -436,7 +464,7 @@ class DiLoCo:
                 self.clock.jump_to(self.position)
                 self._resumed_at = time.time()  # the download's time was no computing
             for frag in self.fragments:
-                frag.samples_since_send = 0
+                frag.samples_since_send = frag.steps_since_send = 0
             if self._inflight:
                 logger.info(f"dropped {len(self._inflight)} sync(s) in flight for the downloaded state")
             self._inflight.clear()

@@ -21,7 +21,7 @@ __all__ = ["FragmentState"]
 class FragmentState:
     """Fragment ``index``: ``names`` (parameter names, in the module's order) and the tensors behind them.
 
-    Thread ownership: ``model_params``, ``samples_since_send``, ``start``, ``offset`` and ``own_term``
+    Thread ownership: ``model_params``, ``samples_since_send``, ``steps_since_send``, ``start``, ``offset`` and ``own_term``
     belong to the training thread; ``outer`` is written by the background worker under
     ``DiLoCo.state_lock``; ``reducer`` is used by the worker (and guards itself).
     """
@@ -38,6 +38,9 @@ class FragmentState:
         self.reducer = reducer
         #: sequences trained since this fragment's last send: the weight of its next pseudo-gradient
         self.samples_since_send = 0
+        #: inner steps taken since this fragment's last send: with the swarm clock its pseudo-gradient is
+        #: normalized to H steps (``DiLoCo.step_scale``)
+        self.steps_since_send = 0
         #: delay/eager: the point W_m the current inner phase started from (None in tau)
         self.start: Optional[List[torch.Tensor]] = None
         #: eager ``paper``: this peer's offset (f, e) from the agreed (θ, b); None means zero
@@ -51,6 +54,11 @@ class FragmentState:
         """The weight of a pseudo-gradient taken now; the count starts again from zero."""
         weight, self.samples_since_send = self.samples_since_send, 0
         return weight
+
+    def take_steps(self) -> int:
+        """The inner steps behind a pseudo-gradient taken now; the count starts again from zero."""
+        steps, self.steps_since_send = self.steps_since_send, 0
+        return steps
 
     def start_from_global(self) -> None:
         """The next inner phase starts from the global copy θ (delay/eager bookkeeping)."""

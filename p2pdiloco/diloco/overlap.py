@@ -167,7 +167,7 @@ class TauMode(OverlapMode):
         # Algorithm 2: Δ_m = θ − θ_m against the global copy (no job of this fragment is running, so
         # the worker is not writing it)
         delta = frag.outer.pseudo_gradient(frag.model_params)
-        dl._launch(frag, t, delta, frag.take_samples(), due=t + self.tau)
+        dl._launch(frag, t, delta, frag.take_samples(), due=t + self.tau, steps=frag.take_steps())
         return reports
 
     def resolve_due(self, dl: "DiLoCo", t: int) -> Tuple[List[SyncReport], bool]:
@@ -184,6 +184,7 @@ class TauMode(OverlapMode):
                 merge_into(frag.model_params, frag.outer.params, self.alpha)
         else:
             frag.samples_since_send += int(job.weight)  # the progress stays in the model: so does its weight
+            frag.steps_since_send += job.steps
 
     def finish(self, dl: "DiLoCo") -> List[SyncReport]:
         return [dl._resolve(job) for job in list(dl._inflight)]
@@ -209,7 +210,7 @@ class DelayMode(OverlapMode):
         """Progress since this phase's start point, then apply round k−1, then restart, then send."""
         p = frag.index
         delta = pseudo_gradient_from(frag.start, frag.model_params)
-        weight = frag.take_samples()
+        weight, steps = frag.take_samples(), frag.take_steps()
         reports = []
         prev = next((j for j in dl._inflight if j.fragment == p), None)
         if prev is not None:
@@ -217,19 +218,20 @@ class DelayMode(OverlapMode):
             if not prev.ok:  # nothing of round k−1 was applied anywhere: send our part of it again
                 delta.add_(prev.delta)
                 weight += prev.weight
+                steps += prev.steps
         round_ = dl.schedule.round_of(p, t)
         group = dl.groups.ensure(p, round_, t)  # stays listed until launch: next_sync_step() sees it forming
         with dl.state_lock:
-            frag.start = self.next_start(dl, frag, delta, prev, group)
+            frag.start = self.next_start(dl, frag, delta, prev, group, dl.step_scale(steps))
             merge_into(frag.model_params, frag.start, 0.0)
         for r in reports:  # after the model restarted from the result: validation measures that model
             dl._notify(r)
         dl.groups.discard(p, round_)
-        dl._launch(frag, t, delta, weight, due=t + self.H, group=group)
+        dl._launch(frag, t, delta, weight, due=t + self.H, group=group, steps=steps)
         return reports
 
     def next_start(self, dl: "DiLoCo", frag: FragmentState, delta: torch.Tensor, prev: Optional[SyncJob],
-                   group: concurrent.futures.Future) -> List[torch.Tensor]:
+                   group: concurrent.futures.Future, scale: float = 1.0) -> List[torch.Tensor]:
         """The start point W_m of the next inner phase (under ``state_lock``): here the global copy θ."""
         return [x.clone() for x in frag.outer.params]
 
@@ -286,8 +288,8 @@ class EagerHeuristicMode(DelayMode):
     keeps_offset = True
 
     def next_start(self, dl: "DiLoCo", frag: FragmentState, delta: torch.Tensor, prev: Optional[SyncJob],
-                   group: concurrent.futures.Future) -> List[torch.Tensor]:
-        return lookahead(frag.outer, delta)
+                   group: concurrent.futures.Future, scale: float = 1.0) -> List[torch.Tensor]:
+        return lookahead(frag.outer, delta if scale == 1.0 else delta * scale)
 
 
 class EagerMode(DelayMode):
@@ -298,7 +300,7 @@ class EagerMode(DelayMode):
     keeps_offset = True
 
     def next_start(self, dl: "DiLoCo", frag: FragmentState, delta: torch.Tensor, prev: Optional[SyncJob],
-                   group: concurrent.futures.Future) -> List[torch.Tensor]:
+                   group: concurrent.futures.Future, scale: float = 1.0) -> List[torch.Tensor]:
         """θ + f after this round's offset step.
 
         The paper's peer applies OuterOpt with Δ~_m(k) = Δ(k−1) + δ_k, δ_k = ρ_k·Δ'_m(k) − (the own term
@@ -321,6 +323,7 @@ class EagerMode(DelayMode):
             share = prev.weight / prev.covered_weight * max(prev.group_size, 1) / size
         else:
             share = 1.0 / size
+        share = share * scale  # the average holds our Δ'_m as sent: times DiLoCo.step_scale
         d_flat = delta * share
         last = frag.own_term
         if last is not None:  # the same product as when it was added: the same bits, an exact cancellation

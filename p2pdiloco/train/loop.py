@@ -645,7 +645,8 @@ def _snapshot(model, inner_opt, diloco: DiLoCo, stream: BatchStream, local_worke
     opt_state = inner_opt if isinstance(inner_opt, dict) else inner_opt.state_dict()  # a dict: gathered shards
     return {"format": 1, "local_workers": local_workers, "model": model.state_dict(), "inner_opt": opt_state,
             "outer": [o.state_dict() for o in diloco.outer], "inner_step": diloco.position,
-            "samples_since": list(diloco.samples_since), "stream": stream.state_dict(),
+            "samples_since": list(diloco.samples_since), "steps_since": list(diloco.steps_since),
+            "stream": stream.state_dict(),
             "torch_rng": torch.get_rng_state(), "reducers": [r.state_dict() for r in diloco.reducers],
             "synced_step": diloco.synced_step, "digest": diloco.digest(), "overlap": diloco.overlap_state_dict(),
             "local_steps": diloco.local_steps, "clock": diloco.clock.state_dict() if diloco.clock else None}
@@ -663,6 +664,8 @@ def _restore(state: Dict[str, Any], model, inner_opt, diloco: DiLoCo, stream: Op
         diloco.position = int(state["inner_step"])
         diloco.synced_step = int(state.get("synced_step", state["inner_step"]))
         diloco.samples_since = [int(x) for x in state["samples_since"]]
+        # a checkpoint without step counts: the next round of each fragment is sent unscaled (step_scale 1)
+        diloco.steps_since = [int(x) for x in state.get("steps_since") or [0] * len(diloco.fragments)]
         diloco.local_steps = int(state.get("local_steps", diloco.position))
         if diloco.clock is not None:
             diloco.clock.load_state_dict(state.get("clock") or {"pos": diloco.position})
