@@ -64,3 +64,24 @@ def test_the_command_prints_the_picture():
                        timeout=60)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "no cycle" in r.stdout and "config -> " in r.stdout
+
+
+def test_no_function_is_over_80_lines_outside_the_benchmarks():
+    """A function a reader must hold in mind at once stays short; benchmarks (one long scenario each) are
+    exempt."""
+    import ast
+
+    from p2pdiloco.layers import module_files
+
+    long = []
+    for name, path in module_files().items():
+        if name.startswith("p2pdiloco.bench"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{name}.{node.name}: {lines} lines")
+    assert not long, long

@@ -55,9 +55,16 @@ def kernels() -> Optional[Any]:
 
 
 def _build() -> Any:
+    """Compile the kernels (numba caches them on disk): the bin encoder, E3M0's bit encoder, the decoder."""
     import numba
     from types import SimpleNamespace
 
+    block_absmax = _absmax_kernel(numba)
+    encode, encode_e3m0 = _encode_kernels(numba, block_absmax)
+    return SimpleNamespace(encode=encode, encode_e3m0=encode_e3m0, decode=_decode_kernel(numba))
+
+
+def _absmax_kernel(numba) -> Any:
     @numba.njit(cache=True, nogil=True)
     def block_absmax(xbits, start, end, cell_i, cell_f):  # pragma: no cover - compiled
         """(absmax, divisor) of the block ``[start, end)`` from the floats' bits (for finite floats the
@@ -71,7 +78,10 @@ def _build() -> Any:
         cell_i[0] = mbits
         m = cell_f[0]
         return m, (m if mbits != 0 else np.float32(1.0))
+    return block_absmax
 
+
+def _encode_kernels(numba, block_absmax) -> Tuple[Any, Any]:
     @numba.njit(cache=True, nogil=True)
     def encode(x, xbits, thresholds, codes, zero_code, scales, packed):  # pragma: no cover - compiled
         """x float32[n] (xbits: the same memory as int32) -> scales float32[ceil(n/64)], packed
@@ -147,7 +157,10 @@ def _build() -> Any:
                     pair = (pair << 4) | code
                 packed[(start + j) >> 1] = np.uint8(pair)
         return True
+    return encode, encode_e3m0
 
+
+def _decode_kernel(numba) -> Any:
     @numba.njit(cache=True, nogil=True)
     def decode(scales, packed, codebook, out):  # pragma: no cover - compiled
         """scales float32[nb], packed uint8[ceil(n/2)], codebook float32[16] -> out float32[n]; returns
@@ -165,8 +178,7 @@ def _build() -> Any:
                 code = (byte >> 4) if (i & 1) == 0 else (byte & 15)
                 out[i] = codebook[code] * s
         return True
-
-    return SimpleNamespace(encode=encode, encode_e3m0=encode_e3m0, decode=decode)
+    return decode
 
 
 #: below this many values a vector is coded on the calling thread alone

@@ -150,12 +150,13 @@ async def open_stream(node: Any, peer: str, handler: str, deadline: float,
     loop = asyncio.get_running_loop()
     while True:
         relay = getattr(node, "relay_routes", {}).get(peer)
-        if relay is not None and peer in getattr(node, "direct", ()):
+        punched = getattr(getattr(node, "punches", None), "direct", ())
+        if relay is not None and peer in punched:
             if await is_direct(node, peer):  # a hole punch connected us: the relay is not needed
                 node.relay_stats["direct_streams"] += 1
                 relay = None
             else:
-                node.direct.discard(peer)
+                punched.discard(peer)
         try:
             if relay is not None and relay != node.peer_id_str:
                 return await open_relayed(node, relay, peer, handler, timeout=max(1.0, deadline - loop.time()))

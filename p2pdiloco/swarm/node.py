@@ -22,7 +22,7 @@ import threading
 import time
 from collections import Counter
 from functools import partial
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Set
+from typing import Any, Awaitable, Callable, Dict, List, Optional
 
 import msgpack
 
@@ -309,6 +309,26 @@ class SwarmNode:
             discard_ephemeral(key_path)  # the daemon has read it; the key now lives only in memory
         else:  # a restart after a crash waits for these (or stops them) before it takes the identity over
             note_helpers(self.identity_path, [self.dht.pid, *descendants(self.dht.pid)])
+        self._start_network()
+        #: ``public``, ``relayed`` or ``private`` (reachability.py); published in our progress record
+        self.reachability = "private" if client_mode else reachability
+        #: the relay we hold a reservation with while ``relayed`` (its peer id), else ""
+        self.via = ""
+        #: other relayed peers' relays, from their records and join requests (matchmaking keeps it)
+        self.relay_routes: Dict[str, str] = {}
+        #: streams our relayed traffic took: inbound / outbound count, bytes we wrote on them; hole punches
+        self.relay_stats: Counter = Counter()
+        #: hole punching to other relayed peers (punch.py)
+        self.punches = punch_mod.Punches()
+        self.relay_server = None
+        self._handlers: Dict[str, Callable] = {}  # name -> the gated handler (relayed streams call it too)
+        #: whether our DHT node is only a client (not in others' routing tables)
+        self.dht_client = dht_client
+        if not client_mode:
+            self._take_position(reachability, initial_peers, announce_maddrs, relay, relays)
+
+    def _start_network(self) -> None:
+        """Our event loop thread and p2p client; who we are."""
         #: offences, bans and request limits of the peers that talk to us (protocol.PeerGate)
         self.gate = PeerGate()
         self.traffic = Traffic()
@@ -321,37 +341,19 @@ class SwarmNode:
         self.short_id = short_id(self.peer_id_str)
         self.gate.short_id = self.short_id
         self._closed = False
-        #: ``public``, ``relayed`` or ``private`` (reachability.py); published in our progress record
-        self.reachability = "private" if client_mode else reachability
-        #: the relay we hold a reservation with while ``relayed`` (its peer id), else ""
-        self.via = ""
-        #: other relayed peers' relays, from their records and join requests (matchmaking keeps it)
-        self.relay_routes: Dict[str, str] = {}
-        #: streams our relayed traffic took: inbound / outbound count, bytes we wrote on them; hole punches
-        self.relay_stats: Counter = Counter()
-        #: hole punching (punch.py): the outside QUIC addresses our relay sees us at; relayed peers we hold
-        #: a direct connection to; punches under way; when we last tried each peer; when we began waiting
-        #: for a peer to ask first
-        self.observed: List[str] = []
-        self.direct: Set[str] = set()
-        self.punching: Set[str] = set()
-        self.punch_tried: Dict[str, float] = {}
-        self.punch_waited: Dict[str, float] = {}
-        self._puncher = None
-        self.relay_server = None
-        self._handlers: Dict[str, Callable] = {}  # name -> the gated handler (relayed streams call it too)
-        if not client_mode:
-            self.call(self.p2p.add_binary_stream_handler(relay_mod.INBOUND, self._inbound), timeout=30)
-        #: whether our DHT node is only a client (not in others' routing tables)
-        self.dht_client = dht_client
-        if not client_mode:
-            serve_reach(self)
-            self._resolve_reachability(reachability, initial_peers, announce_maddrs)
-            if self.reachability == "public" and relay is not None and relay.enabled:
-                self.relay_server = relay_mod.RelayServer(self, relay)
-            elif self.reachability == "private":
-                initial = [str(m).rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in str(m)]
-                self._find_relay(list(relays) if relays is not None else initial)
+
+    def _take_position(self, reachability: str, initial_peers: List[str], announce_maddrs: List[str],
+                       relay: Optional["RelayLimits"], relays: Optional[List[str]]) -> None:
+        """Serve what every trainer serves, find out whether others can dial us, and then relay for
+        private peers (public, when asked) or take a slot on a relay (private)."""
+        self.call(self.p2p.add_binary_stream_handler(relay_mod.INBOUND, self._inbound), timeout=30)
+        serve_reach(self)
+        self._resolve_reachability(reachability, initial_peers, announce_maddrs)
+        if self.reachability == "public" and relay is not None and relay.enabled:
+            self.relay_server = relay_mod.RelayServer(self, relay)
+        elif self.reachability == "private":
+            initial = [str(m).rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in str(m)]
+            self._find_relay(list(relays) if relays is not None else initial)
 
     def _start_dht(self, initial_peers: List[str], host_maddrs: List[str], bootstrap_timeout: float,
                    kwargs: Dict[str, Any]):
@@ -404,7 +406,7 @@ class SwarmNode:
                 self.reachability, self.via = "relayed", relay
                 self._renewer = asyncio.run_coroutine_threadsafe(self._renew(relay), self.loop)
                 self.add_handler(punch_mod.HANDLER, partial(punch_mod.serve_punch, self))
-                self._puncher = asyncio.run_coroutine_threadsafe(punch_mod.puncher(self), self.loop)
+                self.punches.task = asyncio.run_coroutine_threadsafe(punch_mod.puncher(self), self.loop)
                 logger.info(f"[{self.short_id}] relayed through {short_id(relay)}: other peers reach us through it")
                 return
             refusals.append(f"{short_id(relay)}: {why}")

@@ -12,7 +12,7 @@ the punch fails and the pair stays relayed, which always works.
 
 Who learns what:
 * the relay tells a peer, in the reply to its reservation, the outside addresses it sees it at
-  (``reserve`` in swarm/relay.py); the peer keeps the QUIC ones in :attr:`SwarmNode.observed`;
+  (``reserve`` in swarm/relay.py); the peer keeps the QUIC ones in ``node.punches.observed`` (:class:`Punches`);
 * a relayed peer that knows another relayed peer (``node.relay_routes``) asks it to punch, through the
   relay: ``{t: "punch", v}``. The relay names the caller *and* the addresses it sees the caller at
   (``seen``), so the callee dials what the relay attests, never addresses a caller made up;
@@ -21,7 +21,7 @@ Who learns what:
   proves its peer id), so a wrong address can waste a dial but never reach an impostor.
 
 After a successful punch both peers hold a direct connection and ``dialing.open_stream`` uses it for
-every stream to that peer (``node.direct``); when it is gone, streams go through the relay again and
+every stream to that peer (``node.punches.direct``); when it is gone, streams go through the relay again and
 the pair may punch again after :data:`RETRY_AFTER`. Counted in ``node.relay_stats``: ``punched``,
 ``punch_failed``, ``direct_streams``.
 
@@ -33,7 +33,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Iterable, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set
 
 from multiaddr import Multiaddr
 
@@ -42,7 +43,7 @@ from ..ids import short_id
 from .dialing import is_direct, open_stream
 from .protocol import PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header, write_frame
 
-__all__ = ["HANDLER", "punch", "serve_punch", "puncher"]
+__all__ = ["HANDLER", "Punches", "punch", "serve_punch", "puncher"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,24 @@ ATTEMPT = 3.0
 RETRY_AFTER = 300.0
 #: how often a relayed peer looks for relayed peers to punch to (seconds)
 PERIOD = 5.0
+
+
+@dataclass
+class Punches:
+    """A node's hole punching state (on its network thread)."""
+
+    #: the outside QUIC addresses our relay sees us at (from its reservation reply): where others aim
+    observed: List[str] = field(default_factory=list)
+    #: relayed peers we hold a direct connection to: ``dialing.open_stream`` bypasses the relay for them
+    direct: Set[str] = field(default_factory=set)
+    #: peers a punch with is under way (either side asked)
+    under_way: Set[str] = field(default_factory=set)
+    #: when we last punched with each peer (monotonic seconds), success or not
+    tried: Dict[str, float] = field(default_factory=dict)
+    #: when we began waiting for a peer with a smaller id to ask first
+    waited: Dict[str, float] = field(default_factory=dict)
+    #: the background :func:`puncher` (a concurrent future), while we are relayed
+    task: Any = None
 
 
 async def _dial(node: Any, peer: str, addrs: List[str], until: float) -> bool:
@@ -79,9 +98,9 @@ async def _dial(node: Any, peer: str, addrs: List[str], until: float) -> bool:
 
 
 def _done(node: Any, peer: str, ok: bool, addrs: List[str], role: str) -> None:
-    node.punch_tried[peer] = time.monotonic()
+    node.punches.tried[peer] = time.monotonic()
     if ok:
-        node.direct.add(peer)
+        node.punches.direct.add(peer)
         node.relay_stats["punched"] += 1
         logger.info(f"[{node.short_id}] hole punched to {short_id(peer)} ({role}): a direct QUIC connection to "
                     f"{', '.join(addrs)}; our streams to it no longer cross the relay")
@@ -93,9 +112,9 @@ def _done(node: Any, peer: str, ok: bool, addrs: List[str], role: str) -> None:
 
 async def punch(node: Any, peer: str) -> bool:
     """Ask relayed ``peer`` (through its relay) to punch with us, and dial it while it dials us."""
-    if peer in node.punching:
+    if peer in node.punches.under_way:
         return False
-    node.punching.add(peer)
+    node.punches.under_way.add(peer)
     loop = asyncio.get_running_loop()
     addrs: List[str] = []
     try:
@@ -113,7 +132,7 @@ async def punch(node: Any, peer: str) -> bool:
         logger.debug(f"[{node.short_id}] punch to {short_id(peer)}: {type(e).__name__}: {e}")
         ok = False
     finally:
-        node.punching.discard(peer)
+        node.punches.under_way.discard(peer)
     _done(node, peer, ok, addrs, "we asked")
     return ok
 
@@ -127,22 +146,22 @@ async def serve_punch(node: Any, info: Any, reader, writer) -> None:
     seen = punchable(getattr(info, "seen", None))
     if refusal is None and (header.get("t") != "punch" or not seen):
         refusal = "a punch must come through our relay, from a peer it sees at a QUIC address"
-    if refusal is None and (caller in node.punching or caller in node.direct):
+    if refusal is None and (caller in node.punches.under_way or caller in node.punches.direct):
         refusal = "a punch with this peer is under way or done"
-    if refusal is None and time.monotonic() - node.punch_tried.get(caller, -RETRY_AFTER) < RETRY_AFTER / 10:
+    if refusal is None and time.monotonic() - node.punches.tried.get(caller, -RETRY_AFTER) < RETRY_AFTER / 10:
         refusal = "punched with this peer moments ago"
-    if refusal is None and not node.observed:
+    if refusal is None and not node.punches.observed:
         refusal = "our relay did not tell us an outside QUIC address"
     if refusal is not None:
         await write_frame(writer, {"t": "refuse", "reason": refusal}, traffic=node.traffic)
         await close_after_reply(reader, writer, timeout=2.0)
         return
-    node.punching.add(caller)
+    node.punches.under_way.add(caller)
     try:
-        await write_frame(writer, {"t": "punch", "addrs": list(node.observed)}, traffic=node.traffic)
+        await write_frame(writer, {"t": "punch", "addrs": list(node.punches.observed)}, traffic=node.traffic)
         ok = await _dial(node, caller, seen, asyncio.get_running_loop().time() + WINDOW)
     finally:
-        node.punching.discard(caller)
+        node.punches.under_way.discard(caller)
     _done(node, caller, ok, seen, "it asked")
     await close_after_reply(reader, writer, timeout=2.0)
 
@@ -152,22 +171,22 @@ async def puncher(node: Any) -> None:
     to, once per :data:`RETRY_AFTER` per peer; forget peers whose direct connection is gone."""
     while True:
         await asyncio.sleep(PERIOD)
-        if node.reachability != "relayed" or not node.observed:
+        if node.reachability != "relayed" or not node.punches.observed:
             continue
-        for peer in list(node.direct):
+        for peer in list(node.punches.direct):
             if not await is_direct(node, peer):
-                node.direct.discard(peer)
+                node.punches.direct.discard(peer)
                 logger.info(f"[{node.short_id}] the direct connection to {short_id(peer)} is gone: its streams "
                             "cross the relay again")
         now = time.monotonic()
         for peer, relay in list(node.relay_routes.items()):
-            if (peer == node.peer_id_str or peer in node.direct or peer in node.punching or relay == peer
-                    or now - node.punch_tried.get(peer, -RETRY_AFTER) < RETRY_AFTER):
+            if (peer == node.peer_id_str or peer in node.punches.direct or peer in node.punches.under_way or relay == peer
+                    or now - node.punches.tried.get(peer, -RETRY_AFTER) < RETRY_AFTER):
                 continue
             # the smaller id asks first; the other asks only if no punch came within a few periods
-            if peer < node.peer_id_str and peer not in node.punch_waited:
-                node.punch_waited[peer] = now
+            if peer < node.peer_id_str and peer not in node.punches.waited:
+                node.punches.waited[peer] = now
                 continue
-            if peer < node.peer_id_str and now - node.punch_waited[peer] < 3 * PERIOD:
+            if peer < node.peer_id_str and now - node.punches.waited[peer] < 3 * PERIOD:
                 continue
             await punch(node, peer)

@@ -270,7 +270,7 @@ async def reserve(node, relay: str, timeout: float = 10.0) -> Optional[str]:
         reply, _ = await asyncio.wait_for(read_frame(reader, 0, node.traffic, relay), timeout)
         if reply.get("t") != "ok":
             return str(reply.get("reason", "refused"))[:200]
-        node.observed = punchable(reply.get("seen"))  # where the relay sees us: a hole punch aims there
+        node.punches.observed = punchable(reply.get("seen"))  # where the relay sees us: a hole punch aims there
         return None
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {str(e)[:160]}"
