@@ -271,12 +271,13 @@ def _cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from .dashboard.status import status_json, status_table
+    from .swarm.keys import progress_key
     from .swarm.node import SwarmNode
 
     node = SwarmNode(args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], bootstrap_timeout=10,
                      client_mode=True)
     try:
-        peers = node.get_subkeys(f"{args.run_id}:progress")
+        peers = node.get_subkeys(progress_key(args.run_id))
     finally:
         node.shutdown()
     peers = {pid: v for pid, v in peers.items() if not v.get("gone")}

@@ -169,6 +169,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
     from hivemind.compression import Float16Compression, NoCompression
 
     from ..data import BatchStream, evaluate, load_corpus
+    from ..ids import short_id
     from ..train.inner import lr_factor
     from ..metrics import MetricsWriter
     from ..model import count_parameters, seeded_model
@@ -185,7 +186,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
     opt = None
     metrics = None
     try:
-        me = str(dht.peer_id)[-6:]
+        me = short_id(dht.peer_id)
         run_dir = cfg.train.run_dir or os.path.join("runs", run_id, me)
         os.makedirs(run_dir, exist_ok=True)
         metrics = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))

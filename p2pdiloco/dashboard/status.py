@@ -11,6 +11,7 @@ import json
 import math
 from typing import Any, Dict, List
 
+from ..ids import short_id
 from ..metrics import format_bytes
 from .view import json_safe, local_workers
 
@@ -69,7 +70,7 @@ def status_table(peers: Dict[str, Dict[str, Any]], now: float) -> List[str]:
     for pid, v in sorted(peers.items(), key=lambda kv: kv[0]):
         reach = v.get("reach")
         reach = reach[:8] if isinstance(reach, str) and reach else "?"  # public / private / relayed
-        cells = (str(pid)[-6:], reach, str(local_workers(v)), _count(v.get("round")), _count(v.get("step")),
+        cells = (short_id(pid), reach, str(local_workers(v)), _count(v.get("round")), _count(v.get("step")),
                  _fixed(v.get("rate"), 1), _share(v.get("share")), _count(v.get("samples")),
                  _bytes(v.get("sent")), _bytes(v.get("recv")),
                  _bytes(v.get("rb")) if v.get("reach") == "relayed" else "-", _ago(v.get("last_sync"), now),

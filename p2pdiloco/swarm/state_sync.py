@@ -51,13 +51,10 @@ from .keys import handler_name
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
                        refuse_bad_request, write_frame)
 from . import standing
-from .standing import in_minority, pick_target, rival_lineage, valid_digest
+from .standing import pick_target, valid_digest
 from .reachability import is_private
 
-# pick_target, in_minority and rival_lineage (the majority rules, :mod:`.standing`) are imported here too by
-# the callers of the download
-__all__ = ["StateServer", "Download", "download_state", "state_digest", "pick_target",
-           "in_minority", "rival_lineage"]
+__all__ = ["StateServer", "Download", "download_state", "state_digest", "dialable_first"]
 
 logger = logging.getLogger(__name__)
 

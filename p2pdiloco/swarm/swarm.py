@@ -27,7 +27,9 @@ import torch
 from ..compression import Codec
 from ..compression.robust import RobustConfig
 from ..errors import FingerprintMismatch
-from .allreduce import AllReducer, Coverage, Group
+from .allreduce import AllReducer
+from .group import Coverage, Group
+from .keys import fingerprint_key, progress_key
 from .matchmaking import Matchmaker
 from .node import SwarmNode
 from .timeouts import Timeouts, allreduce_bytes
@@ -93,10 +95,10 @@ class Swarm:
         record per peer). The run's fingerprint is the one most peers that trained in the run claim; ours
         wins ties, and identities that never trained cannot outvote peers that did
         (records.run_fingerprint)."""
-        key = f"{self.run_id}:fingerprint"
+        key = fingerprint_key(self.run_id)
         mine = {"fp": fp, "fields": fields, "since": time.time()}
         try:  # before our first direct store (SwarmNode.store_near): meet the progress key's nearest nodes
-            self.node.lookup_near(f"{self.run_id}:progress").result(timeout=10)
+            self.node.lookup_near(progress_key(self.run_id)).result(timeout=10)
         except Exception as e:
             logger.debug(f"lookup near the progress key failed: {e}")
         claims = self.node.get_subkeys(key)
@@ -108,7 +110,7 @@ class Swarm:
         self.run_existed = bool(claims)
         self._claimed_since = [v.get("since") for v in claims.values()]
         # whose claims count: peers that trained in the run first (records.run_fingerprint)
-        progress = self.node.get_subkeys(f"{self.run_id}:progress") if claims else {}
+        progress = self.node.get_subkeys(progress_key(self.run_id)) if claims else {}
         existing = run_fingerprint(claims, mine, progress)
         if existing.get("fp") != fp:
             theirs = existing.get("fields") if isinstance(existing.get("fields"), dict) else {}
@@ -180,7 +182,7 @@ class Swarm:
             relayed = getattr(self.node, "relay_stats", {}).get("bytes", 0)
             if relayed:  # bytes we sent on relayed streams (status, dashboard)
                 value["rb"] = int(relayed)
-            fut = self.node.submit(self.node.astore_near(f"{self.run_id}:progress", value,
+            fut = self.node.submit(self.node.astore_near(progress_key(self.run_id), value,
                                                          ttl=self.matchmaker.record_lifetime))
             self._in_flight.add(fut)
         fut.add_done_callback(self._store_done)
@@ -213,7 +215,7 @@ class Swarm:
         if self._fingerprint is None or time.monotonic() - self._fingerprint_stored < FINGERPRINT_TTL / 4:
             return
         self._fingerprint_stored = time.monotonic()
-        self.node.submit(self.node.astore_near(f"{self.run_id}:fingerprint", self._fingerprint, ttl=FINGERPRINT_TTL))
+        self.node.submit(self.node.astore_near(fingerprint_key(self.run_id), self._fingerprint, ttl=FINGERPRINT_TTL))
 
     def start_publishing(self) -> None:
         """Publish our progress record every progress_period, and read everyone's (:meth:`peers_view`),
@@ -227,7 +229,7 @@ class Swarm:
                         logger.debug(f"[{self.node.short_id}] node lookup next to the progress key (stores reached "
                                      f"{[n for _, n in self._reached]} nodes lately)")
                         next_lookup = time.monotonic() + LOOKUP_PERIOD
-                        lookup = self.node.lookup_near(f"{self.run_id}:progress")
+                        lookup = self.node.lookup_near(progress_key(self.run_id))
                     self.publish_progress()
                     self._refresh_fingerprint()
                 except Exception as e:  # the DHT may be shutting down
@@ -238,7 +240,7 @@ class Swarm:
             while not self._stop.wait(min(self.progress_period, LOCAL_READ_PERIOD)):
                 try:  # from our own DHT storage when we hold the key (free), else over the network every period
                     due = time.monotonic() - last_network >= self.progress_period
-                    records = self.node.read_near(f"{self.run_id}:progress", network=due)
+                    records = self.node.read_near(progress_key(self.run_id), network=due)
                     if records is None:
                         continue
                     if due:
@@ -260,7 +262,7 @@ class Swarm:
             return self._view
 
     def live_peers(self) -> Dict[str, Dict[str, Any]]:
-        return self.matchmaker.live_of(self.node.get_subkeys(f"{self.run_id}:progress"))
+        return self.matchmaker.live_of(self.node.get_subkeys(progress_key(self.run_id)))
 
     def wait_for_peers(self, n: int, timeout: float) -> int:
         """Block until ``n`` peers (this one included) are live or ``timeout`` passes; returns the count."""
@@ -318,7 +320,7 @@ class Swarm:
                 thread.join(timeout=2)
         try:  # say goodbye: drop our progress record so nobody waits for us
             # a record only replaces one that expires earlier, so the goodbye gets the usual lifetime
-            self.node.store_near(f"{self.run_id}:progress", {"gone": True, "t": time.time()},
+            self.node.store_near(progress_key(self.run_id), {"gone": True, "t": time.time()},
                                  ttl=self.matchmaker.record_lifetime + 1)
         except Exception:
             pass

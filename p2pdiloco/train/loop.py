@@ -26,7 +26,8 @@ from ..run_identity import fingerprint_fields, fingerprint_of, run_fingerprint
 from ..model import count_parameters, seeded_model
 from ..errors import JoinFailed, SyncFailed
 from ..swarm.relay import RelayLimits
-from ..swarm.state_sync import StateServer, download_state, in_minority, pick_target, rival_lineage
+from ..swarm.standing import in_minority, pick_target, rival_lineage
+from ..swarm.state_sync import StateServer, download_state
 from ..diloco.core import DiLoCo, SyncReport
 from .inner import inner_optimizer, inner_step, local_stream
 
@@ -195,7 +196,7 @@ class _Peer:
     # ---- catching up, giving way -------------------------------------------------------------------------
     def rivals(self, peers: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, Dict[str, Any]]]:
         """The peers of a rival history that outnumbers ours (a healed partition), or None
-        (state_sync.rival_lineage). Our synced step and digest as last published: this also runs
+        (standing.rival_lineage). Our synced step and digest as last published: this also runs
         on the network thread (Matchmaker.give_way), never waiting on a background sync."""
         swarm = self.swarm
         own = swarm.own_progress()
