@@ -10,7 +10,8 @@ One job per module, lower ones first (a module imports only those above it in th
 * ``standing``: whose claims count and what a majority of them decides (partners, lineage).
 * ``signing``, ``records``: who wrote a DHT record, and its schema.
 * ``lifeline``, ``ledger``: the DHT process's lifetime and its byte ledger (benchmarks).
-* ``relay``, ``dialing``, ``reachability``: reaching a peer, behind NAT too.
+* ``relay``, ``dialing``, ``punch``, ``reachability``: reaching a peer, behind NAT too (through a relay,
+  or directly after a hole punch).
 * ``node``: ``SwarmNode``, one peer's DHT and p2p client and its event loop.
 * ``formation``: matchmaking's rules, pure functions (who waits, who leads, who owns, who is left out).
 * ``leading``, ``joining``: the leader's side of a round; the join protocol, both ends.
