@@ -346,7 +346,7 @@ def test_reducer_state_survives_a_checkpoint(tmp_path, sets):
     """Save after two syncs, restore into fresh objects through the real checkpoint files: the
     next sync of the restored peer is bitwise the same as the original's."""
     from p2pdiloco.checkpoint import load_checkpoint, save_checkpoint
-    from p2pdiloco.train.loop import _restore, _snapshot
+    from p2pdiloco.train.replica import restore as _restore, snapshot as _snapshot
 
     cfg = load_config("tests/tiny-diloco.toml", ["inner.sync_every=2", *sets])
 

@@ -173,7 +173,7 @@ def test_gpt_export_as_gpt2(tmp_path):
                              "inner.sync_every=4"])
     run = tmp_path / "g"
     run.mkdir()
-    (run / "run_config.json").write_text(json.dumps(cfg.to_dict()))  # as join writes it (train.loop._save_run_config)
+    (run / "run_config.json").write_text(json.dumps(cfg.to_dict()))  # as join writes it (train.replica.save_run_config)
     torch.manual_seed(3)
     trained = build_model(cfg.model)
     from p2pdiloco.diloco.fragments import split_fragments

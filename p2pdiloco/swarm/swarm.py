@@ -89,6 +89,60 @@ class Swarm:
     def peer_id(self) -> str:
         return self.node.peer_id_str
 
+    def configure(self, *, round_samples: int, min_link_mbit: float, adaptive_timeouts: bool) -> None:
+        """The run's settings for our rounds: ``round_samples`` (inner.round_samples: the all-reduce's
+        weight screen budgets by it, as weights differ as speeds do), the slowest link the timeouts
+        allow for, and whether the timeouts follow measured speeds (all-reduce, state download and
+        matchmaking's waits)."""
+        self.allreducer.round_samples = round_samples
+        self.timeouts.configure(min_link_mbit=min_link_mbit, adaptive=adaptive_timeouts)
+        self.matchmaker.adaptive = adaptive_timeouts
+
+    @property
+    def record_lifetime(self) -> float:
+        """Seconds a progress record lives in the DHT (three progress periods and a margin)."""
+        return self.matchmaker.record_lifetime
+
+    # ---- our side of the run's history (the training loop's recovery reads and feeds it) ------------
+    def set_give_way(self, give_way: Optional[Callable[[Dict[str, Dict[str, Any]]], Optional[str]]]) -> None:
+        """Given the live peers' records, a reason to stop matchmaking and adopt a rival history's state
+        instead, or None (asked on the network thread before a round: it must not wait)."""
+        self.matchmaker.give_way = give_way
+
+    def voters(self, peers: Dict[str, Dict[str, Any]]) -> Set[str]:
+        """Whose claims count among the live ``peers`` (:func:`~p2pdiloco.swarm.standing.voters`)."""
+        return self.matchmaker.voters(peers)
+
+    @property
+    def companions(self) -> Set[str]:
+        """The other members of our last successful group (or our donors) that are still seen."""
+        return self.matchmaker.companions
+
+    def partners(self) -> Set[str]:
+        """Peers we synced with lately: their claims count (:mod:`.standing`)."""
+        return self.matchmaker.partners.current()
+
+    def lineage(self, last: Optional[int] = None) -> Set[str]:
+        """Our history's group ids (the ``last`` few), plus the groups we formed lately."""
+        return self.matchmaker.lineage(last)
+
+    def follow_group(self, frag: int, round_: int) -> None:
+        """Our sync of (frag, round_) succeeded: its group joins our history (peers that trained in other
+        groups are a rival lineage), goes into our progress record, and its members are our companions.
+        Nothing when we did not see the group formed (its record is what others compare with)."""
+        group = self.matchmaker.groups.get((frag, round_))
+        if group is None:
+            return
+        self.matchmaker.add_lineage(group.gid)
+        self.update_progress(gid=group.gid)
+        self.matchmaker.set_companions(group.members)
+
+    def adopt_history(self, gids: List[str], donors: List[str]) -> None:
+        """We adopted the donors' state: their last groups are our lineage now (else the lineage rule
+        would see them as rivals again and again), and they are our companions."""
+        self.matchmaker.adopt_lineage(gids)
+        self.matchmaker.set_companions(donors)
+
     # ---- fingerprint ------------------------------------------------------------------------------
     def check_fingerprint(self, fp: str, fields: Dict[str, Any]) -> None:
         """Refuse to join a run configured differently; then publish our fingerprint (signed, one
@@ -144,7 +198,7 @@ class Swarm:
         with self._progress_lock:
             self._progress.update(fields)
 
-    # dashboard history (issue 21): the last validation losses and failed rounds, in our own record
+    # the dashboard's history: the last validation losses and failed rounds, in our own record
     def note_val_loss(self, outer_step: int, val_loss: float) -> None:
         with self._progress_lock:
             records.note_val_loss(self._progress, outer_step, val_loss)
@@ -165,13 +219,13 @@ class Swarm:
         """Publish our progress record as it is now; without ``wait``, in the background.
 
         A DHT store waits on every unresponsive node among the key's nearest: 6 s per store while one
-        peer of four was frozen (hivemind's 3 s RPC timeout, once to find the nodes and once to store;
-        ``python -m p2pdiloco.bench.dht_stall``). Waiting here made the training loop stall at every
-        sync, and made the periodic publisher fall behind the records' lifetime: peers that were alive
-        vanished from each other's views (tests/test_elastic_faults.py straggler test). So stores run
-        on the network thread, several at once; when too many are still in flight, the newest values
-        are published as soon as one finishes (a record with a later expiration replaces an older one,
-        so the order in which they land does not matter)."""
+        peer of four is frozen (hivemind's 3 s RPC timeout, once to find the nodes and once to store;
+        ``python -m p2pdiloco.bench.dht_stall``). Neither the training loop nor the periodic publisher
+        may wait that long: the loop would stall at every sync, and the publisher would fall behind the
+        records' lifetime, so live peers would vanish from each other's views. So stores run on the
+        network thread, several at once; when too many are still in flight, the newest values are
+        published as soon as one finishes (a record with a later expiration replaces an older one, so
+        the order in which they land does not matter)."""
         with self._progress_lock:
             self._in_flight = {f for f in self._in_flight if not f.done()}
             if not wait and len(self._in_flight) >= MAX_STORES_IN_FLIGHT:
