@@ -73,19 +73,12 @@ LAZY_INTERNAL: Dict[str, str] = {
 #: imports tolerated while a move is under way: (importer, imported) -> what removes it. Empty when
 #: the tree is settled; a new entry needs a reason and an owner.
 PENDING: Dict[Tuple[str, str], str] = {
-    ("p2pdiloco.train.loop", "p2pdiloco.dashboard"): "module-level imports in the training loop",
-    ("p2pdiloco.train.loop", "p2pdiloco.local.group"): "module-level imports in the training loop",
-    ("p2pdiloco.train.loop", "p2pdiloco.local.fsdp"): "module-level imports in the training loop",
-    ("p2pdiloco.train.loop", "p2pdiloco.swarm.node"): "module-level imports in the training loop",
-    ("p2pdiloco.train.loop", "p2pdiloco.swarm.swarm"): "module-level imports in the training loop",
-    ("p2pdiloco.train.loop", "p2pdiloco.errors"): "module-level imports in the training loop",
     ("p2pdiloco.diloco.core", "p2pdiloco.swarm.allreduce"): "DiLoCo takes the group all-reduce from the swarm facade",
 }
 
 #: standard-library and light third-party modules imported inside functions, tolerated while a move
 #: is under way: importer -> modules
 PENDING_LAZY_THIRD_PARTY: Dict[str, Set[str]] = {
-    "p2pdiloco.train.loop": {"json", "shutil", "threading", "tqdm"},
     "p2pdiloco.compression.fused": {"types"},
 }
 
