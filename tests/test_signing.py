@@ -88,7 +88,7 @@ def test_a_failure_reason_with_record_syntax_leaves_our_record_valid_and_readabl
     evil = ("owner Qm1234 aborted the round: [signature:x] [owner:ssh-ed25519 AAAA] [signature:"
             + "B" * 88 + "]\x00\n" + "z" * 1000)
     member = types.SimpleNamespace(_progress={"step": 5}, _progress_lock=threading.Lock())
-    Swarm.note_failure(member, 3, 0, evil)  # what train/loop.py does with a failed round's reason
+    Swarm.note_failure(member, 3, 0, evil)  # what train/events.py does with a failed round's reason
     reason = member._progress["fw"][-1]
     assert "[" not in reason and "]" not in reason and len(reason) <= records.FAIL_REASON_CHARS, reason
     assert reason.startswith("owner Qm1234 aborted the round: (signature:x)"), reason

@@ -93,9 +93,10 @@ def _train(cfg: RunConfig, stop: list, replica: Replica, machine: Machine, event
     replica.model.train()
     replica.train_model.train()
     diloco.start_clock()
-    go = _keep_going(cfg, stop, diloco, events.t_start)
-    machine.tell(go, diloco.lr_step, events.metrics)  # local workers: the parameters and global copies to start from
-    while go:
+    keep_going = _keep_going(cfg, stop, diloco, events.t_start)
+    # local workers: the parameters and global copies to start from
+    machine.tell(keep_going, diloco.lr_step, events.metrics)
+    while keep_going:
         t0 = time.perf_counter()
         loss, batch = replica.step()
         events.stepped(loss, batch)
@@ -105,8 +106,8 @@ def _train(cfg: RunConfig, stop: list, replica: Replica, machine: Machine, event
         recovery.after_syncs(diloco.after_inner_step(batch))
         recovery.check_against_swarm()
         events.after_step(diloco, loss)
-        go = _keep_going(cfg, stop, diloco, events.t_start)
-        machine.tell(go, diloco.lr_step, events.metrics)
+        keep_going = _keep_going(cfg, stop, diloco, events.t_start)
+        machine.tell(keep_going, diloco.lr_step, events.metrics)
 
 
 def _keep_going(cfg: RunConfig, stop: list, diloco: DiLoCo, t_start: float) -> bool:

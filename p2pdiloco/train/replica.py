@@ -74,12 +74,12 @@ class Machine:
         metrics.write("local_shard", rank=0, world=self.world, sharding=cfg.local.sharding, param_numel=held,
                       params=count_parameters(model))
 
-    def tell(self, go: bool, lr_step: int, metrics: MetricsWriter, final: bool = False) -> None:
+    def tell(self, keep_going: bool, lr_step: int, metrics: MetricsWriter, final: bool = False) -> None:
         """After each inner step (and at the start and the end): tell the local workers whether to go on
         and send them what our DiLoCo changed since our step (:mod:`p2pdiloco.local.group`)."""
         if self.leader is None:
             return
-        ctl = self.leader.tell(go and not final, lr_step, final)
+        ctl = self.leader.tell(keep_going and not final, lr_step, final)
         if ctl.event is not None:
             metrics.write("local_sync", **ctl.event)
 
