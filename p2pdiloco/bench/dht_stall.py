@@ -112,7 +112,7 @@ def measure(seconds: float = 20.0, period: float = 1.0, mode: str = "background"
         stores.append(timed(store_once))
         gets.append(timed(get_once))
         return {"mode": mode, "frozen_s": round(time.monotonic() - t0, 1), "period_s": period,
-                "record_lifetime_s": swarm.matchmaker.record_lifetime, "reads": reads,
+                "record_lifetime_s": swarm.record_lifetime, "reads": reads,
                 "missing_s": round(missing, 1), "max_age_s": round(max_age, 1),
                 "store_s": {"unfrozen": round(before["store_s"], 2), "first_frozen": round(stores[0], 2),
                             "slowest_frozen": round(max(stores), 2)},
