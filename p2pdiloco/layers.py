@@ -72,9 +72,7 @@ LAZY_INTERNAL: Dict[str, str] = {
 
 #: imports tolerated while a move is under way: (importer, imported) -> what removes it. Empty when
 #: the tree is settled; a new entry needs a reason and an owner.
-PENDING: Dict[Tuple[str, str], str] = {
-    ("p2pdiloco.diloco.core", "p2pdiloco.swarm.allreduce"): "DiLoCo takes the group all-reduce from the swarm facade",
-}
+PENDING: Dict[Tuple[str, str], str] = {}
 
 #: standard-library and light third-party modules imported inside functions, tolerated while a move
 #: is under way: importer -> modules

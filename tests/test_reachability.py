@@ -26,7 +26,7 @@ from p2pdiloco.compression import get_codec
 from p2pdiloco.compression.robust import weighted_mean
 from p2pdiloco.errors import ConfigError, MatchmakingFailed
 from p2pdiloco.swarm.allreduce import AllReducer
-from p2pdiloco.swarm.group import Group, make_group_id, restricted_group
+from p2pdiloco.swarm.group import Group, make_group_id
 from p2pdiloco.swarm.partition import shard_bounds
 from p2pdiloco.swarm.matchmaking import Matchmaker
 from p2pdiloco.swarm.node import SwarmNode
@@ -264,9 +264,9 @@ def test_a_private_member_owns_no_shard_and_its_part_counts(nodes):
     for p in ids:
         assert reducers[by_id[p]].stats["rounds"] == (0 if p in private else 1), (p in private, reducers[by_id[p]].stats)
     # a round re-done without a member keeps the owners among the rest; none left: one clear failure
-    sub = restricted_group(Group(gid, tuple(ids), 0, 0, 0, owners=owners), [ids[0], ids[1], ids[2]])
+    sub = Group(gid, tuple(ids), 0, 0, 0, owners=owners).restricted_to([ids[0], ids[1], ids[2]])
     assert sub.owners == (ids[1],)
-    only_private = restricted_group(Group(gid, tuple(ids), 0, 0, 0, owners=owners), [ids[0], ids[2]])
+    only_private = Group(gid, tuple(ids), 0, 0, 0, owners=owners).restricted_to([ids[0], ids[2]])
     assert only_private.owners == ()
     with pytest.raises(Exception, match="every member is private"):
         nodes[by_id[ids[0]]].call(reducers[by_id[ids[0]]].allreduce(only_private, "d", vecs[0], 1.0, codec),

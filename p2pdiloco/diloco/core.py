@@ -57,8 +57,6 @@ def group_allreduce(swarm, job: SyncJob, group, codec: Codec) -> Callable[..., t
     phase that covered fewer than the group (a dropped part), later phases run on the group
     restricted to them, and a phase that covers fewer still fails the sync (on every member alike:
     they all read the same coverage)."""
-    from ..swarm.allreduce import restricted_group
-
     state = {"group": group}
 
     def seen(cov) -> None:
@@ -66,7 +64,7 @@ def group_allreduce(swarm, job: SyncJob, group, codec: Codec) -> Callable[..., t
         if first is None:
             job.coverage = cov
             if not cov.complete:
-                state["group"] = restricted_group(group, cov.members)
+                state["group"] = group.restricted_to(cov.members)
         elif set(cov.members) != set(first.members):
             raise SyncFailed(f"phases of one sync covered different members ({len(first.members)} then "
                              f"{len(cov.members)} of {group.size}); not applied")

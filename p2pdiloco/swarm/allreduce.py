@@ -94,12 +94,12 @@ from ..compression.robust import RobustConfig
 from ..errors import SyncFailed, WireError
 from .allreduce_member import OwnerExcludedUs, PartSender
 from .allreduce_owner import ShardOwner, ShardRound
-from .group import Coverage, Group, restricted_group
+from .group import Coverage, Group
 from .keys import handler_name
 from .partition import shard_bounds, squared_norm
 
-# Group, Coverage and restricted_group are what callers of the all-reduce hand it and get back
-__all__ = ["AllReducer", "Group", "Coverage", "restricted_group"]
+# Group and Coverage are what callers of the all-reduce hand it and get back
+__all__ = ["AllReducer", "Group", "Coverage"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class AllReducer(ShardOwner, PartSender):
         self.stats["rounds_redone"] += 1
         logger.warning(f"[{self.node.short_id}] the shards of group {group.gid} (fragment {group.frag}, round "
                        f"{group.round}, {phase}) covered different members; re-doing it without {', '.join(left)}")
-        sub = restricted_group(group, members)
+        sub = group.restricted_to(members)
         out, cov = await self.allreduce_covered(sub, phase, vec, weight, codec, redo=False)
         left_out = tuple(m for m in group.members if m not in cov.members)
         return out, Coverage(members=cov.members, left_out=left_out, weight=cov.weight, redone=True)

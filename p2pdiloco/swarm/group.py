@@ -10,7 +10,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
-__all__ = ["Group", "Coverage", "make_group_id", "restricted_group", "TIER_PUBLIC", "TIER_RELAYED",
+__all__ = ["Group", "Coverage", "make_group_id", "TIER_PUBLIC", "TIER_RELAYED",
            "TIER_PRIVATE", "tier_of"]
 
 #: others dial the peer directly
@@ -56,6 +56,17 @@ class Group:
     round: int
     owners: Optional[Tuple[str, ...]] = None
 
+    def restricted_to(self, members: Sequence[str]) -> "Group":
+        """This group's round restricted to ``members`` (which must include us): what a round whose
+        shards covered different members is re-done with. Its id derives from this group's, so every
+        member that computes the same ``members`` forms the same group without matchmaking."""
+        kept = tuple(m for m in self.members if m in set(members))
+        me = self.members[self.my_index]
+        gid = hashlib.sha256("\n".join([self.gid, "redo", *kept]).encode()).hexdigest()[:24]
+        owners = None if self.owners is None else tuple(o for o in self.owners if o in kept)
+        return Group(gid=gid, members=kept, my_index=kept.index(me), frag=self.frag, round=self.round,
+                     owners=owners)
+
     @property
     def size(self) -> int:
         return len(self.members)
@@ -88,15 +99,3 @@ class Coverage:
     def kind(self) -> str:
         """``full``, ``degraded`` (applied over fewer members) or ``redone`` (re-done over fewer)."""
         return "full" if self.complete else ("redone" if self.redone else "degraded")
-
-
-def restricted_group(group: Group, members: Sequence[str]) -> Group:
-    """The group of ``group``'s round restricted to ``members`` (which must include us): what a round
-    whose shards covered different members is re-done with. Its id derives from the first group's,
-    so every member that computes the same ``members`` forms the same group without matchmaking."""
-    members = tuple(m for m in group.members if m in set(members))
-    me = group.members[group.my_index]
-    gid = hashlib.sha256("\n".join([group.gid, "redo", *members]).encode()).hexdigest()[:24]
-    owners = None if group.owners is None else tuple(o for o in group.owners if o in members)
-    return Group(gid=gid, members=members, my_index=members.index(me), frag=group.frag, round=group.round,
-                 owners=owners)
