@@ -223,7 +223,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
 
 def _local_workers(args: argparse.Namespace, cfg):
-    """``join --local-workers K`` (issue 20, :mod:`p2pdiloco.local`). The command the user ran starts K
+    """``join --local-workers K`` (:mod:`p2pdiloco.local`). The command the user ran starts K
     workers (this same command line, each told its rank by the environment) and returns their exit
     status; a worker of rank 0 gets its LocalGroup back and runs the peer; ranks 1..K-1 run their inner
     steps and return their exit status. None: a one-process peer."""

@@ -231,7 +231,7 @@ class StreamingConfig:
 
 @dataclass
 class CompressionConfig:
-    """What goes on the wire (algorithm.md §4; reducers in diloco/reducers.py, docs/compression.md).
+    """What goes on the wire (reducers in diloco/reducers.py, docs/compression.md).
 
     ``codec`` encodes every part of the all-reduce (the owner reduces in fp32 and encodes the mean
     once, so all peers decode identical bytes). ``lowrank`` adds PowerSGD-style shared-basis

@@ -1,6 +1,6 @@
 """Peer identity files: stable peer ids from private keys kept safely on disk.
 
-Rules (reliability.md row 15): a key file is created with mode 0600; an existing one readable or
+Rules: a key file is created with mode 0600; an existing one readable or
 writable by group/others is refused; two processes cannot use one key file at the same time (an
 exclusive ``flock`` on ``<key>.lock`` held for the life of the process). The file is libp2p's
 protobuf-wrapped private key, which the p2p daemon loads directly: new identities are **Ed25519**

@@ -72,7 +72,7 @@ def cut(a: SwarmNode, b: SwarmNode) -> None:
 
 
 def plain_dial(src: SwarmNode, dst: SwarmNode, handler: str) -> str:
-    """One stream open as the round used to do it, no waiting: 'ok' or the daemon's error."""
+    """One stream open at once, with no wait for a dial backoff: 'ok' or the daemon's error."""
     async def go():
         try:
             _, _, w = await src.p2p.call_binary_stream_handler(dst.peer_id, handler)

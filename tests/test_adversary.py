@@ -1,4 +1,4 @@
-"""Fake identities (reliability.md rows 10 and 16): a table of attacks on the rules that pick a state, a
+"""Fake identities (Sybils): a table of attacks on the rules that pick a state, a
 fingerprint or "who is ahead", run against real nodes.
 
 Every peer here is a real SwarmNode on 127.0.0.1 (its own DHT process and libp2p daemon); records are

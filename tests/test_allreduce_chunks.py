@@ -1,4 +1,4 @@
-"""The chunked, pipelined butterfly (issue 17): parts and results travel in chunks, an owner reduces
+"""The chunked, pipelined butterfly: parts and results travel in chunks, an owner reduces
 and returns chunk k while chunk k+1 is still arriving.
 
 * For every codec, with chunk boundaries that divide neither the shard nor the vector: every peer

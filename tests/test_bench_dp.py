@@ -77,5 +77,5 @@ def test_hivemind_dp_is_lockstep_data_parallel(tmp_path):
         assert summary["bytes_sent"] > steps * 842_496 * 4 / 2  # loopback counters: gradients went through
         assert json.loads((tmp_path / f"s{i}.json").read_text())["inner_steps"] == steps
         finals.append(summary["val_loss_end"])
-    # the same averaged gradients on both replicas (hivemind's averages differ by ~1 ULP, trap 3)
+    # the same averaged gradients on both replicas (hivemind's averages differ by ~1 ULP)
     assert finals[0] == pytest.approx(finals[1], abs=1e-4)

@@ -1,4 +1,4 @@
-"""Checkpoints are atomic and resume exactly (reliability.md row 14).
+"""Checkpoints are atomic and resume exactly.
 
 The multi-process test stalls a real peer inside a checkpoint write (fault injection: the temp file
 is written and fsynced, the rename has not happened), kills it with SIGKILL there, and restarts it

@@ -1,4 +1,4 @@
-"""Churn soak (reliability.md row 13), marked slow: run with
+"""Churn soak, marked slow: run with
 
     python -m pytest -m slow tests/test_churn.py -s
 

@@ -1,4 +1,4 @@
-"""The swarm clock's rules (p2pdiloco/diloco/clock.py, issue 23), each as a row of a table, and the
+"""The swarm clock's rules (p2pdiloco/diloco/clock.py), each as a row of a table, and the
 one rule DiLoCo applies on top: a fragment with no sample since its last round is not sent."""
 from __future__ import annotations
 

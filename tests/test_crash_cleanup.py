@@ -1,4 +1,4 @@
-"""Nothing outlives a crashed peer (issue 16, item 1; p2pdiloco/swarm/lifeline.py, identity.py).
+"""Nothing outlives a crashed peer (p2pdiloco/swarm/lifeline.py, identity.py).
 
 * ``kill -9`` of a ``join`` main process (its pid only, not its process group) in a swarm of a
   bootstrap peer and two volunteers: every process it had started (hivemind's DHT process, p2pd,

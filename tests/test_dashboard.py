@@ -1,4 +1,4 @@
-"""The web dashboard (issue 21), end to end through the real CLI and a real browser.
+"""The web dashboard, end to end through the real CLI and a real browser.
 
 A bootstrap peer and a dashboard start first (the page shows an empty swarm, not an error), then
 two volunteers (one also serving the dashboard itself, ``join --dashboard-port``) and a stranger
@@ -111,7 +111,7 @@ def test_view_rates_history_failures_and_no_nan():
     old = {"t": 1000.0, "samples": 0, "sent": 0, "recv": 0, "round": 2, "val_loss": float("nan"),
            "synced_step": 20, "digest": "bb"}  # a peer of the previous version: no history fields
     read({"A": dict(a, lw=2), "B": old, "G": {"gone": True}})
-    # each peer's local workers (join --local-workers; issue 20): its lw, 1 without one (as status counts)
+    # each peer's local workers (join --local-workers): its lw, 1 without one (as status counts)
     assert view.document()["local_workers"] == {"A": 2, "B": 1}
     read({"A": dict(a, t=1002.0, samples=40, sent=4000, recv=2000, round=1, vr=[0, 1], vl=[5.5, 4.0]),
           "B": dict(old, t=1002.0, samples=10, sent=1000, recv=1000, round=3, val_loss=4.5)})
@@ -675,11 +675,11 @@ def test_dashboard_in_a_browser(procs, tmp_path, chromium):
             f"the page never showed both volunteers {ids}, the stranger {liar}, >= 2 loss points and the "
             f"stranger's markup as text: rows {rows}, {_loss_points(dom, ids)} points, escaped markup "
             f"{'&lt;script&gt;' in dom}, a stranger's element {'<img' in dom}; {procs.err('dash')[-1500:]}")
-    for pid in ids:  # issue 23: each peer's samples/s and its share of the last round (two equal peers: ~half)
+    for pid in ids:  # each peer's samples/s and its share of the last round (two equal peers: ~half)
         cells = _cells(dom, pid)
         assert float(cells[5]) > 0 and 20 <= int(cells[6].rstrip("%")) <= 80, cells
         assert cells[2] == "1", cells  # one local worker each (no lw in their records' place: 1)
-    assert _cells(dom, liar)[2] == "3"  # the stranger's record says 3 local workers (issue 20)
+    assert _cells(dom, liar)[2] == "3"  # the stranger's record says 3 local workers
     browser.screenshot(url, str(tmp_path / "dashboard.png"))
     with open(tmp_path / "dashboard.png", "rb") as f:
         png = f.read()

@@ -1,7 +1,7 @@
-"""Issue 22: a first dial that fails must not fail the round.
+"""A first dial that fails must not fail the round.
 
-libp2p refuses to dial an address for ~5 s after a dial to it failed ("dial backoff"); the round
-used to retry at 0.3 and 0.6 s and fail on every member. Each scenario runs three real SwarmNodes in
+libp2p refuses to dial an address for ~5 s after a dial to it failed ("dial backoff"), so a round that
+retried within it (at 0.3 and 0.6 s) would fail on every member. Each scenario runs three real SwarmNodes in
 a fresh network namespace (tests/dial_support.py) where nftables breaks links; every fault asserts
 that it fired (its rule's counter, the refused dial's error).
 

@@ -1,4 +1,4 @@
-"""Elastic membership through the real CLI (reliability.md rows 4, 5 and the clean leave of issue 6).
+"""Elastic membership through the real CLI: joining mid-run, bad donors, a clean leave.
 
 * a peer joins a running swarm: verified state from several donors, first contribution in the
   next round (group sizes), identical digests afterwards; then it leaves cleanly (SIGINT): exit 0,

@@ -1,4 +1,4 @@
-"""Crashes and stragglers through the real CLI (reliability.md rows 2 and 3).
+"""Crashes and stragglers through the real CLI.
 
 * a peer is SIGKILLed in the middle of an all-reduce (placed precisely with fault injection):
   the survivors finish or abandon that round within the timeout, apply the same result (or none),

@@ -139,7 +139,7 @@ def test_donors_that_moved_on_lead_to_a_new_target_without_refetching(donors):
 def test_a_partial_stash_leaves_the_remaining_fragments_to_the_other_donor(donors, late):
     """Both donors moved on, to different syncs: the stash keeps the newest one's fragment only. When
     the re-picked target is that sync, the missing fragment is asked of the donor that has not
-    delivered yet, not of the first in the rotation again (seen in CI: one donor credited with all).
+    delivered yet, not of the first in the rotation again (which would credit one donor with all).
     Run with either donor as the one a sync behind, so one run has it second in the joiner's rotation."""
     joiner, ds = donors
     newest, between = make_state(20, 2), make_state(15, 3)
@@ -220,7 +220,7 @@ def test_pick_target_needs_corroboration_and_well_formed_digests():
 
     # one live peer: its claim is enough
     assert pick_target({"a": rec(5)}, me) == (5, d, ["a"])
-    # two or more: a lone claim of a huge step is ignored (reliability.md row 10)
+    # two or more: a lone claim of a huge step is ignored
     peers = {"a": rec(10 ** 9), "b": rec(5), "c": rec(5)}
     assert pick_target(peers, me) == (5, d, ["b", "c"])
     assert pick_target(peers, me, min_step=5) is None

@@ -1,4 +1,4 @@
-"""Peers on different hardware end bitwise identical (issue 15): volunteers started with different
+"""Peers on different hardware end bitwise identical: volunteers started with different
 ``ATEN_CPU_CAPABILITY`` values (ATen's CPU kernel builds: what different CPUs select on their own)
 train together through the real CLI, with fp32, 4-bit and low-rank pseudo-gradients and every
 streaming mode. Before p2pdiloco.exact, the same runs disagreed after every sync (the outer step's

@@ -1,4 +1,4 @@
-"""Fuzzing every stream handler (reliability.md row 8): thousands of mutated and truncated
+"""Fuzzing every stream handler: thousands of mutated and truncated
 messages to ``join``, ``part`` and ``state``; the peer neither crashes nor grows without bound,
 answers malformed requests with a clear refusal, and still works afterwards.
 

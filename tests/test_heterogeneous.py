@@ -1,14 +1,14 @@
-"""Volunteers of different speeds (issue 23): rounds end by the swarm's samples (``inner.round_samples``,
+"""Volunteers of different speeds: rounds end by the swarm's samples (``inner.round_samples``,
 p2pdiloco/diloco/clock.py), so fast peers do not wait for a slow one.
 
 Through the real CLI: a bootstrap and 3 peers, one made 5x slower per inner step by the fault hook
 (``slow``: it sleeps 4x each step's compute time). Asserts: the slowdown fired; the slow peer took far
 fewer inner steps than the fast ones; every round was a full group and every member's weight is the
 samples it reports, summing to the round's total that every member received; digests equal after every
-sync; the fast peers waited in syncs at most 10% of their wall time (printed: the figure is the
-issue's); and a single-process reference that replays each peer's inner steps (same shard, same inner
-optimiser, same lr schedule) and applies the same sample-weighted averages in the group's member
-order has the swarm's digest after every round and its final parameters bitwise (the issue asks 1e-6).
+sync; the fast peers waited in syncs at most 10% of their wall time (printed: each peer's share of
+its wall time spent waiting in syncs); and a single-process reference that replays each peer's inner
+steps (same shard, same inner optimiser, same lr schedule) and applies the same sample-weighted
+averages in the group's member order has the swarm's digest after every round and its final parameters bitwise.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hugging Face models, BPE tokenizers, records data, export and sample (issue 19).
+"""Hugging Face models, BPE tokenizers, records data, export and sample.
 
 A byte-level BPE tokenizer is trained here on a slice of the embedded stdlib corpus (the real
 ``p2pdiloco tokenizer train``) and a JSONL file written here; a 2-layer Llama is then trained by a

@@ -1,4 +1,4 @@
-"""Identity hygiene (reliability.md row 15).
+"""Identity hygiene.
 
 * key files are created 0600; one readable or writable by others is refused with what to do;
 * one key file, two processes: the second refuses (through the real CLI, ``p2pdiloco bootstrap

@@ -1,4 +1,4 @@
-"""Two volunteers on one LAN, following the README as written, train together (reliability.md row 19).
+"""Two volunteers on one LAN, following the README as written, train together.
 
 Three network namespaces on one bridge, no NAT anywhere: a bootstrap peer started as bootstrap/README.md
 says (``--host-maddrs /ip4/0.0.0.0/tcp/31337``) and two volunteers running the README's ``join`` line

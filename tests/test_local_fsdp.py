@@ -1,4 +1,4 @@
-"""Local workers that shard the replica (``local.sharding = "fsdp"``, torch FSDP2; issue 20's gap 1).
+"""Local workers that shard the replica (``local.sharding = "fsdp"``, torch FSDP2).
 
 Through the real CLI on CPU with gloo, bootstrap included, fp32 and blocking DiLoCo pinned (``PINNED``
 of test_local_workers.py):

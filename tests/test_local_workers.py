@@ -1,4 +1,4 @@
-"""A peer with several local workers (issue 20): ``join --local-workers K``, one swarm member per machine.
+"""A peer with several local workers: ``join --local-workers K``, one swarm member per machine.
 
 Through the real CLI, on CPU with gloo (this machine has no GPU), bootstrap included, fp32 and
 blocking DiLoCo pinned (``PINNED``: the defaults may change):
@@ -549,7 +549,7 @@ def test_protocol_between_two_processes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_restart_after_a_dead_worker_resumes(procs, tmp_path):
-    """Issue 20 item 4's last words: after a local worker died, the same command resumes from the
+    """After a local worker died, the same command resumes from the
     machine's checkpoint (same K: no re-slicing), catches up with the swarm, and trains in its groups."""
     addr = procs.bootstrap()
     settings = ["swarm.min_peers_to_start=2", "swarm.run_id=lw-restart", "swarm.progress_period=2"]

@@ -1,4 +1,4 @@
-"""Private peers behind a real NAT train as full members (issue 16, items 2-4), through the real CLI.
+"""Private peers behind a real NAT train as full members, through the real CLI.
 
 Topology (tests/nat_support.py): a bootstrap peer and two public volunteers a, b on a public bridge;
 a router namespace masquerading (nftables, connection tracking, inbound dropped) for a private LAN

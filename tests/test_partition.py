@@ -1,4 +1,4 @@
-"""Network partition, then heal (reliability.md row 11), on an emulated network of namespaces.
+"""Network partition, then heal, on an emulated network of namespaces.
 
 Three volunteers and a bootstrap peer on three hosts of an EmulatedWAN (p2pdiloco/bench/wan.py):
 h0 (bootstrap + a), h1 (b), h2 (c). The partition takes h2's switch port down

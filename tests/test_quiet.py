@@ -1,4 +1,4 @@
-"""Quiet when idle (issue 17): what a peer puts on the wire between syncs.
+"""Quiet when idle: what a peer puts on the wire between syncs.
 
 * Background reads of the progress records come from the node's own DHT storage when it is one of
   the key's nearest nodes (no network call), and a client's (``status``) reads still find every
@@ -83,7 +83,7 @@ def test_background_reads_are_local_and_complete(nodes):
 def test_a_peer_waiting_for_its_group_backs_off_its_polls(nodes):
     """A peer waiting for a late one polls the round's records less and less often (each poll asks
     several nodes for every signed record of the round: at a steady 0.1 s that was ~100 KB per sync
-    and peer in issue 18's long benchmark), and the group still forms with everyone once the late
+    and peer in bench.run's "long" matrix), and the group still forms with everyone once the late
     peer comes: its join request wakes the leader at once."""
     import threading
 

@@ -1,4 +1,4 @@
-"""Cheap exhaustion (reliability.md row 10): identities that hold streams open at a peer use up only
+"""Cheap exhaustion: identities that hold streams open at a peer use up only
 their own share of its requests in flight and of its pending rounds, so honest rounds go on; and a
 member that stalls in a round it joined is counted as an offender like one that sends junk.
 

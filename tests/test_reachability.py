@@ -1,4 +1,4 @@
-"""Reachability (issue 16, items 2-4), in-process on 127.0.0.1: the parts that need no NAT.
+"""Reachability, in-process on 127.0.0.1: the parts that need no NAT.
 
 * the dial-back check says public when the helper can connect to our port and private when it cannot;
   the connection must prove our peer id (an open port served by anything else does not count), and a

@@ -1,5 +1,5 @@
 """Home volunteers only: private peers behind two different NATs train together, with no public
-trainer (reliability.md row 19), through the real CLI: directly after a hole punch where their routers
+trainer, through the real CLI: directly after a hole punch where their routers
 keep a socket's port, through the bootstrap's relay where they do not.
 
 Topology (tests/nat_support.py): a bootstrap on a public bridge; two routers, each masquerading

@@ -1,4 +1,4 @@
-"""The default scheme (issue 18): what a peer with no ``--set`` runs, how ``scheme=NAME`` and explicit keys
+"""The default scheme: what a peer with no ``--set`` runs, how ``scheme=NAME`` and explicit keys
 combine, config files that build on another (``base``), and the demo's summary of what ran and what it saved."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Hostile peers (reliability.md rows 6, 7, 9, 10): bad parts, Byzantine updates, forged and
-replayed records, bans, unverified step claims, protocol versions, nothing unpickled.
+"""Hostile peers: bad parts, Byzantine updates, forged and replayed records, bans, unverified step
+claims, protocol versions, nothing unpickled.
 
 The misbehaving peer is the real peer with one hook changed: :class:`EvilAllReducer` overrides
 ``AllReducer._outgoing`` (what a member sends to each shard owner); everything else it runs, and
@@ -90,7 +90,7 @@ def expected_result(nodes, ids, vecs, weights, included: Callable[[int, int], bo
     return out
 
 
-# ---- row 6: NaN / Inf / absurd weights / malformed parts never reach an honest peer -----------------
+# ---- NaN / Inf / absurd weights / malformed parts never reach an honest peer ------------------------
 ATTACKS = {
     "nan": lambda j, part, w: (part.index_fill_(0, torch.tensor([0]), float("nan")), w),
     "inf": lambda j, part, w: (part.index_fill_(0, torch.tensor([1]), float("-inf")), w),
@@ -285,7 +285,7 @@ def test_bad_contributions_never_reach_honest_parameters(nodes, monkeypatch):
             s.shutdown()
 
 
-# ---- row 7: Byzantine updates vs CenteredClip -------------------------------------------------------
+# ---- Byzantine updates vs CenteredClip --------------------------------------------------------------
 def _honest_and_flip(n: int = 4000, peers: int = 4, scale: float = -1000.0, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(n, generator=g) * 0.01
@@ -373,7 +373,7 @@ def test_scaled_update_within_norm_bound_needs_centered_clip(nodes):
     assert errs["mean"] > 1.0 and errs["centered_clip"] < 0.25, errs
 
 
-# ---- row 9: forged, malformed and replayed DHT records --------------------------------------------
+# ---- forged, malformed and replayed DHT records ---------------------------------------------------
 async def _store_raw_in_dht_process(target, key, subkey, value, expiration, _dht, node):
     from hivemind.dht.routing import DHTID
 
@@ -523,7 +523,7 @@ def test_a_run_of_another_protocol_version_is_refused_with_upgrade_advice(nodes)
             "new", {"inner.sync_every": 10, "protocol.version": PROTOCOL_VERSION})
 
 
-# ---- row 10: one peer's unverified claim of a huge step ---------------------------------------------
+# ---- one peer's unverified claim of a huge step -----------------------------------------------------
 @pytest.mark.timeout(120)
 def test_single_claim_of_a_huge_step_moves_nobody(nodes):
     """A liar publishes (signed, schema-valid) progress claiming step 10**9 with some digest. With
@@ -557,7 +557,7 @@ def _pick(state_sync, peers, me, min_step):
     return state_sync.pick_target(peers, me, min_step)
 
 
-# ---- row 8: versions and deserialization ----------------------------------------------------------
+# ---- versions and deserialization -----------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_peer_speaking_another_protocol_version_gets_a_clear_refusal(nodes):
     from hivemind.p2p import PeerID

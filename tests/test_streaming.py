@@ -3,9 +3,9 @@
 Single process. A :class:`Hub` stands in for the network so M peers (one thread each, the real
 :class:`DiLoCo`) average together in member order, exactly as the butterfly owners do; it can hold an
 all-reduce back until a peer has taken more inner steps, or fail a round for everyone. Each mode is
-compared with :func:`reference_run`, an independent single-process implementation of the maths in
-algorithm.md §2–3 (torch's own SGD(nesterov) as the outer optimiser, look-aheads on copies); the
-multi-process swarm is compared with the same reference in test_streaming_swarm.py.
+compared with :func:`reference_run`, an independent single-process implementation of Streaming
+DiLoCo's fragments and overlap modes (torch's own SGD(nesterov) as the outer optimiser, look-aheads
+on copies); the multi-process swarm is compared with the same reference in test_streaming_swarm.py.
 """
 from __future__ import annotations
 

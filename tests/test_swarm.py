@@ -1,6 +1,6 @@
 """End to end: a bootstrap peer and three volunteers started through the real CLI on 127.0.0.1.
 
-Asserts (reliability.md row 1): at least 3 outer steps; after every sync every peer logs the same
+Asserts: at least 3 outer steps; after every sync every peer logs the same
 digest of θ and the outer state; the final global parameters equal a single-process reference
 DiLoCo (independent implementation below) within 1e-6; validation loss goes down; ``status``
 lists the live peers; a peer with a different configuration is refused naming the field.

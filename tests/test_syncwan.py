@@ -1,4 +1,4 @@
-"""bench.syncwan (issue 17's sync at scale on the emulated WAN), at a tiny size: 2 peers in their own
+"""bench.syncwan (sync at scale on the emulated WAN), at a tiny size: 2 peers in their own
 namespaces, 200k values, one 100 Mbit/s link with 50 ms one-way delay, ours fp32 / e3m0 / e3m0 +
 low-rank and hivemind fp32. Every result is checked (bitwise identical on both peers, error within
 the codec's bound) and the limits are the formulas' for that payload. About 30 s on the idle 2-core

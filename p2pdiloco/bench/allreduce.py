@@ -11,7 +11,7 @@ peers pass to the moment this peer holds the averaged vector. Ours: ``AllReducer
 :class:`~p2pdiloco.swarm.allreduce.Group` given to it (matchmaking is a separate step in
 p2pdiloco too). hivemind: ``averager.step(wait=False, require_trigger=True)`` runs matchmaking
 first (``target_group_size = min_group_size = peers``: without it matchmaking always waits the full
-``min_matchmaking_time``, hivemind-notes trap 6); once every peer's step awaits its trigger, a
+``min_matchmaking_time``, 5 s by default); once every peer's step awaits its trigger, a
 barrier, then ``allow_allreduce()`` and the wait for the result are timed. Each repetition starts
 from the local values again. Reported per row: the slowest peer's median over ``--repeat`` timed
 runs (after one warm-up), the fp32 input throughput that gives (``4 * numel / seconds``), the bytes
@@ -20,9 +20,10 @@ the exact mean relative to its largest value, and whether every peer ended with 
 bytes.
 
 hivemind is run with its own codecs (none, fp16); its 8-bit codecs are broken with numpy >= 2.4
-(trap 1, pinned below 2.4 here but still not what we compare) and it cannot carry our 4-bit
-codecs (trap 5). Ours runs fp32, fp16 and 4-bit codecs. This is a CPU- and serialization-bound
-measurement on one machine: every peer, daemon and DHT shares its cores.
+(numpy is pinned below 2.4 here, but they are still not what we compare) and it cannot carry our
+4-bit codecs (its receiving side decodes only a fixed set of six compression types). Ours runs fp32,
+fp16 and 4-bit codecs. This is a CPU- and serialization-bound measurement on one machine: every peer,
+daemon and DHT shares its cores.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Churn soak (reliability.md row 13): peers killed and started at random for minutes.
+"""Churn soak: peers killed and started at random for minutes.
 
     python -m p2pdiloco.bench.churn --minutes 5 --peers 4 --out runs/churn
 

@@ -1,4 +1,4 @@
-"""What a frozen peer does to everyone else's DHT records (reliability.md row 3, the straggler).
+"""What a frozen peer does to everyone else's DHT records.
 
     python -m p2pdiloco.bench.dht_stall --seconds 30
 

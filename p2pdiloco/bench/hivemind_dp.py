@@ -19,7 +19,7 @@ step uses the same hyper-parameters, warm-up and gradient clipping as our inner
 optimiser (clipping applies to the averaged gradient, as in ordinary DDP). Parameter/state
 averaging is switched off (``average_state_every`` huge): with identical averaged gradients the
 replicas stay equal. Matchmaking uses ``target_group_size = peers`` (without it hivemind always
-waits the full matchmaking time; hivemind-notes trap 6). hivemind 1.1.12 forwards ``averager_opts``
+waits the full ``min_matchmaking_time``, 5 s by default). hivemind 1.1.12 forwards ``averager_opts``
 to the state averager only, not to the gradient averager (despite its docstring), so the group size
 reaches the gradient averager through ``grad_averager_factory``. Every peer waits before its first
 batch until all ``--peers`` have announced themselves in the DHT; its first batch is accumulated
@@ -27,7 +27,7 @@ and reported without ``step()``, and it waits until hivemind's progress tracker 
 peer is only visible there once it has accumulated samples) before finishing the step. Otherwise
 the tracker's first time-based estimate lets a peer that believes it is alone step on its local
 gradients, and with parameter averaging off its replica would never rejoin the others. Gradients go uncompressed (fp32) or as
-fp16 (``--grad-compression fp16``); hivemind's 8-bit codecs are avoided (trap 1).
+fp16 (``--grad-compression fp16``); hivemind's 8-bit codecs are avoided (broken with numpy >= 2.4).
 
 It writes ``<train.run_dir>/metrics.jsonl`` in the format of ``p2pdiloco join``:
 
@@ -40,7 +40,7 @@ It writes ``<train.run_dir>/metrics.jsonl`` in the format of ``p2pdiloco join``:
   ``wait_seconds``, the name ``p2pdiloco join`` uses for time blocked on a sync), ``compute_seconds``
   = forward/backward time, ``eval_seconds``, ``group_size`` = peers in hivemind's progress
   tracker when the step began, ``ok`` = false (with ``error``) when hivemind fell back to local
-  gradients (failed or skipped all-reduce) or averaged only part of the gradient (trap 2: it keeps
+  gradients (failed or skipped all-reduce) or averaged only part of the gradient (it keeps
   local values for the parts that did not arrive and warns "Averaging: received NN% results");
   both count as ``failed_syncs``. ``bytes_sent``/``bytes_received`` are **interface** bytes (``/proc/net/dev`` of
   ``--iface`` in this process's network namespace, everything: gradients, DHT, framing, TCP/IP
@@ -52,7 +52,8 @@ It writes ``<train.run_dir>/metrics.jsonl`` in the format of ``p2pdiloco join``:
 
 When its last step is done a peer waits (up to ``--linger`` seconds) until every peer has reported
 done in the DHT before it shuts down, so it does not cut off a group-mate's last all-reduce
-(hivemind-notes trap 4). SIGINT/SIGTERM stop after the current batch (twice: at once).
+(a hivemind peer that shuts down right after its step can cut off its group-mates' results).
+SIGINT/SIGTERM stop after the current batch (twice: at once).
 Exit status: 0 done, 2 configuration error (one ``error: ...`` line), 130 interrupted.
 """
 from __future__ import annotations
@@ -346,8 +347,8 @@ def _count_partial_averages() -> Any:
     """A shared counter of hivemind's "Averaging: received NN% results" warnings.
 
     hivemind's averagers run in forked processes and report a partial average (some parts missing,
-    local values kept for them; hivemind-notes trap 2) only as that warning, so a handler on its
-    logger increments a counter in shared memory that this process can read.
+    local values kept for them, yet ``step()`` reports success) only as that warning, so a handler
+    on its logger increments a counter in shared memory that this process can read.
     """
     import multiprocessing
 

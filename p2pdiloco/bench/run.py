@@ -90,19 +90,19 @@ MODES: Dict[str, Tuple[str, ...]] = {
     "streaming4-tau4-e3m0": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5", "compression.codec=e3m0"),
     "streaming4-tau8-e3m0": ("streaming.fragments=4", "streaming.tau=8", "streaming.alpha=0.5", "compression.codec=e3m0"),
     "streaming4-eager-fp32": ("streaming.fragments=4", "streaming.mode=eager"),
-    # issue 18: the default scheme with low-rank factors (rank 1/8 of each matrix, embeddings whole) in 4-bit NF4
+    # the default scheme with low-rank factors (rank 1/8 of each matrix, embeddings whole) in 4-bit NF4
     "streaming4-tau4-nf4-lowrank": ("scheme=streaming", "compression.codec=nf4", "compression.lowrank=true",
                                     "compression.rank_fraction=0.125", "compression.adaptive=false",
                                     "compression.dense_params=emb"),
     "streaming4-eager-nf4": ("streaming.fragments=4", "streaming.mode=eager", "compression.codec=nf4"),
-    # issue 16: the same as their all-public namesakes with every odd-numbered peer private (HALF_PRIVATE)
+    # the same as their all-public namesakes with every odd-numbered peer private (HALF_PRIVATE)
     "diloco-fp32-halfprivate": (),
     "streaming4-tau4-e3m0-halfprivate": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5",
                                          "compression.codec=e3m0"),
     # every trainer private (ALL_PRIVATE): they reach each other only through the bootstrap's relay
     "streaming4-tau4-e3m0-allprivate": ("streaming.fragments=4", "streaming.tau=4", "streaming.alpha=0.5",
                                         "compression.codec=e3m0"),
-    # issue 23 (peers of different speeds, --speeds): rounds by the swarm's samples, a round being as many
+    # peers of different speeds (--speeds): rounds by the swarm's samples, a round being as many
     # samples as the step-based rounds of all peers ("auto": peers * H * batch); and the step-based
     # rounds of the full-speed peers alone (FAST_ONLY), the slower ones left out, for as many tokens
     "rounds-samples": ("inner.round_samples=auto",),
@@ -154,22 +154,22 @@ MATRICES: Dict[str, Tuple[str, ...]] = {
     "smoke": ("diloco-fp32",),
     "quick": ("hivemind-dp", "diloco-fp32", "streaming4-tau4-e3m0"),
     "full": ("hivemind-dp", "diloco-fp32", "diloco-fp16", "diloco-nf4", "streaming4-tau4-e3m0"),
-    # issue 4: peak rate with P fragments at equal bytes, overlap vs blocking, eager and one-step delay
+    # peak rate with P fragments at equal bytes, overlap vs blocking, eager and one-step delay
     "streaming": ("diloco-fp32", "streaming4-fp32", "streaming4-tau4-fp32", "eager-fp32", "streaming4-eager-fp32",
                   "delay-fp32"),
-    # issue 4: utilization of the same fragments and codec, blocking vs tau overlap
+    # utilization of the same fragments and codec, blocking vs tau overlap
     "overlap": ("streaming4-e3m0", "streaming4-tau4-e3m0"),
     # the same at the papers' longer rounds: run with --set inner.sync_every=40 (tau 8 < H/P = 10)
     "overlap-h40": ("streaming4-e3m0", "streaming4-tau8-e3m0"),
-    # issue 16: half the peers private (behind a stateful firewall) beside all public
+    # half the peers private (behind a stateful firewall) beside all public
     "private": ("diloco-fp32", "diloco-fp32-halfprivate", "streaming4-tau4-e3m0", "streaming4-tau4-e3m0-halfprivate",
                 "streaming4-tau4-e3m0-allprivate"),
-    # issue 23: peers of different speeds (--speeds, default 1,1,0.5,0.2): rounds of H steps on every peer,
+    # peers of different speeds (--speeds, default 1,1,0.5,0.2): rounds of H steps on every peer,
     # rounds by the swarm's samples, and the full-speed peers alone
     "speeds": ("diloco-fp32", "rounds-samples", "fast-only"),
     # the weighting of rounds by samples at the same speeds: normalized to H steps or raw, non-IID and IID
     "weighting": ("rounds-samples", "samples-raw", "samples-normalized-iid", "samples-raw-iid"),
-    # issue 18: the long horizon (30 outer steps at H = 60): data parallelism's curve computed in process over
+    # the long horizon (30 outer steps at H = 60): data parallelism's curve computed in process over
     # the whole budget, its time and bytes per step from a networked hivemind run over DP_STEPS steps
     "long": ("hivemind-dp", "diloco-fp32", "default", "streaming4-tau4-nf4-lowrank"),
 }
@@ -264,7 +264,7 @@ class _Plan:
     matchmaking_timeout: float
     supports_start_wait: bool
     pin_cores: bool = False          # each peer (with its DHT and p2p daemon) on its own share of the cores
-    speeds: Tuple[float, ...] = ()   # per peer, 1 = full speed (issue 23: a slower peer sleeps after each step)
+    speeds: Tuple[float, ...] = ()   # per peer, 1 = full speed (a slower peer sleeps after each step)
     dp_steps: int = 0                # global steps of the networked baseline (0 = steps)
 
     @property

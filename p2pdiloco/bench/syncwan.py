@@ -32,7 +32,7 @@ sync's payload, with ``E`` the bytes of one peer's encoded vector (every phase's
 ``N`` peers, ``R`` the line rate and ``k`` round trips of ``2 * delay`` (one per all-reduce phase:
 a part reaches its owner, the mean comes back; low-rank has up to 3 phases):
 
-* ``limit_a`` (issue 17's formula): ``(N-1)/N * E / R + k * RTT``;
+* ``limit_a`` (the reduce-scatter alone): ``(N-1)/N * E / R + k * RTT``;
 * ``limit_b`` (bandwidth-optimal all-reduce): ``2 (N-1)/N * E / R + k * RTT``: every peer must push
   its parts to the other owners and, as an owner, its mean to the others, all through its own uplink
   (reduce-scatter plus all-gather; the butterfly's means are re-encoded with the same codec). No
@@ -464,7 +464,7 @@ _LEGEND = """encoded: one peer's vector encoded (all phases); sent: bytes our pe
 sync s: slowest peer's median; limit a = (N-1)/N*encoded/rate + RTTs, limit b = 2(N-1)/N*encoded/rate + RTTs;
 peersCPU: peers + DHTs + daemons, share of all cores; relay: busiest link relay, share of one core; busy: whole
 machine; uplink: busiest eth0's bytes/s against the rate; load: 1-min load average; ok: error within the codec's
-bound (-: none for low-rank); same: every peer's result bitwise identical (hivemind's are not: hivemind-notes trap 3)"""
+bound (-: none for low-rank); same: every peer's result bitwise identical (hivemind's are not)"""
 
 
 def run_syncwan(args: argparse.Namespace) -> Dict[str, Any]:

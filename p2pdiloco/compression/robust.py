@@ -51,8 +51,9 @@ NORM_SCREEN_MIN_NUMEL = 64
 
 @dataclass
 class RobustConfig:
-    """Defences of the shard owner against bad parts (reliability.md rows 6–7). Part of the run's
-    fingerprint: every owner must apply the same rules to everyone's parts."""
+    """Defences of the shard owner against bad parts (non-finite or absurd values, scaled or
+    sign-flipped updates). Part of the run's fingerprint: every owner must apply the same rules to
+    everyone's parts."""
 
     #: "mean" (sample-weighted mean, DiLoCo) or "centered_clip" (CenteredClip, robust to a minority
     #: of arbitrary parts)

@@ -1,4 +1,4 @@
-"""A live web dashboard of a run, read from the DHT (issue 21): ``p2pdiloco dashboard`` or
+"""A live web dashboard of a run, read from the DHT: ``p2pdiloco dashboard`` or
 ``p2pdiloco join --dashboard-port N``.
 
     view.py     what the page shows, accumulated from successive reads of the progress records

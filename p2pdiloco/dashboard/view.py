@@ -68,7 +68,7 @@ def live_records(records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]
 
 
 def local_workers(v: Dict[str, Any]) -> int:
-    """The local workers training a peer's replica (``lw``, join --local-workers; issue 20), as
+    """The local workers training a peer's replica (``lw``, join --local-workers), as
     ``status`` counts them: 1 for a record without a valid ``lw`` (an older peer, a stranger's junk)."""
     lw = v.get("lw")
     return lw if isinstance(lw, int) and not isinstance(lw, bool) and 0 < lw <= 4096 else 1
