@@ -301,7 +301,7 @@ def run_dp(cfg: Any, args: argparse.Namespace, stop: List[int]) -> Dict[str, Any
             if fallbacks[0] != fallbacks_before:
                 error = "all-reduce failed or skipped: hivemind stepped with this peer's local gradients"
             elif partial.value != partial_before:
-                error = "partial average: hivemind kept local values for the parts that did not arrive (trap 2)"
+                error = "partial average: hivemind kept local values for the parts that did not arrive"
             ok = error is None
             failed += not ok
             metrics.write("sync", step=batches, fragment=0, outer_step=epoch, ok=ok,
