@@ -364,6 +364,8 @@ class DiLoCo:
                     self.synced_step = max(self.synced_step, job.send_step)
                     job.digest = frag.outer.digest()
                     job.ok = job.applied = True
+                    # the size of what the outer step consumed (its step is lr x Nesterov of it)
+                    job.extra["avg_norm"] = float(avg.norm())
                 else:
                     job.failed = True
                     job.error = "dropped: the state was replaced by a download while this sync ran"
