@@ -651,6 +651,9 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
                       for k in sorted(set().union(*ledgers))}
     syncs = [int(s.get("syncs") or 0) for s in summaries if s]
     relayed = [int(s.get("relayed_bytes") or 0) for s in summaries if s]
+    # the averaged pseudo-gradient's norm per applied round (one peer's view: every member applies the same)
+    norms = [float(e["avg_norm"]) for e in (events_by_peer[0] if events_by_peer else [])
+             if e.get("event") == "sync" and e.get("ok") and e.get("avg_norm") is not None]
     return {
         "peers": n,
         "wall_seconds": round(wall, 2),
@@ -680,6 +683,7 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
         "syncs_per_peer": sum(syncs) / len(syncs) if syncs else None,
         # bytes each peer sent on streams through a relay (private peers reached through the bootstrap)
         "relayed_bytes_per_peer": sum(relayed) / len(relayed) if relayed else 0,
+        "avg_norm_per_round": [round(x, 4) for x in norms],
         "dht_ledger_per_peer": dht_ledger,
     }
 
@@ -733,6 +737,13 @@ def format_table(results: Dict[str, Any]) -> str:
             rows.append(f"| {name} | {_fmt_bytes(m['relayed_bytes_per_peer'])} "
                         f"| {100 * m['relayed_bytes_per_peer'] / max(m['bytes_sent_per_peer'], 1):.0f}% "
                         f"| {'-' if per_sync is None else f'{per_sync:.1f}'} |")
+    normed = {name: m for name, m in modes.items() if m.get("status") == "ok" and m.get("avg_norm_per_round")}
+    if normed:  # the size of what the outer steps consumed (sync events' avg_norm)
+        rows += ["", "| mode | mean avg_norm per round | inner steps per peer |", "|---|---|---|"]
+        for name, m in normed.items():
+            norms = m["avg_norm_per_round"]
+            rows.append(f"| {name} | {sum(norms) / len(norms):.2f} | "
+                        f"{', '.join(str(s) for s in m.get('inner_steps_per_peer') or [])} |")
     windowed = {name: m["peak_bytes_per_s_by_window"] for name, m in modes.items()
                 if m.get("status") == "ok" and m.get("peak_bytes_per_s_by_window")}
     if windowed:
