@@ -288,7 +288,7 @@ async def serve_inbound(node, trusted: Callable[[], Set[str]], handlers: Dict[st
     relay = info.peer_id.to_base58()
     if relay not in trusted():
         await write_frame(writer, {"t": "refuse", "reason": "not our relay"})
-        writer.close()
+        await close_after_reply(reader, writer, timeout=2.0)  # the refusal reaches the caller before we close
         return
     header = await read_header(reader, node.traffic, relay)
     caller, name = header.get("from"), header.get("h")
