@@ -76,6 +76,7 @@ ACTIONS = {
     "kill": "SIGKILL this peer and its DHT/daemon children, as a crashed machine",
     "exit": "os._exit(code) without any cleanup",
     "tamper": "corrupt the bytes about to be sent (state.serve only)",
+    "signal": "send this process SIGTERM (the user's Ctrl-C or `kill` at exactly that point)",
     "slow": "step only: sleep (factor - 1) times this inner step's compute time, a machine `factor` times "
             "slower (with times 0, every step; reported at the first firing and every 100th, all counted)",
 }
@@ -230,6 +231,8 @@ def _act(rule: Fault) -> None:
     if rule.action == "exit":
         _flush_logs()
         os._exit(rule.code)
+    if rule.action == "signal":
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def fire(phase: str, *, frag: Optional[int] = None, round: Optional[int] = None,

@@ -141,3 +141,33 @@ def test_tampered_and_stalled_donors_are_rejected_or_the_joiner_stops_cleanly(pr
     assert not read_events(tmp_path / "j2", "start") and not read_events(tmp_path / "j2", "sync")
     assert not (tmp_path / "j2" / "checkpoint.pt").exists()
     print(f"J2 stopped {time.time() - t0:.1f} s after it was started; it gave up after {failed[0]['seconds']} s")
+
+
+@pytest.mark.timeout(300)
+def test_a_leaver_first_syncs_the_round_it_already_joined(procs, tmp_path):
+    """Groups form up to H/P − 1 steps before their sync, so a peer told to stop (here SIGTERM at
+    step 32, injected) has already joined the formation of the round at step 35, and its group may
+    be sealed with it. It trains on to that round and syncs it, then leaves: the others' round 35
+    completes with all three and one digest, no round fails on anyone, and the next ones go on
+    without the leaver. (A leaver that stopped at once failed a sealed round on every other member.)"""
+    addr = procs.bootstrap()
+    run = swarm_settings("agreed", "swarm.min_peers_to_start=3", "train.max_outer_steps=1000")
+    peers = {n: procs.start(*join_args(addr, tmp_path / n, *run), name=n,
+                            env=faults_env({"phase": "step", "action": "signal", "step": 32}) if n == "c" else None)
+             for n in "abc"}
+    assert procs.wait(peers["c"], 150) == 0, procs.err("c")[-3000:]
+    assert [(f["action"], f["step"]) for f in read_events(tmp_path / "c", "fault")] == [("signal", 32)]
+    assert "leaving after 3 more step(s)" in procs.err("c"), procs.err("c")[-3000:]
+    c_syncs = read_events(tmp_path / "c", "sync")
+    assert c_syncs[-1]["step"] == 35 and c_syncs[-1]["ok"] and c_syncs[-1]["group_size"] == 3, c_syncs[-3:]
+
+    wait_for(lambda: all(any(r["step"] >= 45 for r in ok_syncs(tmp_path / n)) for n in "ab"), 90,
+             "the others' syncs after the leave", procs, ["a", "b"])
+    for n in "ab":
+        assert stop(procs, peers[n]) == 0, procs.err(n)[-3000:]
+    for n in "ab":
+        syncs = {r["step"]: r for r in read_events(tmp_path / n, "sync")}
+        assert all(r["ok"] for r in syncs.values()), [r for r in syncs.values() if not r["ok"]]
+        assert syncs[35]["group_size"] == 3 and syncs[35]["digest"] == c_syncs[-1]["digest"], syncs[35]
+        assert syncs[45]["group_size"] == 2, syncs[45]
+    assert_agree([tmp_path / n for n in "abc"], min_common=5)

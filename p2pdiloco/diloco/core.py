@@ -275,6 +275,19 @@ class DiLoCo:
         clock.step(samples, now, compute, others)
         return clock.target(self.position, self.schedule.next_send)
 
+    def steps_to_agreed_rounds(self) -> int:
+        """Leaving: no group forms for rounds ahead any more, and this returns how many inner steps are
+        left to the last round we already joined (0 when none). Formation runs up to H/P − 1 positions
+        ahead, so a peer that stops at once leaves a sealed group whose members then wait for a part
+        and a shard that never come, and fail that round; training on to it costs at most H/P − 1
+        steps and fails nobody."""
+        first = self.groups.preparing
+        self.groups.preparing = False
+        left = max([s - self.position for s in self.groups.agreed_send_steps()] + [0])
+        if first and left:
+            logger.info(f"leaving after {left} more step(s): other peers already count on us for a round")
+        return left
+
     def finish(self) -> List[SyncReport]:
         """End of training: wait for every sync in flight and apply it (in ``delay``/``eager`` the model
         then takes the global copy). Returns their reports (``on_sync`` is called for each)."""

@@ -43,6 +43,8 @@ class PreparedGroups:
         self._last_step_at: Optional[float] = None
         #: (fragment, round) -> future of its Group (or of the SyncFailed matchmaking raised)
         self.prepared: Dict[Tuple[int, int], concurrent.futures.Future] = {}
+        #: False once we leave: no formation starts for rounds ahead any more
+        self.preparing = True
         self._worker = SyncWorker("p2pdiloco-groups", torch_work=False)
 
     def observe_step(self) -> None:
@@ -64,7 +66,7 @@ class PreparedGroups:
     def prepare(self, t: int, has_samples: Callable[[int], bool]) -> None:
         """Queue formation for the syncs of the next ``lead_steps()`` positions after ``t`` (after this
         position's sends). A fragment without samples gets no group: a member with no sample is no member."""
-        lead = self.lead_steps() if self.swarm is not None else 0
+        lead = self.lead_steps() if self.swarm is not None and self.preparing else 0
         for s in range(t + 1, t + lead + 1):
             for p in self.schedule.due(s):
                 if not has_samples(p):
@@ -93,6 +95,17 @@ class PreparedGroups:
         """Forget the groups of send steps up to ``position`` (a download moved us past them)."""
         for key in [k for k in self.prepared if self.schedule.send_step(*k) <= position]:
             del self.prepared[key]
+
+    def agreed_send_steps(self) -> List[int]:
+        """Send steps of the prepared rounds other peers count on us for: a group still forming (its
+        leader may seal it with us in it) or formed with other members. Matchmaking that failed, or a
+        group of one, commits us to nobody."""
+        out = []
+        for (p, r), fut in self.prepared.items():
+            if fut.done() and (fut.exception() is not None or getattr(fut.result(), "size", 1) <= 1):
+                continue
+            out.append(self.schedule.send_step(p, r))
+        return out
 
     def forming_send_steps(self) -> List[int]:
         """Send steps of the prepared groups still forming."""

@@ -229,6 +229,10 @@ async def close_after_reply(reader: asyncio.StreamReader, writer: asyncio.Stream
     caller closes once it has read everything, so waiting for its EOF guarantees delivery; a minute
     covers a large reply read slowly over a home uplink. Whatever the caller still sends is
     discarded in small chunks, at most ``_MAX_DRAIN`` bytes: a caller cannot make us buffer data.
+
+    It is always a handler's last act, so a cancellation (our node shutting down while a caller
+    still holds its end open) ends it quietly: asyncio's stream callback would log the cancelled
+    handler task as an error with a traceback.
     """
 
     async def drain() -> None:
@@ -241,7 +245,7 @@ async def close_after_reply(reader: asyncio.StreamReader, writer: asyncio.Stream
 
     try:
         await asyncio.wait_for(drain(), timeout=timeout)
-    except Exception:
+    except (Exception, asyncio.CancelledError):
         pass
     finally:
         writer.close()

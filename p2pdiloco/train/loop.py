@@ -111,12 +111,15 @@ def _train(cfg: RunConfig, stop: list, replica: Replica, machine: Machine, event
 
 
 def _keep_going(cfg: RunConfig, stop: list, diloco: DiLoCo, t_start: float) -> bool:
-    """No signal, and no budget (outer steps, seconds) reached."""
-    if stop:
-        return False
+    """No budget of outer steps reached, and no signal nor time budget, or one but rounds already
+    agreed with other peers ahead: those are trained to and synced first (a few steps), so that
+    leaving fails no one else's round. Every peer of a run stops at the same outer step, so that
+    budget ends training at once."""
     if cfg.train.max_outer_steps and diloco.outer_round() >= cfg.train.max_outer_steps:
         return False
-    return not (cfg.train.max_seconds and time.time() - t_start >= cfg.train.max_seconds)
+    if not (stop or (cfg.train.max_seconds and time.time() - t_start >= cfg.train.max_seconds)):
+        return True
+    return diloco.steps_to_agreed_rounds() > 0
 
 
 def _finish(replica: Replica, machine: Machine, events: Events, run_dir: str) -> Dict[str, Any]:
@@ -198,7 +201,8 @@ def _wait_for_peers(swarm: Swarm, cfg: RunConfig, me: str) -> None:
 
 
 def _install_signal_handlers(stop: list, repeat_s: float = 0.0) -> None:
-    """SIGINT/SIGTERM: stop after the current step; a second one (later than ``repeat_s`` seconds after
+    """SIGINT/SIGTERM: stop after the current step (and the rounds ahead other peers count on us for,
+    see :func:`_keep_going`); a second one (later than ``repeat_s`` seconds after
     the first): at once."""
     if threading.current_thread() is not threading.main_thread():
         return
