@@ -264,9 +264,13 @@ class CompressionConfig:
     #: comma-separated substrings: parameters whose names contain one are sent whole with ``codec``, not
     #: as low-rank factors (e.g. "emb" for the embeddings)
     dense_params: str = ""
+    #: low-rank factors on the wire: "columns" (each column its own codec blocks) or "rows" (row-major)
+    factor_layout: str = "columns"
 
     def validate(self) -> None:
         get_codec(self.codec)  # raises ConfigError naming the valid choices
+        if self.factor_layout not in ("columns", "rows"):
+            raise ConfigError(f"compression.factor_layout ({self.factor_layout!r}) must be 'columns' or 'rows'")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"compression.rank ({self.rank!r}) must be an integer >= 1")
         if isinstance(self.min_rank, bool) or not isinstance(self.min_rank, int) or not 1 <= self.min_rank <= self.rank:

@@ -40,17 +40,17 @@ from ..diloco.reducers import make_reducer
 from ..model import seeded_model
 from ..swarm.partition import shard_bounds
 
-__all__ = ["SETTINGS", "run_setting", "format_table", "main"]
+__all__ = ["SETTINGS", "run_setting", "format_table", "plot_losses", "main"]
 
 #: name -> [compression] overrides; every key the settings differ in is spelled out, so a change of the
 #: run defaults does not change what a named setting measures
 _PLAIN = ("compression.lowrank=false",)
 _LOWRANK_R4 = ("compression.lowrank=true", "compression.rank=4", "compression.adaptive=true", "compression.rank_fraction=0",
-               "compression.dense_params=", "compression.power_iterations=1")
+               "compression.dense_params=", "compression.power_iterations=1", "compression.factor_layout=columns")
 #: rank 1/8 of each matrix's smaller side, fixed, embeddings whole: with nf4 the recommended low-rank
 #: setting (docs/compression.md, "What compression costs in quality")
 _LOWRANK_F16 = ("compression.lowrank=true", "compression.rank_fraction=0.125", "compression.adaptive=false",
-                "compression.dense_params=emb", "compression.power_iterations=1")
+                "compression.dense_params=emb", "compression.power_iterations=1", "compression.factor_layout=columns")
 #: the bench simulates blocking DiLoCo over the whole model (one fragment; the streaming mode is not used), whatever the
 #: run defaults say; applied before ``--set``
 _BLOCKING = ("streaming.fragments=1",)
@@ -64,10 +64,15 @@ SETTINGS: Dict[str, Tuple[str, ...]] = {
     "lowrank": ("compression.codec=fp32", "compression.error_feedback=false", *_LOWRANK_R4),
     "e3m0-lowrank": ("compression.codec=e3m0", "compression.error_feedback=false", *_LOWRANK_R4),
     "e3m0-lowrank-ef": ("compression.codec=e3m0", "compression.error_feedback=true", *_LOWRANK_R4),
-    "e3m0-lowrank-r16-ef": ("compression.codec=e3m0", "compression.error_feedback=true", *_LOWRANK_R4[:-5],
+    "e3m0-lowrank-r16-ef": ("compression.codec=e3m0", "compression.error_feedback=true", *_LOWRANK_R4[:1],
                             "compression.rank=16", *_LOWRANK_R4[2:]),
     "e3m0-lowrank-f16": ("compression.codec=e3m0", "compression.error_feedback=false", *_LOWRANK_F16),
     "nf4-lowrank-f16": ("compression.codec=nf4", "compression.error_feedback=false", *_LOWRANK_F16),
+    #: the factors row-major (every 64-value block mixes all r columns): what low-rank sent before columns
+    "nf4-lowrank-f16-rows": ("compression.codec=nf4", "compression.error_feedback=false", *_LOWRANK_F16[:-1],
+                             "compression.factor_layout=rows"),
+    #: the same factors in fp32: truncation alone, no quantization
+    "fp32-lowrank-f16": ("compression.codec=fp32", "compression.error_feedback=false", *_LOWRANK_F16),
 }
 
 
@@ -169,7 +174,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="an ad-hoc setting: its name, '=', then ';'-separated --set overrides (repeatable); "
                          "run it by listing NAME in --settings")
     ap.add_argument("--json", default=None, help="write every setting's results here (rewritten after each)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="train.seed and data.seed of every setting (model init, batch order; --set overrides it)")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="draw validation loss against rounds, one line per setting (rewritten after each)")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="only draw --plot from a saved --json (its settings in its order), run nothing")
     args = ap.parse_args(argv)
+    if args.replot:
+        if not args.plot:
+            ap.error("--replot needs --plot")
+        with open(args.replot) as f:
+            saved = json.load(f)
+        plot_losses(saved["results"], args.plot, _plot_title(saved))
+        return 0
     torch.set_num_threads(1)
     settings = dict(SETTINGS)
     for d in args.define:
@@ -183,19 +201,60 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(settings)} or --define them")
     results: Dict[str, Dict[str, object]] = {}
     for name in names:
-        cfg = load_config(args.config, [*_BLOCKING, *args.set, *settings[name]])
+        seeds = (f"train.seed={args.seed}", f"data.seed={args.seed}")
+        cfg = load_config(args.config, [*_BLOCKING, *seeds, *args.set, *settings[name]])
         print(f"{name}: {' '.join(settings[name])}", file=sys.stderr, flush=True)
         results[name] = r = run_setting(cfg, args.peers, args.rounds, progress=True)
         r["overrides"] = list(settings[name])
         print(f"{name:<22} val_loss {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.4f}  "
               f"bytes/sync/peer {r['bytes_per_sync'][-1]:>10,} ({r['x_fewer_than_fp32']}x fewer than fp32)  "
               f"({r['seconds']} s)  losses {r['val_loss']}  mean rank {r['mean_rank'][-1:] }", flush=True)
+        saved = {"argv": argv if argv is not None else sys.argv[1:], "config": args.config, "set": args.set,
+                 "peers": args.peers, "rounds": args.rounds, "seed": args.seed, "results": results}
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"argv": argv if argv is not None else sys.argv[1:], "config": args.config, "set": args.set,
-                           "peers": args.peers, "rounds": args.rounds, "results": results}, f, indent=2)
+                json.dump(saved, f, indent=2)
+        if args.plot:
+            plot_losses(results, args.plot, _plot_title(saved))
     print(format_table(results))
     return 0
+
+
+def _plot_title(saved: Dict[str, object]) -> str:
+    extra = " ".join(str(s) for s in saved.get("set") or [])
+    return (f"{saved.get('config') or 'defaults'}, {saved['peers']} peers, {saved['rounds']} rounds, "
+            f"seed {saved.get('seed', 0)}" + (f"\n{extra}" if extra else ""))
+
+
+def plot_losses(results: Dict[str, Dict[str, object]], path: str, title: str = "") -> None:
+    """Validation loss of the global parameters against rounds (0: before the first), one line per
+    setting, labelled with its final loss relative to ``fp32`` where that ran."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = results.get("fp32")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in results.items():
+        losses = r["val_loss"]
+        label = name
+        if base and name != "fp32":
+            label += f" ({100 * (losses[-1] / base['val_loss'][-1] - 1):+.1f}%)"
+        if r.get("x_fewer_than_fp32"):
+            label += f", {r['x_fewer_than_fp32']}x fewer bytes"
+        ax.plot(range(len(losses)), losses, label=label, lw=1.3)
+    finals = [r["val_loss"][-1] for r in results.values()]
+    firsts = [r["val_loss"][1] for r in results.values() if len(r["val_loss"]) > 1]
+    if firsts:  # round 0 (the seeded model) sits far above: keep the rounds that differ readable
+        ax.set_ylim(min(finals) - 0.05, max(firsts) + 0.05)
+    ax.set_xlabel("round (outer step)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def format_table(results: Dict[str, Dict[str, object]]) -> str:

@@ -113,7 +113,10 @@ import torch
 from ..errors import ConfigError
 from ..exact import exact_orthonormalize, exact_outer_sum
 
-__all__ = ["LowRankConfig", "LowRankCompressor"]
+__all__ = ["LowRankConfig", "LowRankCompressor", "FACTOR_LAYOUTS", "pack_factor", "unpack_factor", "factor_numel"]
+
+#: the layouts of a factor in the all-reduced vector (see :func:`pack_factor`)
+FACTOR_LAYOUTS = ("columns", "rows")
 
 
 @dataclass
@@ -134,6 +137,10 @@ class LowRankConfig:
     power_iterations: int = 1
     #: error feedback keeps ``feedback_decay`` times the residual (1: all of it)
     feedback_decay: float = 1.0
+    #: how a factor (``P_m``, ``Q_m``: n x r) is laid out in the all-reduced vector: ``"columns"`` (each
+    #: column contiguous, padded to the codec's block, so a block never mixes columns) or ``"rows"``
+    #: (row-major: every block mixes all r columns, whose sizes follow the singular values)
+    factor_layout: str = "columns"
 
     def validate(self) -> "LowRankConfig":
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -152,6 +159,9 @@ class LowRankConfig:
             raise ConfigError(f"lowrank.power_iterations must be an integer >= 1, got {self.power_iterations!r}")
         if not 0.0 <= float(self.feedback_decay) <= 1.0:
             raise ConfigError(f"lowrank.feedback_decay must be in [0, 1], got {self.feedback_decay!r}")
+        if self.factor_layout not in FACTOR_LAYOUTS:
+            raise ConfigError(f"lowrank.factor_layout must be one of {', '.join(FACTOR_LAYOUTS)}, "
+                              f"got {self.factor_layout!r}")
         return self
 
     def max_rank(self, rows: int, cols: int) -> int:
@@ -159,6 +169,37 @@ class LowRankConfig:
         if self.rank_fraction > 0:
             return max(1, int(self.rank_fraction * min(rows, cols)))
         return min(self.rank, rows, cols)
+
+
+def factor_numel(n: int, r: int, layout: str, align: int) -> int:
+    """Values an ``n x r`` factor takes in the wire vector (``columns``: each column padded to ``align``)."""
+    return r * (-(-n // align) * align) if layout == "columns" else n * r
+
+
+def pack_factor(f: torch.Tensor, layout: str, align: int) -> torch.Tensor:
+    """An ``n x r`` factor as its flat wire vector.
+
+    ``columns``: column after column, each zero-padded to a multiple of ``align`` (the codec's block
+    size), so every block of a blockwise codec holds one column's values and is scaled by that column's
+    own absmax; a factor's columns differ in size like the singular values, and row-major blocks let the
+    largest column set every block's scale, crushing the weak ones to a few levels. Zero padding stays
+    zero through the mean and every codec. ``rows``: ``f`` row-major, unpadded.
+    """
+    if layout != "columns":
+        return f.reshape(-1)
+    n, r = f.shape
+    pad = -(-n // align) * align - n
+    t = f.t()
+    if pad:
+        t = torch.cat([t, torch.zeros(r, pad, dtype=f.dtype, device=f.device)], dim=1)
+    return t.reshape(-1)
+
+
+def unpack_factor(flat: torch.Tensor, n: int, r: int, layout: str, align: int) -> torch.Tensor:
+    """The ``n x r`` factor of :func:`pack_factor`'s vector (padding dropped)."""
+    if layout != "columns":
+        return flat.reshape(n, r)
+    return flat.reshape(r, -1)[:, :n].t()
 
 
 def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
@@ -184,8 +225,11 @@ class LowRankCompressor:
     """
 
     def __init__(self, shapes: Sequence[torch.Size], cfg: Optional[LowRankConfig] = None,
-                 dense: Sequence[int] = ()) -> None:
+                 dense: Sequence[int] = (), align: int = 1) -> None:
         self.cfg = (cfg or LowRankConfig()).validate()
+        if not isinstance(align, int) or align < 1:
+            raise ValueError(f"align must be an integer >= 1, got {align!r}")
+        self._align = align  # the codec's block size: factor columns start on block boundaries
         dense_set = set(int(i) for i in dense)
         self._shapes = [torch.Size(s) for s in shapes]
         self._lowrank: List[int] = []  # tensor index of each low-rank matrix
@@ -251,10 +295,22 @@ class LowRankCompressor:
 
     def wire_numel(self) -> Tuple[int, int]:
         """``(numel of begin's vector, numel of middle's vector)`` at the current ranks."""
-        first = sum(m * r for (m, _), r in zip(self._dims, self._ranks))
+        first = sum(self._fnumel(m, r) for (m, _), r in zip(self._dims, self._ranks))
         first += sum(self._shapes[i].numel() for i in self._small)
-        second = sum(n * r for (_, n), r in zip(self._dims, self._ranks))
+        second = sum(self._fnumel(n, r) for (_, n), r in zip(self._dims, self._ranks))
         return first, second
+
+    def _fnumel(self, n: int, r: int) -> int:
+        return factor_numel(n, r, self.cfg.factor_layout, self._align)
+
+    def _pack(self, f: torch.Tensor) -> torch.Tensor:
+        return pack_factor(f, self.cfg.factor_layout, self._align)
+
+    def _unpack(self, flat: torch.Tensor, offset: int, n: int, r: int) -> Tuple[torch.Tensor, int]:
+        """The ``n x r`` factor at ``offset`` of a wire vector (contiguous) and the offset after it."""
+        k = self._fnumel(n, r)
+        f = unpack_factor(flat[offset: offset + k], n, r, self.cfg.factor_layout, self._align)
+        return f.contiguous(), offset + k
 
     def dense_numel(self) -> int:
         """Number of values one uncompressed round would send (for compression ratios)."""
@@ -362,7 +418,7 @@ class LowRankCompressor:
                 m += self._residual[j].to(m.device)
             self._q[j] = self._q[j].to(m.device)
             self._m.append(m)
-            parts.append((m @ self._q[j]).reshape(-1))
+            parts.append(self._pack(m @ self._q[j]))
         for i in self._small:
             parts.append(tensors[i].detach().reshape(-1).to(torch.float32))
         self._phase = "begun"
@@ -384,13 +440,13 @@ class LowRankCompressor:
         for j, m in enumerate(self._m):
             rows, cols = self._dims[j]
             r = self._ranks[j]
-            p_avg = avg_flat[offset: offset + rows * r].reshape(rows, r).to(m.device)
-            offset += rows * r
+            p_avg, offset = self._unpack(avg_flat, offset, rows, r)
+            p_avg = p_avg.to(m.device)
             p = _orthonormalize(p_avg)
             q_local = m.t() @ p.to(torch.float32)
             self._p.append(p)
             self._q_local.append(q_local)
-            parts.append(q_local.reshape(-1))
+            parts.append(self._pack(q_local))
             if self.cfg.adaptive:
                 total = m.double().pow(2).sum()
                 if float(total) > 0:
@@ -429,9 +485,9 @@ class LowRankCompressor:
         offset = 0
         for j, m in enumerate(self._m):
             cols, r = self._dims[j][1], self._ranks[j]
-            q = self._complete_basis(j, avg_q_flat[offset: offset + cols * r].reshape(cols, r).to(m.device), r)
-            offset += cols * r
-            parts.append((m @ q.to(m.device)).reshape(-1))
+            q_avg, offset = self._unpack(avg_q_flat, offset, cols, r)
+            q = self._complete_basis(j, q_avg.to(m.device), r)
+            parts.append(self._pack(m @ q.to(m.device)))
         self._phase = "begun"
         return torch.cat(parts) if parts else torch.zeros(0)
 
@@ -457,10 +513,10 @@ class LowRankCompressor:
         for j, i in enumerate(self._lowrank):
             cols, r = self._dims[j][1], self._ranks[j]
             p = self._p[j]
-            q_avg = avg_q_flat[offset: offset + cols * r].reshape(cols, r).to(p.device)
             q_sent = (self._q_local[j] if contributed is None
-                      else contributed.detach().reshape(-1)[offset: offset + cols * r].reshape(cols, r).to(p.device))
-            offset += cols * r
+                      else self._unpack(contributed.detach().reshape(-1), offset, cols, r)[0].to(p.device))
+            q_avg, offset = self._unpack(avg_q_flat, offset, cols, r)
+            q_avg = q_avg.to(p.device)
             results[i] = exact_outer_sum(p, q_avg, torch.float32).reshape(self._shapes[i])  # agreed: exact
             if self.cfg.error_feedback:
                 self._residual[j] = self._m[j] - (p @ q_sent.double().t()).float()

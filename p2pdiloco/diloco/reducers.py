@@ -141,7 +141,7 @@ class LowRankReducer:
     """
 
     def __init__(self, shapes: Sequence[torch.Size], codec: Codec, cfg: LowRankConfig, dense: Sequence[int] = ()):
-        self.comp = LowRankCompressor(shapes, cfg, dense)
+        self.comp = LowRankCompressor(shapes, cfg, dense, align=codec.block_size)
         self.codec = codec
         self._shapes = [torch.Size(s) for s in shapes]
         self._numels = [s.numel() for s in self._shapes]
@@ -252,7 +252,8 @@ def make_reducer(cfg, params: Sequence[torch.Tensor], names: Optional[Sequence[s
         lr = LowRankConfig(rank=c.rank, min_rank=c.min_rank, adaptive=c.adaptive, energy_target=c.energy_target,
                            min_numel=c.min_numel, seed=int(cfg.train.seed) % (2**31),
                            error_feedback=c.error_feedback, rank_fraction=c.rank_fraction,
-                           power_iterations=c.power_iterations, feedback_decay=c.feedback_decay)
+                           power_iterations=c.power_iterations, feedback_decay=c.feedback_decay,
+                           factor_layout=c.factor_layout)
         subs = [x.strip() for x in c.dense_params.split(",") if x.strip()]
         dense = [i for i, n in enumerate(names or ()) if any(x in n for x in subs)]
         return LowRankReducer([p.shape for p in params], codec, lr, dense)
