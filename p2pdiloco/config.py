@@ -266,11 +266,15 @@ class CompressionConfig:
     dense_params: str = ""
     #: low-rank factors on the wire: "columns" (each column its own codec blocks) or "rows" (row-major)
     factor_layout: str = "columns"
+    #: low-rank warm start: "ritz" (singular vectors of the averaged Q, strongest first) or "mean" (PowerSGD's)
+    warm_start: str = "ritz"
 
     def validate(self) -> None:
         get_codec(self.codec)  # raises ConfigError naming the valid choices
         if self.factor_layout not in ("columns", "rows"):
             raise ConfigError(f"compression.factor_layout ({self.factor_layout!r}) must be 'columns' or 'rows'")
+        if self.warm_start not in ("ritz", "mean"):
+            raise ConfigError(f"compression.warm_start ({self.warm_start!r}) must be 'ritz' or 'mean'")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"compression.rank ({self.rank!r}) must be an integer >= 1")
         if isinstance(self.min_rank, bool) or not isinstance(self.min_rank, int) or not 1 <= self.min_rank <= self.rank:

@@ -428,3 +428,32 @@ def test_state_dict_does_not_wait_for_a_sync_in_flight():
         release.set()
         t.join(30)
     assert red.state_dict()["lowrank"]["round"] == done["lowrank"]["round"] + 1
+
+
+@pytest.mark.parametrize("warm_start", ["ritz", "mean"])
+def test_lowrank_4bit_factors_keep_weak_directions_with_ritz_warm_start(warm_start):
+    """A rank-16 mean with singular values 0.8^j through nf4 factors, laid out by columns. With the
+    averaged Q as the next basis (``mean``) its columns stay mixtures of the singular directions, so
+    every factor column carries a share of the strongest and the weakest directions drown in its
+    quantization error; Ritz vectors give each column one direction and its own scale."""
+    m, n, r = 128, 192, 16
+    gen = torch.Generator().manual_seed(7)
+    u = torch.linalg.qr(torch.randn(m, r, generator=gen, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(n, r, generator=gen, dtype=torch.float64))[0]
+    s = 0.8 ** torch.arange(r, dtype=torch.float64)
+    nf4 = get_codec("nf4")
+    cfg = _cfg("compression.codec=nf4", "compression.lowrank=true", f"compression.rank={r}", "compression.adaptive=false",
+               "compression.factor_layout=columns", f"compression.warm_start={warm_start}")
+    reds = [make_reducer(cfg, [torch.zeros(m, n)]) for _ in range(3)]
+    group = SimGroup(3, codec=nf4)
+    for _ in range(4):
+        deltas = [((u * s) @ v.t() + 1e-5 * torch.randn(m, n, generator=gen, dtype=torch.float64)).float().reshape(-1)
+                  for _ in range(3)]
+        outs = group.run(reds, deltas)
+        assert all(torch.equal(o, outs[0]) for o in outs)
+    o = outs[0].reshape(m, n).double()
+    err = [float((u[:, j] @ o @ v[:, j] - s[j]).abs() / s[j]) for j in range(r)]
+    if warm_start == "ritz":
+        assert max(err) < 0.1, err
+    else:
+        assert max(err[12:]) > 0.5, err

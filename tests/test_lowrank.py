@@ -483,3 +483,8 @@ def test_padded_columns_stay_exact_with_fp32_and_agree(layout):
 def test_config_rejects_an_unknown_factor_layout():
     with pytest.raises(ConfigError, match="factor_layout"):
         LowRankConfig(factor_layout="diagonal").validate()
+
+
+def test_config_rejects_an_unknown_warm_start():
+    with pytest.raises(ConfigError, match="warm_start"):
+        LowRankConfig(warm_start="cold").validate()

@@ -46,11 +46,13 @@ __all__ = ["SETTINGS", "run_setting", "format_table", "plot_losses", "main"]
 #: run defaults does not change what a named setting measures
 _PLAIN = ("compression.lowrank=false",)
 _LOWRANK_R4 = ("compression.lowrank=true", "compression.rank=4", "compression.adaptive=true", "compression.rank_fraction=0",
-               "compression.dense_params=", "compression.power_iterations=1", "compression.factor_layout=columns")
+               "compression.dense_params=", "compression.power_iterations=1", "compression.factor_layout=columns",
+               "compression.warm_start=ritz")
 #: rank 1/8 of each matrix's smaller side, fixed, embeddings whole: with nf4 the recommended low-rank
 #: setting (docs/compression.md, "What compression costs in quality")
 _LOWRANK_F16 = ("compression.lowrank=true", "compression.rank_fraction=0.125", "compression.adaptive=false",
-                "compression.dense_params=emb", "compression.power_iterations=1", "compression.factor_layout=columns")
+                "compression.dense_params=emb", "compression.power_iterations=1", "compression.factor_layout=columns",
+                "compression.warm_start=ritz")
 #: the bench simulates blocking DiLoCo over the whole model (one fragment; the streaming mode is not used), whatever the
 #: run defaults say; applied before ``--set``
 _BLOCKING = ("streaming.fragments=1",)
@@ -69,8 +71,11 @@ SETTINGS: Dict[str, Tuple[str, ...]] = {
     "e3m0-lowrank-f16": ("compression.codec=e3m0", "compression.error_feedback=false", *_LOWRANK_F16),
     "nf4-lowrank-f16": ("compression.codec=nf4", "compression.error_feedback=false", *_LOWRANK_F16),
     #: the factors row-major (every 64-value block mixes all r columns): what low-rank sent before columns
-    "nf4-lowrank-f16-rows": ("compression.codec=nf4", "compression.error_feedback=false", *_LOWRANK_F16[:-1],
-                             "compression.factor_layout=rows"),
+    "nf4-lowrank-f16-rows": ("compression.codec=nf4", "compression.error_feedback=false", *_LOWRANK_F16[:-2],
+                             "compression.factor_layout=rows", "compression.warm_start=mean"),
+    #: columns layout with PowerSGD's warm start (the averaged Q)
+    "nf4-lowrank-f16-mean": ("compression.codec=nf4", "compression.error_feedback=false", *_LOWRANK_F16[:-1],
+                             "compression.warm_start=mean"),
     #: the same factors in fp32: truncation alone, no quantization
     "fp32-lowrank-f16": ("compression.codec=fp32", "compression.error_feedback=false", *_LOWRANK_F16),
 }

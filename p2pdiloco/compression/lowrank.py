@@ -98,9 +98,18 @@ applied update, the residual and the energy stats come from the last iteration. 
 
 Tensors that are 1-D, smaller than ``min_numel``, or whose factors would not be smaller than the
 matrix (``max_rank * (rows + cols) >= rows * cols``) are sent whole, averaged exactly by the first
-all-reduce. Warm start: the next round's ``Q`` is the averaged ``Q`` with unit-norm columns (a zero
-column is replaced by a fresh one); fresh columns come from a CPU ``torch.Generator`` seeded by
-``(cfg.seed, matrix index, round)``, so they are the same on every peer that saw the same rounds.
+all-reduce. Warm start (``cfg.warm_start``): ``"mean"``: the next round's ``Q`` is the averaged ``Q``
+with unit-norm columns (PowerSGD's); ``"ritz"``: the left singular vectors of the averaged ``Q``
+(``cols x r``, largest first), i.e. the right singular vectors of the applied update
+``P (mean Q_m)^T`` (``P`` is orthonormal): a Rayleigh-Ritz step within the same subspace. With
+``"mean"`` the columns of ``Q`` stay mixtures of the singular directions, so every column of the
+factors carries a share of the strongest one and a 4-bit codec's per-column scale still drowns the
+weak directions (they sort out only at the slow rate ``s_(j+1)/s_j`` per round); Ritz vectors make
+column j of ``P_m`` and ``Q_m`` carry about singular value j alone, so the columns layout quantizes
+each direction at its own scale. ``Q`` only steers (see above), so its SVD need not agree bitwise
+across peers. A zero column is replaced by a fresh one; fresh columns come from a CPU
+``torch.Generator`` seeded by ``(cfg.seed, matrix index, round)``, so they are the same on every
+peer that saw the same rounds.
 """
 from __future__ import annotations
 
@@ -113,10 +122,12 @@ import torch
 from ..errors import ConfigError
 from ..exact import exact_orthonormalize, exact_outer_sum
 
-__all__ = ["LowRankConfig", "LowRankCompressor", "FACTOR_LAYOUTS", "pack_factor", "unpack_factor", "factor_numel"]
+__all__ = ["LowRankConfig", "LowRankCompressor", "FACTOR_LAYOUTS", "WARM_STARTS", "pack_factor", "unpack_factor", "factor_numel"]
 
 #: the layouts of a factor in the all-reduced vector (see :func:`pack_factor`)
 FACTOR_LAYOUTS = ("columns", "rows")
+#: how the next round's basis comes from the averaged Q (see the module docstring)
+WARM_STARTS = ("ritz", "mean")
 
 
 @dataclass
@@ -141,6 +152,9 @@ class LowRankConfig:
     #: column contiguous, padded to the codec's block, so a block never mixes columns) or ``"rows"``
     #: (row-major: every block mixes all r columns, whose sizes follow the singular values)
     factor_layout: str = "columns"
+    #: next round's ``Q``: ``"ritz"`` (the averaged Q's left singular vectors, strongest first) or
+    #: ``"mean"`` (the averaged Q, unit-norm columns; PowerSGD's warm start)
+    warm_start: str = "ritz"
 
     def validate(self) -> "LowRankConfig":
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -162,6 +176,8 @@ class LowRankConfig:
         if self.factor_layout not in FACTOR_LAYOUTS:
             raise ConfigError(f"lowrank.factor_layout must be one of {', '.join(FACTOR_LAYOUTS)}, "
                               f"got {self.factor_layout!r}")
+        if self.warm_start not in WARM_STARTS:
+            raise ConfigError(f"lowrank.warm_start must be one of {', '.join(WARM_STARTS)}, got {self.warm_start!r}")
         return self
 
     def max_rank(self, rows: int, cols: int) -> int:
@@ -380,10 +396,17 @@ class LowRankCompressor:
             base = mine[:, order[: min(new_r, r)]]  # the averaged Q, best columns first
         else:  # a stale or fresh peer: its own basis, trimmed (it only steers P; see module docstring)
             base = self._q[j][:, : min(new_r, self._q[j].shape[1])]
-        self._q[j] = self._complete_basis(j, base, new_r)
+        self._q[j] = self._warm_basis(j, base, new_r)
         self._ranks[j] = new_r
         self._pending_q[j] = None
         self._pending_rho[j] = None
+
+    def _warm_basis(self, j: int, q: torch.Tensor, rank: int) -> torch.Tensor:
+        """The next round's basis from ``q`` (the averaged Q, or the columns kept of it): with ``ritz``
+        its left singular vectors, strongest first (the same span), then :meth:`_complete_basis`."""
+        if self.cfg.warm_start == "ritz" and q.shape[1] > 0 and bool(torch.isfinite(q).all()):
+            q = torch.linalg.svd(q.double(), full_matrices=False)[0]
+        return self._complete_basis(j, q, rank)
 
     def _complete_basis(self, j: int, q: torch.Tensor, rank: int) -> torch.Tensor:
         """Unit-norm columns of ``q``, bad (zero, non-finite) ones replaced and fresh ones appended up to ``rank``."""
@@ -526,7 +549,7 @@ class LowRankCompressor:
                 self._pending_q[j] = q_avg.float().clone()
                 self._pending_rho[j] = self._rho[j]
             else:
-                self._q[j] = self._complete_basis(j, q_avg, r)
+                self._q[j] = self._warm_basis(j, q_avg, r)
         for i, avg in zip(self._small, self._small_avg):
             results[i] = avg.reshape(self._shapes[i])
 

@@ -253,7 +253,7 @@ def make_reducer(cfg, params: Sequence[torch.Tensor], names: Optional[Sequence[s
                            min_numel=c.min_numel, seed=int(cfg.train.seed) % (2**31),
                            error_feedback=c.error_feedback, rank_fraction=c.rank_fraction,
                            power_iterations=c.power_iterations, feedback_decay=c.feedback_decay,
-                           factor_layout=c.factor_layout)
+                           factor_layout=c.factor_layout, warm_start=c.warm_start)
         subs = [x.strip() for x in c.dense_params.split(",") if x.strip()]
         dense = [i for i, n in enumerate(names or ()) if any(x in n for x in subs)]
         return LowRankReducer([p.shape for p in params], codec, lr, dense)
