@@ -268,9 +268,16 @@ class CompressionConfig:
     factor_layout: str = "columns"
     #: low-rank warm start: "ritz" (singular vectors of the averaged Q, strongest first) or "mean" (PowerSGD's)
     warm_start: str = "ritz"
+    #: codec "sparse" (SparseLoCo): values per chunk, values kept per chunk, bits per kept value, and the
+    #: decay of the per-peer error buffer (docs/compression.md, "Sparse")
+    sparse_chunk: int = 4096
+    sparse_k: int = 64
+    sparse_bits: int = 2
+    sparse_decay: float = 0.95
 
     def validate(self) -> None:
         get_codec(self.codec)  # raises ConfigError naming the valid choices
+        self._validate_sparse()
         if self.factor_layout not in ("columns", "rows"):
             raise ConfigError(f"compression.factor_layout ({self.factor_layout!r}) must be 'columns' or 'rows'")
         if self.warm_start not in ("ritz", "mean"):
@@ -292,6 +299,21 @@ class CompressionConfig:
             raise ConfigError(f"compression.power_iterations ({self.power_iterations!r}) must be an integer >= 1")
         if not 0.0 <= self.feedback_decay <= 1.0:
             raise ConfigError(f"compression.feedback_decay ({self.feedback_decay!r}) must be in [0, 1]")
+
+    def _validate_sparse(self) -> None:
+        chunk, k = self.sparse_chunk, self.sparse_k
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or not 2 <= chunk <= 1 << 16:
+            raise ConfigError(f"compression.sparse_chunk ({chunk!r}) must be an integer in [2, 65536], e.g. 4096")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= chunk:
+            raise ConfigError(f"compression.sparse_k ({k!r}) must be an integer in [1, compression.sparse_chunk "
+                              f"= {chunk}], e.g. 64")
+        if self.sparse_bits not in (2, 3, 4, 8):
+            raise ConfigError(f"compression.sparse_bits ({self.sparse_bits!r}) must be 2, 3, 4 or 8 (a sign bit and "
+                              "the level of the value between the chunk's smallest and largest kept magnitude)")
+        if not 0.0 <= self.sparse_decay <= 1.0:
+            raise ConfigError(f"compression.sparse_decay ({self.sparse_decay!r}) must be in [0, 1], e.g. 0.95")
+        if self.codec == "sparse" and self.lowrank:
+            raise ConfigError("compression.codec=sparse does not combine with compression.lowrank=true: choose one")
 
 
 @dataclass
@@ -510,6 +532,7 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         for name in _SECTIONS:
             getattr(self, name).validate()
+        self._check_sparse()
         self.streaming.check_schedule(self.inner.sync_every, self.model.num_blocks())
         self._check_vocab()
         if self.local.sharding == "fsdp" and self.inner.round_samples:
@@ -518,6 +541,20 @@ class RunConfig:
                               "the other workers in advance which parameters to gather for its sync; use "
                               "local.sharding=replicate, or inner.round_samples=0 (rounds of H steps)")
         return self
+
+    def _check_sparse(self) -> None:
+        """SparseLoCo's error buffer is its momentum: the outer step must be the plain mean (lr 1, no
+        momentum), and the shard owners relay parts, which only the plain mean can aggregate."""
+        if self.compression.codec != "sparse":
+            return
+        if self.outer.lr != 1.0 or self.outer.momentum != 0.0:
+            raise ConfigError(f"compression.codec=sparse applies the averaged top-k with outer lr 1 and no momentum "
+                              f"(its error buffer is the momentum); set --set outer.lr=1 --set outer.momentum=0 "
+                              f"(now lr {self.outer.lr:g}, momentum {self.outer.momentum:g})")
+        if self.robust.aggregator != "mean":
+            raise ConfigError(f"compression.codec=sparse needs robust.aggregator=mean (now "
+                              f"{self.robust.aggregator!r}): the owners relay the members' sparse parts and every "
+                              "member takes their weighted mean; CenteredClip's result is not sparse")
 
     def _check_vocab(self) -> None:
         """The tokenizer's vocabulary must be the model's: a token id past the embedding would crash

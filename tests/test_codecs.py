@@ -41,7 +41,8 @@ def _block_absmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_registry_ids_are_stable():
-    assert {n: c.codec_id for n, c in CODECS.items()} == {"fp32": 0, "fp16": 1, "e3m0": 2, "nf4": 3, "fp4": 4}
+    assert {n: c.codec_id for n, c in CODECS.items()} == {"fp32": 0, "fp16": 1, "e3m0": 2, "nf4": 3, "fp4": 4,
+                                                          "sparse": 8}
     assert codec_by_id(2) is get_codec("e3m0")
 
 

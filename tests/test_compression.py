@@ -341,7 +341,9 @@ class _Stream:
 
 
 @pytest.mark.parametrize("sets", [["compression.codec=e3m0", "compression.error_feedback=true"],
-                                  ["compression.codec=e3m0", "compression.lowrank=true", "compression.error_feedback=true"]])
+                                  ["compression.codec=e3m0", "compression.lowrank=true", "compression.error_feedback=true"],
+                                  ["compression.codec=sparse", "outer.lr=1", "outer.momentum=0",
+                                   "compression.sparse_chunk=256", "compression.sparse_k=8"]])
 def test_reducer_state_survives_a_checkpoint(tmp_path, sets):
     """Save after two syncs, restore into fresh objects through the real checkpoint files: the
     next sync of the restored peer is bitwise the same as the original's."""

@@ -44,14 +44,17 @@ RUNS: Dict[str, tuple] = {
                    ["avx512", "default"]),
     "lowrank-eager": (["compression.codec=e3m0", "compression.lowrank=true", "compression.rank=4",
                        "streaming.fragments=2", "streaming.mode=eager"], ["avx2", "default", "avx512"]),
+    "sparse-tau": (["compression.codec=sparse", "outer.lr=1", "outer.momentum=0", "compression.sparse_chunk=1024",
+                    "compression.sparse_k=16", "streaming.fragments=2", "streaming.tau=2"], ["avx2", "default", "avx512"]),
     "nf4-eager-heuristic": (["compression.codec=nf4", "compression.error_feedback=true", "streaming.mode=eager",
                              "streaming.eager_estimate=fresh_heuristic"], ["default", "avx2"]),
 }
 
 
-#: in the default suite: three kernel builds each, fp32 with tau (the default mode) and low-rank 4-bit with eager;
+#: in the default suite: three kernel builds each, fp32 with tau (the default mode), low-rank 4-bit with eager and
+#: sparse (relayed parts, every member averaging them) with tau;
 #: the other two (~25 s each) in make test-slow
-DEFAULT_RUNS = ("fp32-tau", "lowrank-eager")
+DEFAULT_RUNS = ("fp32-tau", "lowrank-eager", "sparse-tau")
 
 
 @pytest.mark.skipif(len(CAPS) < 2, reason=f"this CPU offers one ATen kernel build only ({CAPS})")

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..compression import Codec, get_codec
+from ..compression.robust import weighted_mean
 from ..config import RunConfig, load_config
 from ..data import BatchStream, evaluate, load_corpus
 from ..train.inner import inner_optimizer, inner_step
@@ -56,6 +57,14 @@ _LOWRANK_F16 = ("compression.lowrank=true", "compression.rank_fraction=0.125", "
 #: the bench simulates blocking DiLoCo over the whole model (one fragment; the streaming mode is not used), whatever the
 #: run defaults say; applied before ``--set``
 _BLOCKING = ("streaming.fragments=1",)
+
+
+def _sparse(k: int, bits: int = 2, chunk: int = 4096, decay: float = 0.95) -> Tuple[str, ...]:
+    return ("compression.codec=sparse", "compression.error_feedback=false", *_PLAIN, f"compression.sparse_k={k}",
+            f"compression.sparse_chunk={chunk}", f"compression.sparse_bits={bits}", f"compression.sparse_decay={decay}",
+            "outer.lr=1", "outer.momentum=0")
+
+
 SETTINGS: Dict[str, Tuple[str, ...]] = {
     "fp32": ("compression.codec=fp32", "compression.error_feedback=false", *_PLAIN),
     "fp16": ("compression.codec=fp16", "compression.error_feedback=false", *_PLAIN),
@@ -78,6 +87,10 @@ SETTINGS: Dict[str, Tuple[str, ...]] = {
                              "compression.warm_start=mean"),
     #: the same factors in fp32: truncation alone, no quantization
     "fp32-lowrank-f16": ("compression.codec=fp32", "compression.error_feedback=false", *_LOWRANK_F16),
+    #: SparseLoCo: top-k per chunk of a decayed error buffer, applied with outer lr 1 and no momentum
+    "sparse": _sparse(64),
+    "sparse-k32": _sparse(32),
+    "sparse-k16": _sparse(16),
 }
 
 
@@ -93,15 +106,20 @@ class _Butterfly:
     def fn(self, idx: int):
         def allreduce(vec: torch.Tensor, phase: str, codec: Optional[Codec] = None) -> torch.Tensor:
             codec = codec or self.default
-            self.payload[idx] += int(2 * (self.k - 1) / self.k * codec.encoded_size(vec.numel()))
+            n = vec.numel()  # parts out, and our shard's reply to each other member (relayed parts: one per member)
+            self.payload[idx] += int((self.k - 1) / self.k * (codec.encoded_size(n) + codec.reply_size(n, self.k)))
             self.slots[idx] = vec.detach().float().cpu().reshape(-1)
             self.barrier.wait(timeout=600)
             vecs = [self.slots[i] for i in range(self.k)]
             out = []
             for a, b in shard_bounds(vecs[0].numel(), self.k, codec.block_size):
+                parts = [codec.decode(codec.encode(v[a:b]), b - a) for v in vecs]
+                if codec.relays_parts:  # every member averages the relayed parts itself: nothing re-encoded
+                    out.append(weighted_mean(parts, self.weights))
+                    continue
                 acc = torch.zeros(b - a)
-                for v, w in zip(vecs, self.weights):
-                    acc.add_(codec.decode(codec.encode(v[a:b]), b - a), alpha=w)
+                for p, w in zip(parts, self.weights):
+                    acc.add_(p, alpha=w)
                 acc.div_(sum(self.weights))
                 out.append(codec.decode(codec.encode(acc), b - a))
             self.barrier.wait(timeout=600)
@@ -124,7 +142,7 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False)
     names = [n for n, _ in models[0].named_parameters()]
     outer = OuterState(params[0], lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov)
     reducers = [make_reducer(cfg, ps, names) for ps in params]
-    codec = get_codec(cfg.compression.codec)
+    codec = reducers[0].codec if hasattr(reducers[0], "codec") else get_codec(cfg.compression.codec)
 
     def val() -> float:
         outer.copy_to(params[0])

@@ -30,10 +30,21 @@ class Codec(abc.ABC):
     #: at a multiple of this, so ``roundtrip(x)`` of a whole vector equals what the shards' owners
     #: decode: a compressor can then compute its own contribution exactly (error feedback).
     block_size: int = 1
+    #: the owner's reply relays the members' parts as they came (each member then averages them the
+    #: same way) instead of one re-encoding of the mean: for a codec whose mean is not in its own
+    #: format (the sum of several top-k parts, :mod:`.sparse`)
+    relays_parts: bool = False
 
     @abc.abstractmethod
     def encoded_size(self, numel: int) -> int:
         """Exact number of bytes ``encode`` produces for ``numel`` fp32 values."""
+
+    def reply_size(self, numel: int, members: int) -> int:
+        """Bytes of an owner's reply for ``numel`` values averaging ``members`` parts."""
+        return self.members_factor(members) * self.encoded_size(numel)
+
+    def members_factor(self, members: int) -> int:
+        return members if self.relays_parts else 1
 
     @abc.abstractmethod
     def encode(self, x: torch.Tensor) -> bytes:

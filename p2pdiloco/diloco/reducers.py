@@ -6,11 +6,13 @@ names one all-reduce within the sync). It returns the averaged Δ, identical on 
 only derive the result from all-reduced values. A compressing reducer (low-rank, error feedback)
 keeps its own state per fragment and may call ``allreduce`` several times.
 
-Three reducers, chosen by ``[compression]`` (:func:`make_reducer`):
+Four reducers, chosen by ``[compression]`` (:func:`make_reducer`):
 
 * :class:`PlainReducer`: one all-reduce of Δ with the run's codec (fp32 is OpenDiLoCo-style
   DiLoCo; a lossy codec without error feedback is Streaming DiLoCo's E3M0 as published).
 * :class:`QuantizedReducer`: the same through a lossy codec, with error feedback.
+* :class:`SparseReducer`: SparseLoCo's chunked top-k (:mod:`p2pdiloco.compression.sparse`) of a
+  decayed error buffer, which stands in for the outer momentum.
 * :class:`LowRankReducer`: PowerSGD-style shared-basis factors of the 2-D blocks
   (:mod:`p2pdiloco.compression.lowrank`), the factors through the run's codec, with adaptive,
   diminishing ranks agreed by the group every round.
@@ -33,8 +35,9 @@ import torch
 from ..compression import Codec, get_codec
 from ..compression.feedback import ErrorFeedback
 from ..compression.lowrank import LowRankCompressor, LowRankConfig
+from ..compression.sparse import sparse_codec
 
-__all__ = ["Reducer", "PlainReducer", "QuantizedReducer", "LowRankReducer", "make_reducer", "AllReduceFn"]
+__all__ = ["Reducer", "PlainReducer", "QuantizedReducer", "SparseReducer", "LowRankReducer", "make_reducer", "AllReduceFn"]
 
 AllReduceFn = Callable[..., torch.Tensor]
 
@@ -121,6 +124,68 @@ class QuantizedReducer:
 
     def info(self) -> Dict[str, object]:
         return {"residual_norm": round(self._ef.norm(), 6)}
+
+
+class SparseReducer:
+    """SparseLoCo (Sarfi et al. 2025): top-k of a decayed error buffer, the buffer as the momentum.
+
+    Round t, per peer and fragment, with decay β (``compression.sparse_decay``, 0.95)::
+
+        e ← β·e + Δ_t            (one rounding per operation)
+        send s = roundtrip(e)    (chunked top-k, low-bit values: what the owners decode from us)
+        e ← e − s
+
+    The group's weighted mean of the ``s`` is applied with outer lr 1 and no momentum (the config
+    requires it): the buffer accumulates what was not sent and, through β, plays momentum's part.
+    Per peer ``e_T = Σ_t β^(T−t)·(Δ_t − s_t)`` up to fp32 rounding: nothing is dropped but what β
+    forgets. The shards'
+    owners relay the parts instead of re-encoding the mean (:mod:`p2pdiloco.compression.sparse`),
+    so the applied update is exactly the mean of what the members' buffers lost.
+    """
+
+    def __init__(self, codec: Codec, decay: float):
+        self.codec, self.decay = codec, float(decay)
+        self._lock = threading.Lock()
+        self._e: Optional[torch.Tensor] = None
+        self._saved: Optional[torch.Tensor] = None  # the buffer after the last completed sync (never modified)
+        self._info: Dict[str, object] = {}
+
+    def reduce(self, delta: torch.Tensor, allreduce: AllReduceFn) -> torch.Tensor:
+        with self._lock:
+            delta = delta.detach().float()
+            e = self._e
+            if e is not None and e.shape != delta.shape:
+                raise ValueError(f"sparse error buffer has {e.numel()} values, the pseudo-gradient {delta.numel()}")
+            acc = delta.clone() if e is None else torch.add(torch.mul(e.to(delta.device), self.decay), delta)
+            avg = allreduce(acc, "delta", self.codec)  # raises SyncFailed: the buffer stays as it was
+            sent = self.codec.roundtrip(acc).to(acc.device)
+            self._e = self._saved = torch.sub(acc, sent)
+            self._info = {"error_norm": round(float(self._e.double().norm()), 6),
+                          "sent_norm": round(float(sent.double().norm()), 6)}
+            return avg
+
+    def residual(self) -> Optional[torch.Tensor]:
+        return self._e
+
+    def state_dict(self) -> Dict[str, object]:
+        saved = self._saved
+        return {"kind": "sparse", "error": None if saved is None else saved.detach().cpu().clone()}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        if state.get("kind") != "sparse":
+            raise ValueError(f"reducer state is for a {state.get('kind', 'plain')} reducer, this run uses the "
+                             "sparse codec (compression settings differ)")
+        err = state.get("error")
+        with self._lock:
+            self._e = self._saved = None if err is None else err.detach().float().clone()
+
+    def reset(self) -> None:
+        """Forget the buffer (this peer adopted another's state; its buffer belongs to its own history)."""
+        with self._lock:
+            self._e = self._saved = None
+
+    def info(self) -> Dict[str, object]:
+        return dict(self._info)
 
 
 class LowRankReducer:
@@ -241,12 +306,14 @@ class LowRankReducer:
 def make_reducer(cfg, params: Sequence[torch.Tensor], names: Optional[Sequence[str]] = None) -> Reducer:
     """The reducer ``cfg.compression`` asks for, for one fragment's parameters (in fragment order).
 
-    ``lowrank`` → :class:`LowRankReducer` (factors with ``codec``); else a lossy ``codec`` with
+    ``codec = "sparse"`` → :class:`SparseReducer`; ``lowrank`` → :class:`LowRankReducer` (factors with ``codec``); else a lossy ``codec`` with
     ``error_feedback`` → :class:`QuantizedReducer`; else :class:`PlainReducer`. ``names``: the
     parameters' names (same order); those containing one of ``compression.dense_params``' substrings
     are sent whole with ``codec`` instead of as low-rank factors (without names, none is).
     """
     c = cfg.compression
+    if c.codec == "sparse":
+        return SparseReducer(sparse_codec(c.sparse_chunk, c.sparse_k, c.sparse_bits), c.sparse_decay)
     codec = get_codec(c.codec)
     if c.lowrank:
         lr = LowRankConfig(rank=c.rank, min_rank=c.min_rank, adaptive=c.adaptive, energy_target=c.energy_target,

@@ -17,7 +17,7 @@ from ..errors import SyncFailed, WireError
 from ..ids import short_id
 from .dialing import open_stream
 from .group import Group
-from .partition import chunk_bounds, chunk_values, squared_norm
+from .partition import chunk_bounds, chunk_values, relayed_mean, squared_norm
 from .protocol import PROTOCOL_VERSION, Traffic, note_offence, read_frame, write_frame
 
 __all__ = ["PartSender"]
@@ -61,7 +61,7 @@ class PartSender:
                       "w": float(sent_weight), "codec": codec.codec_id, "numel": sent_part.numel(), "chunk": chunk}
             await write_frame(writer, header, traffic=traffic)
             tasks = [asyncio.ensure_future(self._send_chunks(group, writer, sent_part, codec, chunk)),
-                     asyncio.ensure_future(self._read_result(reader, owner, codec, chunk, out))]
+                     asyncio.ensure_future(self._read_result(reader, owner, codec, chunk, out, group.size))]
             reply, sq = (await asyncio.gather(*tasks))[1]
             covered = self._check_coverage(group, reply, j, owner)
             self._check_result(group, owner, part, math.sqrt(sq))
@@ -85,14 +85,16 @@ class PartSender:
         faults.fire("allreduce.part_sent", frag=group.frag, round=group.round)  # fault-injection hook
 
     async def _read_result(self, reader: asyncio.StreamReader, owner: str, codec: Codec, chunk: int,
-                           out: torch.Tensor) -> dict:
+                           out: torch.Tensor, members: int = 1) -> dict:
         """The owner's reply: result chunks into ``out`` (exact sizes), ``again`` restarting them, then
         the ``avg`` trailer once every chunk is in, returned with ``out``'s squared norm; ``abort``/``refuse``
-        raise."""
+        raise. With a ``relays_parts`` codec the chunks are the covered members' parts back to back
+        (up to ``members`` of them), averaged here once the trailer names them and their weights."""
         chunks = chunk_bounds(out.numel(), chunk)
+        relayed: List[bytes] = []
         got = 0
         while True:
-            reply, payload = await read_frame(reader, codec.encoded_size(chunk), self.node.traffic, owner)
+            reply, payload = await read_frame(reader, codec.reply_size(chunk, members), self.node.traffic, owner)
             kind = reply.get("t")
             if kind in ("abort", "refuse"):
                 reason = str(reply.get("reason"))[:500]
@@ -100,7 +102,11 @@ class PartSender:
                 raise (OwnerExcludedUs if excluded else SyncFailed)(f"owner {short_id(owner)} aborted the round: {reason}")
             if kind == "c" and got < len(chunks):
                 a, b = chunks[got]
-                codec.decode_into(payload, out[a:b], owner)
+                if codec.relays_parts:
+                    del relayed[got:]
+                    relayed.append(payload)
+                else:
+                    codec.decode_into(payload, out[a:b], owner)
                 got += 1
             elif kind == "again":
                 got = 0
@@ -108,12 +114,27 @@ class PartSender:
                 if reply.get("codec") != codec.codec_id or reply.get("numel") != out.numel():
                     raise WireError(f"reply for codec {str(reply.get('codec'))[:20]} with "
                                     f"{str(reply.get('numel'))[:20]} values", owner)
+                if codec.relays_parts:
+                    weights = self._relayed_weights(reply, owner)
+                    for (a, b), data in zip(chunks, relayed):
+                        relayed_mean(codec, data, weights, out[a:b], owner)
                 sq = squared_norm(out)
                 if not math.isfinite(sq):
                     raise WireError("averaged shard decodes to non-finite values", owner)
                 return reply, sq
             else:
                 raise WireError(f"unexpected reply {str(kind)[:20]!r} after {got} of {len(chunks)} chunks", owner)
+
+    @staticmethod
+    def _relayed_weights(reply: dict, owner: str) -> List[float]:
+        """The weights of the parts a relaying owner's reply carries: one per covered member, each in
+        (0, 1e12), adding up (in member order, as the owner added them) to the trailer's total."""
+        ws, cov = reply.get("ws"), reply.get("cov")
+        if (not isinstance(ws, list) or not isinstance(cov, list) or len(ws) != len(cov)
+                or not all(type(w) in (int, float) and 0 < w < 1e12 for w in ws)
+                or float(sum(float(w) for w in ws)) != reply.get("w")):
+            raise WireError(f"relayed reply names invalid weights {str(ws)[:60]}", owner)
+        return [float(w) for w in ws]
 
     @staticmethod
     def _check_coverage(group: Group, reply: dict, j: int, owner: str) -> Tuple[int, ...]:

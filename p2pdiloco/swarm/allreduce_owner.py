@@ -20,7 +20,7 @@ from ..compression.robust import aggregate, screen, weighted_mean
 from ..errors import SyncFailed, WireError
 from ..ids import short_id
 from .group import Group
-from .partition import chunk_bounds, chunk_values, squared_norm
+from .partition import chunk_bounds, chunk_values, relayed_mean, squared_norm
 from .protocol import (Traffic, check_version, close_after_reply, note_offence, quota_refusal, read_header,
                        read_payload, write_frame)
 
@@ -53,6 +53,7 @@ class ShardRound:
     numel: int = 0
     chunks: List[Tuple[int, int]] = field(default_factory=list)
     parts: Dict[int, torch.Tensor] = field(default_factory=dict)   # member index -> its part, filled chunk by chunk
+    raw: Dict[int, List[bytes]] = field(default_factory=dict)      # member index -> its chunks as sent (relays_parts)
     weights: Dict[int, float] = field(default_factory=dict)
     got: Dict[int, int] = field(default_factory=dict)              # member index -> chunks received
     sq: Dict[int, float] = field(default_factory=dict)             # member index -> ‖part‖² so far
@@ -119,6 +120,8 @@ class ShardOwner:
         if finite:
             own = codec.roundtrip(vec[lo:hi]) if codec.relative_error_bound else vec[lo:hi].to("cpu")  # read only
             rnd.parts[me], rnd.weights[me], rnd.got[me] = own, float(weight), len(rnd.chunks)
+            if codec.relays_parts:
+                rnd.raw[me] = [codec.encode(vec[lo + a: lo + b]) for a, b in rnd.chunks]
             rnd.sq[me] = squared_norm(own)
         else:  # our own training diverged: serve the others without our part, then apply nothing
             rnd.dropped[me] = "the owner's own pseudo-gradient is not finite"
@@ -138,8 +141,13 @@ class ShardOwner:
             self._fail(rnd, SyncFailed(f"the shard of group {rnd.group.gid} owned by this peer was incomplete "
                                        f"after {self.timeout:.0f} s; waiting for {missing}"))
             raise rnd.done.exception() from None
-        for (s, e), data in zip(rnd.chunks, rnd.out):
-            rnd.codec.decode_into(data, out[s:e])
+        if rnd.codec.relays_parts:
+            weights = [rnd.weights[i] for i in rnd.covered]
+            for (s, e), data in zip(rnd.chunks, rnd.out):
+                relayed_mean(rnd.codec, data, weights, out[s:e], None)
+        else:
+            for (s, e), data in zip(rnd.chunks, rnd.out):
+                rnd.codec.decode_into(data, out[s:e])
         return rnd.covered, rnd.covered_weight
 
     async def _close_own_shard(self, rnd: ShardRound, phase: str, excluded: bool, deadline: float) -> None:
@@ -214,6 +222,8 @@ class ShardOwner:
             weight, codec = self._check_header(header, rnd, idx, sender)
             # our own numbers (the shard's size), never the sender's, size the buffer
             rnd.parts[idx], rnd.weights[idx], rnd.got[idx], rnd.sq[idx] = torch.empty(rnd.numel), weight, 0, 0.0
+            if codec.relays_parts:
+                rnd.raw[idx] = []
             self._advance(rnd)
             reply = asyncio.ensure_future(self._reply(rnd, idx, writer, traffic))
             try:
@@ -273,8 +283,10 @@ class ShardOwner:
                 raise _Rejected("length", str(e)) from None
             try:  # the length is exact by now: what a codec still refuses is its content (a NaN scale)
                 codec.decode_into(data, part[a:b], sender)
-            except WireError as e:
-                raise _Rejected("finite", str(e)) from None
+            except WireError as e:  # a non-finite value, or a malformed layout (a sparse part's positions)
+                raise _Rejected("finite" if "finite" in str(e) else "payload", str(e)) from None
+            if codec.relays_parts:  # relayed as it came: every member averages these same bytes
+                rnd.raw[idx].append(data)
             del data
             sq = squared_norm(part[a:b])
             if not math.isfinite(sq):
@@ -306,8 +318,11 @@ class ShardOwner:
                 await write_frame(writer, {"t": "c"}, rnd.out[sent], traffic=traffic)
                 sent += 1
             elif rnd.done.done():
-                await write_frame(writer, {"t": "avg", "codec": rnd.codec.codec_id, "numel": rnd.numel,
-                                           "cov": list(rnd.covered), "w": rnd.covered_weight}, traffic=traffic)
+                trailer = {"t": "avg", "codec": rnd.codec.codec_id, "numel": rnd.numel, "cov": list(rnd.covered),
+                           "w": rnd.covered_weight}
+                if rnd.codec.relays_parts:  # the relayed parts' weights: each member averages them itself
+                    trailer["ws"] = [rnd.weights[i] for i in rnd.covered]
+                await write_frame(writer, trailer, traffic=traffic)
                 return
             else:
                 await changed.wait()
@@ -333,20 +348,22 @@ class ShardOwner:
         codec_id = header.get("codec")
         codec = codec_by_id(codec_id, sender) if type(codec_id) is int and 0 <= codec_id < 256 else None
         numel, chunk = header.get("numel"), header.get("chunk")
-        if codec is not rnd.codec or type(numel) is not int or numel != rnd.numel:
+        # by id: a parameterised codec (sparse's k) is the run's own instance; its size check is exact
+        if codec is None or codec.codec_id != rnd.codec.codec_id or type(numel) is not int or numel != rnd.numel:
             raise _Rejected("codec", f"codec {str(codec_id)[:20]} with {str(numel)[:20]} values, expected "
                                      f"{rnd.codec.codec_id} ({rnd.codec.name}) with {rnd.numel}")
-        if type(chunk) is not int or chunk != chunk_values(codec):
-            raise _Rejected("codec", f"chunks of {str(chunk)[:20]} values, expected {chunk_values(codec)}")
+        if type(chunk) is not int or chunk != chunk_values(rnd.codec):
+            raise _Rejected("codec", f"chunks of {str(chunk)[:20]} values, expected {chunk_values(rnd.codec)}")
         if type(weight) not in (int, float) or not (0 < weight < 1e12):
             raise _Rejected("weight", f"weight {str(weight)[:30]} out of range (0, 1e12)")
-        return float(weight), codec
+        return float(weight), rnd.codec
 
     def _drop(self, rnd: ShardRound, idx: int, check: str, reason: str, reduce: bool = True) -> None:
         """Leave member ``idx``'s part out of this shard; log it with the peer id, count an offence."""
         peer = rnd.group.members[idx]
         rnd.dropped[idx] = reason
         rnd.parts.pop(idx, None)
+        rnd.raw.pop(idx, None)
         self.stats["parts_dropped"] += 1
         self.stats["dropped:" + check] += 1
         self.dropped_log.append((peer, rnd.group.gid, rnd.phase, reason))
@@ -408,9 +425,9 @@ class ShardOwner:
         n = len(rnd.chunks)
         if tuple(live) == rnd.streaming:
             while len(rnd.out) < n and all(rnd.got[i] > len(rnd.out) for i in live):
-                a, b = rnd.chunks[len(rnd.out)]
-                rnd.out.append(rnd.codec.encode(weighted_mean([rnd.parts[i][a:b] for i in live],
-                                                              [rnd.weights[i] for i in live])))
+                j = len(rnd.out)
+                a, b = rnd.chunks[j]
+                rnd.out.append(self._result_chunk(rnd, live, j, a, b))
                 rnd.tick()
         if all(rnd.got.get(i, 0) == n for i in live):
             self._finish(rnd)
@@ -429,15 +446,28 @@ class ShardOwner:
             if rnd.out:
                 rnd.epoch += 1
                 self.stats["rounds_resent"] += 1
-            parts, weights = [rnd.parts[i] for i in live], [rnd.weights[i] for i in live]
-            result = aggregate(parts, weights, self.robust)
-            rnd.out = [rnd.codec.encode(result[a:b]) for a, b in rnd.chunks]
+            if rnd.codec.relays_parts:
+                rnd.out = [self._result_chunk(rnd, live, j, a, b) for j, (a, b) in enumerate(rnd.chunks)]
+            else:
+                parts, weights = [rnd.parts[i] for i in live], [rnd.weights[i] for i in live]
+                result = aggregate(parts, weights, self.robust)
+                rnd.out = [rnd.codec.encode(result[a:b]) for a, b in rnd.chunks]
         rnd.covered = tuple(live)
         rnd.covered_weight = float(sum(rnd.weights[i] for i in live))  # member order: the same float everywhere
         rnd.done.set_result(None)
         rnd.parts.clear()
+        rnd.raw.clear()
         rnd.tick()
         self.stats["rounds"] += 1
+
+    @staticmethod
+    def _result_chunk(rnd: ShardRound, live: Sequence[int], j: int, a: int, b: int) -> bytes:
+        """Chunk ``j`` of the shard's result: the encoded weighted mean (member order), or, for a codec
+        whose mean is not in its own format (``relays_parts``), the live members' chunks as they came,
+        concatenated in member order (each member averages them with :func:`relayed_mean`)."""
+        if rnd.codec.relays_parts:
+            return b"".join(rnd.raw[i][j] for i in live)
+        return rnd.codec.encode(weighted_mean([rnd.parts[i][a:b] for i in live], [rnd.weights[i] for i in live]))
 
     def _clipping(self, live: Sequence[int]) -> bool:
         return self.robust.aggregator == "centered_clip" and len(live) > 2

@@ -5,13 +5,15 @@ inputs (no wire, no state): every member cuts identically.
 from __future__ import annotations
 
 import math
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from ..compression import Codec
+from ..compression.robust import weighted_mean
+from ..errors import WireError
 
-__all__ = ["shard_bounds", "chunk_values", "chunk_bounds", "squared_norm", "CHUNK_VALUES"]
+__all__ = ["shard_bounds", "chunk_values", "chunk_bounds", "squared_norm", "relayed_mean", "CHUNK_VALUES"]
 
 #: values per chunk of a part or result on the wire (before rounding to whole codec blocks): 4 MB of
 #: fp32, 0.56 MB of a 4-bit codec. Small enough that an owner reduces and returns chunk k while
@@ -57,3 +59,16 @@ def squared_norm(x: torch.Tensor) -> float:
     if not bool(torch.isfinite(x).all()):
         return math.nan
     return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+
+
+def relayed_mean(codec: Codec, data: bytes, weights: Sequence[float], out: torch.Tensor, sender: Optional[str]) -> None:
+    """Into ``out``: the weighted mean (member order, :func:`weighted_mean`) of the ``len(weights)``
+    parts that an owner's reply chunk relays back to back (a ``relays_parts`` codec). Every member
+    and the owner run this on the same bytes, so all hold the same bits. Sizes and every relayed
+    part's content are checked before anything is written (:class:`WireError` naming ``sender``)."""
+    size = codec.encoded_size(out.numel())
+    if not weights or len(data) != len(weights) * size:
+        raise WireError(f"relayed {codec.name} chunk has {len(data)} bytes, expected {len(weights)} parts of "
+                        f"{size}", sender)
+    parts = [codec.decode(data[i * size:(i + 1) * size], out.numel(), sender) for i in range(len(weights))]
+    out.copy_(weighted_mean(parts, weights))

@@ -358,7 +358,8 @@ class Swarm:
                 on_coverage(Coverage(members=group.members, weight=float(weight)))
             return codec.roundtrip(vec.detach().to("cpu", torch.float32)) if codec.relative_error_bound \
                 else vec.detach().to("cpu", torch.float32).clone()
-        nbytes = allreduce_bytes(codec.encoded_size(vec.numel()), group.size)
+        n = vec.numel()  # a relaying codec's replies carry every member's part: the mean of out and back
+        nbytes = allreduce_bytes((codec.encoded_size(n) + codec.reply_size(n, group.size)) // 2, group.size)
         self.allreducer.timeout = self.timeouts.transfer(nbytes)
         t0 = time.perf_counter()
         out, coverage = self.node.call(self.allreducer.allreduce_covered(group, phase, vec, weight, codec))
