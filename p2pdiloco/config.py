@@ -372,6 +372,10 @@ class SwarmConfig:
         parse_maddrs(self.announce_maddrs, "swarm.announce_maddrs")
 
 
+#: train.autocast values: the dtype the inner step's forward runs in under torch.autocast ("off": none)
+AUTOCAST = ("off", "bf16")
+
+
 @dataclass
 class TrainConfig:
     """Budget, devices, bookkeeping."""
@@ -384,6 +388,10 @@ class TrainConfig:
     run_dir: str = ""
     #: "auto" picks cuda when available, else cpu; or any torch device string
     device: str = "auto"
+    #: the inner step's forward and loss under ``torch.autocast``: "off" (fp32) or "bf16"; parameters,
+    #: gradients, AdamW and the outer state stay fp32. A choice of each machine (not in the fingerprint):
+    #: the swarm averages pseudo-gradients, whatever precision produced them
+    autocast: str = "off"
     #: seed of the model initialisation; part of the fingerprint so every peer starts from one θ
     seed: int = 0
     #: torch intra-op threads (0 = torch's default)
@@ -403,6 +411,8 @@ class TrainConfig:
         if not 0 <= self.dashboard_port <= 65535:
             raise ConfigError(f"train.dashboard_port ({self.dashboard_port}) must be a TCP port, 1-65535 (0: none)")
         _positive(self, "train", "eval_batches")
+        if self.autocast not in AUTOCAST:
+            raise ConfigError(f"train.autocast ({self.autocast!r}) must be one of {', '.join(AUTOCAST)}")
         if self.device != "auto":
             import torch
 

@@ -48,20 +48,22 @@ def identity(cfg: Any, peers: int) -> str:
 
 
 def dp_curve(cfg: Any, peers: int, steps: int, eval_every: int, *,
-             status: Optional[Callable[[str], None]] = None, device: str = "cpu") -> Dict[str, Any]:
+             status: Optional[Callable[[str], None]] = None, device: Optional[str] = None) -> Dict[str, Any]:
     """Train data parallelism over ``peers`` shards for ``steps`` global steps; validation loss (the
     same fixed windows as the peers' ``evaluate``) at step 0 and every ``eval_every`` steps.
 
     Returns ``{"steps", "peers", "tokens_per_step", "curve": [{"step", "tokens", "val"}...],
     "seconds"}``; ``tokens`` counts every peer's tokens (peers * batch * seq_len per step), as
-    the benchmark counts a DiLoCo mode's tokens.
+    the benchmark counts a DiLoCo mode's tokens. ``device`` (default ``train.device``, resolved) is
+    where the model trains; the forward runs under ``train.autocast`` as the peers' inner step does.
     """
     from ..data import BatchStream, evaluate, load_corpus
-    from ..train.inner import _inner_lr, inner_setup
+    from ..train.inner import _inner_lr, forward_loss, inner_setup
 
     if peers < 1 or steps < 1 or eval_every < 1:
         raise UserError(f"dp_curve: peers ({peers}), steps ({steps}) and eval_every ({eval_every}) must be >= 1")
     cfg = copy.deepcopy(cfg)
+    device = device or cfg.train.resolved_device()
     cfg.data.num_shards = peers  # peer i trains on shard i of peers, as in the benchmark
     corpus = load_corpus(cfg.data)
     model, opt, _ = inner_setup(cfg, corpus, 0, device)
@@ -84,7 +86,7 @@ def dp_curve(cfg: Any, peers: int, steps: int, eval_every: int, *,
         total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         for s in streams:  # each peer's gradient, summed in peer order (the owners' order) in fp32
             x, y = s.next_batch(device)
-            _, loss = model(x, y)
+            loss = forward_loss(cfg, model, x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             for acc, p in zip(total, params):

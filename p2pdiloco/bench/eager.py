@@ -100,7 +100,9 @@ def run_variant(config: Optional[str], sets: Sequence[str], spec: str, peers: in
                 eval_batches: int = 8, status=None) -> Dict[str, object]:
     """Train ``peers`` in-process peers for ``outer_steps`` outer steps with variant ``spec``; return
     the final validation loss of the global copy (every peer holds the same one) and the per-peer
-    validation losses after each outer step of fragment 0."""
+    validation losses after each outer step of fragment 0. The peers train on ``train.device``
+    (resolved: CUDA when there is one), all on that one device; the hub and the outer state stay on
+    the CPU, as on a swarm peer."""
     from ..config import load_config
     from ..data import evaluate, load_corpus
     from ..diloco.core import DiLoCo
@@ -109,6 +111,7 @@ def run_variant(config: Optional[str], sets: Sequence[str], spec: str, peers: in
     name, lr = _parse(spec)
     cfg = load_config(config, [*sets, *VARIANTS[name], *([f"outer.lr={lr}"] if lr is not None else [])])
     corpus = load_corpus(cfg.data)
+    device = cfg.train.resolved_device()
     hub = _Hub(peers)
     init_lock = threading.Lock()
     curve: List[float] = []
@@ -118,18 +121,18 @@ def run_variant(config: Optional[str], sets: Sequence[str], spec: str, peers: in
     def peer(i: int) -> None:
         try:
             with init_lock:  # the init draws from torch's global RNG, shared by the threads
-                model, opt, stream = inner_setup(cfg, corpus, i)
+                model, opt, stream = inner_setup(cfg, corpus, i, device)
             d = DiLoCo(model, cfg, _HubSwarm(hub, i))
             if i == 0:
                 def on_sync(rep) -> None:  # the model just restarted from this round's result
                     if rep.ok and rep.fragment == 0:
                         curve.append(evaluate(model, corpus.val, batch_size=cfg.inner.batch_size,
-                                              seq_len=cfg.model.seq_len, max_batches=eval_batches, device="cpu"))
+                                              seq_len=cfg.model.seq_len, max_batches=eval_batches, device=device))
                         if status:
                             status(f"{spec}: outer step {len(curve)}/{outer_steps} val {curve[-1]:.4f}")
                 d.on_sync = on_sync
             while d.outer_round() < outer_steps:
-                _, batch = inner_step(cfg, model, opt, stream, d.position)
+                _, batch = inner_step(cfg, model, opt, stream, d.position, device)
                 d.after_inner_step(batch)
             d.finish()
             d.close()
@@ -147,7 +150,7 @@ def run_variant(config: Optional[str], sets: Sequence[str], spec: str, peers: in
     if errors:
         raise errors[0]
     finals = [evaluate(out[i], corpus.val, batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
-                       max_batches=eval_batches, device="cpu") for i in range(peers)]
+                       max_batches=eval_batches, device=device) for i in range(peers)]
     return {"variant": spec, "outer_lr": cfg.outer.lr, "final_val_loss": round(finals[0], 4),
             "peers_agree": len(set(finals)) == 1, "val_after_each_outer_step": [round(v, 4) for v in curve],
             "seconds": round(time.time() - t0, 1)}

@@ -17,7 +17,7 @@ from ..config import RunConfig
 from ..data import BatchStream
 from ..model import seeded_model
 
-__all__ = ["lr_factor", "inner_optimizer", "inner_step", "inner_setup", "local_stream"]
+__all__ = ["lr_factor", "inner_optimizer", "forward_loss", "inner_step", "inner_setup", "local_stream"]
 
 
 def lr_factor(inner: Any, step: int) -> float:
@@ -52,6 +52,16 @@ def local_stream(cfg: RunConfig, corpus, shard: int, rank: int, world: int) -> B
                        batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len, seed=cfg.data.seed)
 
 
+def forward_loss(cfg: RunConfig, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean loss of ``model`` on ``(x, y)``, the forward under ``torch.autocast`` in bf16 when
+    ``train.autocast`` says so (on the batch's device; the parameters stay fp32, so the backward
+    leaves fp32 gradients for AdamW)."""
+    if cfg.train.autocast == "off":
+        return model(x, y)[1]
+    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+        return model(x, y)[1]
+
+
 def inner_step(cfg: RunConfig, model, opt, stream: BatchStream, step: int, device="cpu",
                local=None) -> Tuple[float, int]:
     """One inner AdamW step on the next batch of ``stream`` (warm-up lr for ``step`` = steps taken
@@ -62,12 +72,12 @@ def inner_step(cfg: RunConfig, model, opt, stream: BatchStream, step: int, devic
         group["lr"] = _inner_lr(cfg, step)
     x, y = stream.next_batch(device)
     if local is None:
-        _, loss = model(x, y)
+        loss = forward_loss(cfg, model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         return _finish_step(cfg, model, opt, loss.item()), x.shape[0]
     with local.guard("took an inner step"):  # sharded, torch's own collectives run in here
-        _, loss = model(x, y)
+        loss = forward_loss(cfg, model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         value = local.average_gradients(list(model.parameters()), loss.item())

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU benchmark on a lent device machine, in one command (docs/benchmark.md, "On a GPU"):
+# installs the carried wheels of .whl/ (bench/fetch_device_wheels.sh fills it) into /tmp/site ahead of
+# the image's packages (numpy < 2.4 for hivemind shadows the image's 2.5), checks the imports and
+# hivemind's p2p daemon, then runs python -m p2pdiloco.bench.gpu with its results under $OUT/gpu and
+# this script's log as $OUT/device_run.log. Extra arguments go to the benchmark (e.g. --parts ...).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench_results/device}
+mkdir -p "$OUT"
+{
+  echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git) $(uname -r) $(nproc) cores"
+  ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/*.whl: run bench/fetch_device_wheels.sh and carry .whl"; exit 3; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 3; }
+  export PYTHONPATH=/tmp/site:$PWD
+  python3 - <<'PY' || exit 4
+import os, subprocess, sys
+import numpy, torch, transformers, tokenizers, hivemind, multiaddr, msgpack
+print("python", sys.version.split()[0], "numpy", numpy.__version__, "from", os.path.dirname(numpy.__file__))
+print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+print("transformers", transformers.__version__, "tokenizers", tokenizers.__version__, "hivemind", hivemind.__version__)
+assert tuple(int(x) for x in numpy.__version__.split(".")[:2]) < (2, 4), "numpy >= 2.4 breaks hivemind's codecs"
+p2pd = os.path.join(os.path.dirname(hivemind.__file__), "hivemind_cli", "p2pd")
+r = subprocess.run([p2pd, "-h"], capture_output=True, text=True, timeout=30)
+print("p2pd runs:", p2pd, "exit", r.returncode, (r.stdout + r.stderr).strip().splitlines()[:1])
+import p2pdiloco.swarm.node, p2pdiloco.hf  # noqa: F401  the swarm and HF paths import
+PY
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  echo "ip: $(command -v ip || echo missing), tc: $(command -v tc || echo missing)"
+  PYTHONUNBUFFERED=1 timeout 470 python3 -m p2pdiloco.bench.gpu --out "$OUT/gpu" --work /tmp/gpu-work "$@"
+  echo "== exit $? at $(date -u +%FT%TZ)"
+} 2>&1 | tee "$OUT/device_run.log"
