@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_results/device}
 mkdir -p "$OUT"
 {
-  echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git) $(uname -r) $(nproc) cores"
+  echo "== $(date -u +%FT%TZ) commit ${P2PDILOCO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} $(uname -r) $(nproc) cores"
   ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/*.whl: run bench/fetch_device_wheels.sh and carry .whl"; exit 3; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 3; }

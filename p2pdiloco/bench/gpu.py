@@ -598,7 +598,7 @@ def _plots(results: Dict[str, Any], out: str) -> List[str]:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
+    except Exception:  # missing, or built against another numpy than the one imported: no plots
         return []
     made = []
     dp = ((results.get("parts", {}).get("dp_gap") or {}).get("result") or {})
@@ -636,11 +636,13 @@ def _plots(results: Dict[str, Any], out: str) -> List[str]:
 
 # ----------------------------------------------------------------------------- the driver
 def _git() -> str:
+    """The commit: git's, else ``P2PDILOCO_COMMIT`` (a device machine gets the working tree without .git)."""
     try:
-        return subprocess.run(["git", "-C", _REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
+        head = subprocess.run(["git", "-C", _REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
+        head = ""
+    return head or os.environ.get("P2PDILOCO_COMMIT", "unknown")
 
 
 def _run_part(name: str, args: argparse.Namespace, cap: float) -> Dict[str, Any]:
