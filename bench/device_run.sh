@@ -27,7 +27,10 @@ print("p2pd runs:", p2pd, "exit", r.returncode, (r.stdout + r.stderr).strip().sp
 import p2pdiloco.swarm.node, p2pdiloco.hf  # noqa: F401  the swarm and HF paths import
 PY
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-  echo "ip: $(command -v ip || echo missing), tc: $(command -v tc || echo missing)"
+  for t in ip tc; do  # the carried iproute2 (bench/fetch_device_wheels.sh) only where the image has none
+    command -v $t >/dev/null || { [ -x .whl/iproute2/bin/$t ] && export PATH=$PATH:$PWD/.whl/iproute2/bin; break; }
+  done
+  echo "ip: $(command -v ip || echo missing) ($(ip -V 2>&1 | head -1)), tc: $(command -v tc || echo missing)"
   PYTHONUNBUFFERED=1 timeout 470 python3 -m p2pdiloco.bench.gpu --out "$OUT/gpu" --work /tmp/gpu-work "$@"
   echo "== exit $? at $(date -u +%FT%TZ)"
 } 2>&1 | tee "$OUT/device_run.log"

@@ -30,5 +30,17 @@ for p in "${PKGS[@]}"; do [[ " ${SDIST_ONLY[*]} " == *" $p "* ]] || BIN+=("$p");
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLAT[@]}" \
     -d .whl "${BIN[@]}"
 $PY -m pip wheel -q --no-deps -w .whl "${SDIST_ONLY[@]}"
-ls .whl | wc -l
+# ip and tc (iproute2) of this machine, for a device image without them (bench.syncwan's emulated WAN
+# needs both; bench/device_run.sh puts them on the PATH only then). x86-64 binaries linked against this
+# machine's glibc (2.36 on Debian 12): the device's glibc must be as new; libc and libm are not copied.
+rm -rf .whl/iproute2 && mkdir -p .whl/iproute2/bin .whl/iproute2/lib .whl/iproute2/libexec
+for t in ip tc; do
+  src=$(command -v $t) || { echo "no $t on this machine: .whl/iproute2 left incomplete"; continue; }
+  cp "$src" .whl/iproute2/libexec/
+  ldd "$src" | awk '$3 ~ /^\// {print $3}' | grep -v -E '/lib(c|m)\.so' | xargs -r cp -L -t .whl/iproute2/lib/
+  printf '#!/bin/sh\nd=$(dirname "$(readlink -f "$0")")/..\nLD_LIBRARY_PATH=$d/lib exec "$d/libexec/%s" "$@"\n' $t \
+    > .whl/iproute2/bin/$t
+  chmod +x .whl/iproute2/bin/$t
+done
+ls .whl/*.whl | wc -l
 du -sh .whl
