@@ -488,3 +488,33 @@ def test_config_rejects_an_unknown_factor_layout():
 def test_config_rejects_an_unknown_warm_start():
     with pytest.raises(ConfigError, match="warm_start"):
         LowRankConfig(warm_start="cold").validate()
+
+
+def test_quality_bench_replots_a_saved_run(tmp_path):
+    import json
+
+    from p2pdiloco.bench import compression_quality as cq
+
+    saved = {"config": "peers/tiny-cpu.toml", "set": ["inner.sync_every=60"], "peers": 4, "rounds": 2, "seed": 1,
+             "results": {"fp32": {"val_loss": [5.0, 3.0, 2.5], "x_fewer_than_fp32": 1.0},
+                         "nf4-lowrank-f16": {"val_loss": [5.0, 3.2, 2.6], "x_fewer_than_fp32": 32.0}}}
+    (tmp_path / "run.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit):
+        cq.main(["--replot", str(tmp_path / "run.json")])  # needs --plot
+    assert cq.main(["--replot", str(tmp_path / "run.json"), "--plot", str(tmp_path / "loss.png")]) == 0
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"nf4-lowrank-f16-rows", "nf4-lowrank-f16-mean", "fp32-lowrank-f16"} <= set(cq.SETTINGS)
+
+
+def test_decayed_error_feedback_matches_a_plain_reference():
+    """``feedback_decay = b``: the buffer follows e_t = b (g_t + e_(t-1) - applied_t) (one peer, fp32
+    factors: the applied update is this peer's own reconstruction), the form DeMo and SparseLoCo use."""
+    gen = torch.Generator().manual_seed(15)
+    c = LowRankCompressor(SHAPES, LowRankConfig(rank=3, adaptive=False, feedback_decay=0.9))
+    e = torch.zeros(SHAPES[0])
+    for _ in range(5):
+        x = [torch.randn(s, generator=gen) for s in SHAPES]
+        (out,) = _round([c], [x])
+        e = 0.9 * (x[0] + e - out[0])
+        assert torch.allclose(c.residual(0), e, atol=1e-5, rtol=0)
+    assert e.norm() > 0.5 * x[0].norm()  # the buffer is real: rank 3 of 80 drops most of a random matrix

@@ -2,7 +2,8 @@
 
     python -m p2pdiloco.bench.compression_quality --config peers/tiny-cpu.toml --peers 3 --rounds 8 \\
         [--set inner.sync_every=50 ...] [--settings fp32,e3m0,nf4-lowrank-f16,mine] \\
-        [--define "mine=compression.codec=e3m0;compression.lowrank=true;compression.rank=8"] [--json out.json]
+        [--define "mine=compression.codec=e3m0;compression.lowrank=true;compression.rank=8"] [--json out.json] \\
+        [--seed 1] [--plot loss.png]
 
 Every setting runs the same experiment from the same seeds: ``--peers`` peers, each with the run's
 model, its own AdamW and its own data shard (peer m reads shard m of ``--peers``), take H inner
