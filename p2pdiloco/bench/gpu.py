@@ -237,6 +237,7 @@ def _metrics(run_dir: str) -> List[Dict[str, Any]]:
 def part_prep(ctx: Dict[str, Any], size: Dict[str, Any], save) -> Dict[str, Any]:
     from ..config import load_config
     from ..data import load_corpus
+    from ..tokenizer import tokenizer_vocab_size
 
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "tokenizer", "train", "--data", "stdlib",
@@ -246,9 +247,11 @@ def part_prep(ctx: Dict[str, Any], size: Dict[str, Any], save) -> Dict[str, Any]
     if proc.returncode != 0:
         raise RuntimeError(f"p2pdiloco tokenizer train failed: {proc.stderr[-1500:]}")
     t_tok = time.time() - t0
-    cfg = load_config(_LLAMA_BASE, _model_sets(size["dp_model"], size["vocab"]) + _data_sets(ctx))
+    ctx["vocab"] = tokenizer_vocab_size(ctx["tokenizer"])
+    cfg = load_config(_LLAMA_BASE, _model_sets(size["dp_model"], ctx["vocab"]) + _data_sets(ctx))
     corpus = load_corpus(cfg.data)  # fills the shared cache: the peers read it
-    return {"vocab": size["vocab"], "corpus_bytes": size["max_bytes"], "train_tokens": int(corpus.train.numel()),
+    return {"vocab": ctx["vocab"], "vocab_asked": size["vocab"], "corpus_bytes": size["max_bytes"],
+            "train_tokens": int(corpus.train.numel()),
             "val_tokens": int(corpus.val.numel()), "tokenizer_seconds": round(t_tok, 1),
             "seconds": round(time.time() - t0, 1)}
 
@@ -326,7 +329,7 @@ def part_throughput(ctx: Dict[str, Any], size: Dict[str, Any], save) -> Dict[str
     cuda = ctx["cuda"]
     device = "cuda" if cuda else "cpu"
     peers = ctx["peers"]
-    sets = (_model_sets(size["tp_model"], size["vocab"]) + _data_sets(ctx)
+    sets = (_model_sets(size["tp_model"], ctx["vocab"]) + _data_sets(ctx)
             + [f"train.device={device}", f"train.autocast={'bf16' if cuda else 'off'}",
                f"inner.batch_size={size['tp_batch']}", f"inner.sync_every={size['tp_H']}", "inner.round_samples=0",
                "inner.warmup_steps=10", "streaming.fragments=4", "streaming.pattern=balanced", "train.eval_batches=2",
@@ -335,7 +338,7 @@ def part_throughput(ctx: Dict[str, Any], size: Dict[str, Any], save) -> Dict[str
     params = _count(cfg)
     fpt = _flops_per_token(cfg, params)
     peak = _peak_flops()
-    res: Dict[str, Any] = {"model": dict(size["tp_model"], vocab=size["vocab"], params=params, kind="hf llama"),
+    res: Dict[str, Any] = {"model": dict(size["tp_model"], vocab=ctx["vocab"], params=params, kind="hf llama"),
                            "batch": cfg.inner.batch_size, "H": cfg.inner.sync_every, "peers": peers,
                            "autocast": cfg.train.autocast, "device": device, "flops_per_token": fpt,
                            "peak_flops": peak, "scheme": "4 fragments (balanced), tau overlap, 4-bit (the default)"}
@@ -437,7 +440,7 @@ def part_dp_gap(ctx: Dict[str, Any], size: Dict[str, Any], save) -> Dict[str, An
     from ..config import load_config
 
     cuda, M, H, K = ctx["cuda"], 4, size["dp_H"], size["dp_outer"]
-    sets = (_model_sets(size["dp_model"], size["vocab"]) + _data_sets(ctx)
+    sets = (_model_sets(size["dp_model"], ctx["vocab"]) + _data_sets(ctx)
             + [f"train.device={'cuda' if cuda else 'cpu'}", f"train.autocast={'bf16' if cuda else 'off'}",
                f"inner.batch_size={size['dp_batch']}", f"inner.sync_every={H}", "inner.round_samples=0",
                "inner.warmup_steps=30", "inner.lr=1e-3", "train.eval_batches=8", f"data.num_shards={M}",
@@ -446,7 +449,7 @@ def part_dp_gap(ctx: Dict[str, Any], size: Dict[str, Any], save) -> Dict[str, An
     params = _count(cfg)
     tokens = K * H * M * cfg.inner.batch_size * cfg.model.seq_len
     res: Dict[str, Any] = {
-        "model": dict(size["dp_model"], vocab=size["vocab"], params=params, kind="hf llama"), "replicas": M, "H": H,
+        "model": dict(size["dp_model"], vocab=ctx["vocab"], params=params, kind="hf llama"), "replicas": M, "H": H,
         "outer_steps": K, "global_batch_tokens": M * cfg.inner.batch_size * cfg.model.seq_len, "tokens": tokens,
         "chinchilla_tokens": 20 * params, "budget_vs_chinchilla": round(tokens / (20 * params), 4),
         "inner": {"lr": cfg.inner.lr, "warmup_steps": cfg.inner.warmup_steps, "schedule": cfg.inner.lr_schedule},
@@ -689,6 +692,10 @@ def _child(args: argparse.Namespace) -> int:
     ctx = {"work": args.work, "tokenizer": os.path.join(args.work, "tok.json"), "cache": os.path.join(args.work, "tokens"),
            "max_bytes": size["max_bytes"], "peers": args.peers, "smoke": args.smoke, "cap": args.cap, "t0": time.time(),
            "cuda": _cuda() and not args.smoke}
+    if args.part != "prep" and os.path.exists(ctx["tokenizer"]):
+        from ..tokenizer import tokenizer_vocab_size
+
+        ctx["vocab"] = tokenizer_vocab_size(ctx["tokenizer"])
     path = os.path.join(args.work, f"{args.part}.json")
     save = lambda res: _write_json(path, {"done": False, "result": res})  # noqa: E731
     if args.smoke:
