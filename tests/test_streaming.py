@@ -128,8 +128,8 @@ def _inner_step(cfg, model, opt, stream, step: int) -> int:
 
 def run_peers(cfg, m: int, outer_steps: int, hub: Optional[Hub] = None, hold=None, factory=DiLoCo,
               after_report: Optional[Callable] = None, on_sync: Optional[Callable] = None):
-    """``m`` peers in threads until fragment 0 has ``outer_steps`` rounds (as loop.py stops), then finish().
-    ``after_report(i, diloco, report, drained)`` sees each report when the loop gets it; ``on_sync(i,
+    """``m`` peers in threads until fragment 0 has ``outer_steps`` rounds (as loop.py stops), then finish()
+    (``before_finish``: each peer's parameters when its loop stopped). ``after_report(i, diloco, report, drained)`` sees each report when the loop gets it; ``on_sync(i,
     diloco, report)`` is DiLoCo's own callback (called before the next round of the fragment is sent)."""
     hub = hub or Hub(m)
     torch.set_num_threads(1)  # as the reference: the same kernels, the same roundings
@@ -152,13 +152,14 @@ def run_peers(cfg, m: int, outer_steps: int, hub: Optional[Hub] = None, hold=Non
                     if after_report is not None:
                         after_report(i, d, r, False)
             swarm.finishing = True
+            before_finish = [p.detach().clone() for p in model.parameters()]
             if hasattr(d, "finish"):
                 for r in d.finish():
                     reports.append(r)
                     if after_report is not None:
                         after_report(i, d, r, True)
                 d.close()
-            out[i] = {"diloco": d, "model": model, "reports": reports, "swarm": swarm}
+            out[i] = {"diloco": d, "model": model, "reports": reports, "swarm": swarm, "before_finish": before_finish}
         except BaseException as e:  # surfaced in the main thread
             errors.append(e)
 
@@ -196,7 +197,7 @@ def reference_run(cfg, shards: Sequence[int], outer_steps: int, fail: Sequence[T
     SGD is written out (b ← μ·b + g; θ ← θ − lr·(g + μ·b)), one rounding per operation, as the
     swarm's outer step is. A failed round applies nothing; delay/eager then resend their Δ_m with
     the next round. The run stops after outer_steps·H inner steps; rounds still in flight are then
-    applied (delay/eager: every model takes θ). ``starts`` (if given) receives each peer's W_m per
+    applied and every model takes θ, whatever the mode. ``starts`` (if given) receives each peer's W_m per
     (fragment, round) sent.
     """
     torch.set_num_threads(1)
@@ -320,17 +321,14 @@ def reference_run(cfg, shards: Sequence[int], outer_steps: int, fail: Sequence[T
                     for m in range(M):
                         for dst, g in zip(local(m, p), [gparams[n] for n in frag_names[p]]):
                             dst.lerp_(g.detach(), 1.0 - st.alpha) if st.alpha else dst.copy_(g)
-    with torch.no_grad():  # the end of the run: apply what is in flight
+    with torch.no_grad():  # the end of the run: apply what is in flight; every model takes θ (every mode)
         for p in sorted(pending, key=lambda q: pending[q]["round"] * H + sched_offset[q]):
             job = pending[p]
             if (p, job["round"]) not in fail:
                 outer_step(p, mean(job["deltas"], job["w"]))
-            for m in range(M):
-                for dst, g in zip(local(m, p), [gparams[n] for n in frag_names[p]]):
-                    if mode != "tau":
-                        dst.copy_(g)
-                    elif (p, job["round"]) not in fail:
-                        dst.lerp_(g.detach(), 1.0 - st.alpha) if st.alpha else dst.copy_(g)
+        for m in range(M):
+            for n, dst in lp[m].items():
+                dst.copy_(gparams[n])
     glob_frags = [[gparams[n].detach().clone() for n in frag_names[p]] for p in range(P)]
     return glob_frags, [[p.detach().clone() for p in model.parameters()] for model, _, _ in peers]
 
@@ -514,9 +512,13 @@ def test_tau0_is_bit_for_bit_the_foundation(fragments):
     for i in range(3):
         assert [(r.step, r.fragment, r.round, r.ok, r.digest) for r in new[i]["reports"]] == \
             [(r.step, r.fragment, r.round, r.ok, r.digest) for r in old[i]["reports"]]
-        assert all(torch.equal(a, b) for a, b in zip(new[i]["model"].parameters(), old[i]["model"].parameters()))
+        # the loop's model bit for bit; then finish() leaves the global copies in it (the foundation,
+        # which has no finish(), keeps its local steps on the fragments synced before the last)
+        assert all(torch.equal(a, b) for a, b in zip(new[i]["before_finish"], old[i]["model"].parameters()))
         for on, oo in zip(new[i]["diloco"].outer, old[i]["diloco"].outer):
             assert all(torch.equal(a, b) for a, b in zip((*on.params, *on.buffers), (*oo.params, *oo.buffers)))
+        for frag, oo in zip(new[i]["diloco"].fragments, old[i]["diloco"].outer):
+            assert all(torch.equal(a, b) for a, b in zip(frag.model_params, oo.params))
         assert new[i]["diloco"].synced_step == old[i]["diloco"].synced_step
         # and the sync ran in the background, yet the loop blocked on it (tau = 0)
         assert new[i]["swarm"].threads == {"p2pdiloco-sync"}
@@ -966,14 +968,40 @@ def test_download_drops_syncs_in_flight():
     donor.close()
 
 
-def test_finish_applies_what_is_in_flight():
-    cfg = make_cfg("inner.sync_every=4", "streaming.mode=delay")
-    out, _ = run_peers(cfg, 2, outer_steps=2)
+def _flat_by_fragment(d: DiLoCo, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``params`` (in the module's order) flattened in fragment order, as the global copies are."""
+    index = {n: k for k, (n, _) in enumerate(d.model.named_parameters())}
+    return torch.cat([params[index[n]].detach().reshape(-1) for f in d.fragments for n in f.names])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_finish_applies_what_is_in_flight_and_ends_on_the_global_model(mode):
+    """Every mode ends a run the same way: the syncs in flight are applied, then the model holds every
+    fragment's global copy bit for bit (tau: not its local steps since a fragment's last sync nor the
+    alpha merge; eager: not its own offset), with nothing unsent left counted; the syncs applied at the
+    end are reported with that model in place (a validation in on_sync measures it)."""
+    cfg = _mode_cfg(mode)
+    seen_at_finish = []
+
+    def on_sync(i, d, r):
+        if d.swarm.finishing:
+            seen_at_finish.append(all(torch.equal(a, b) for f in d.fragments
+                                      for a, b in zip(f.model_params, f.outer.params)))
+
+    out, _ = run_peers(cfg, 2, outer_steps=2, on_sync=on_sync)
     for i in range(2):
         d = out[i]["diloco"]
         assert d.outer[0].steps == 2 and not d._inflight
-        # delay/eager: the model ends on the global copy
-        assert all(torch.equal(a, b) for a, b in zip(d.fragments[0].model_params, d.outer[0].params))
+        flat_global = torch.cat([t.reshape(-1) for o in d.outer for t in o.params])
+        before = _flat_by_fragment(d, out[i]["before_finish"])
+        assert not torch.equal(before, flat_global), "the loop's model was already the global one"
+        after = _flat_by_fragment(d, list(d.model.parameters()))
+        assert torch.equal(after, flat_global), f"{mode}: the model does not end on the global copies"
+        assert d.samples_since == [0, 0] and d.steps_since == [0, 0]  # the dropped progress, with its weight
+        assert all(f.offset is None and f.own_term is None for f in d.fragments)
+        if d.overlap.restarts_phases:  # the next phase starts from the global copy, as the model does
+            assert all(torch.equal(a, b) for f in d.fragments for a, b in zip(f.start, f.outer.params))
+    assert seen_at_finish and all(seen_at_finish), seen_at_finish
 
 
 def test_checkpoint_keeps_the_start_points():

@@ -289,8 +289,10 @@ class DiLoCo:
         return left
 
     def finish(self) -> List[SyncReport]:
-        """End of training: wait for every sync in flight and apply it (in ``delay``/``eager`` the model
-        then takes the global copy). Returns their reports (``on_sync`` is called for each)."""
+        """End of training: wait for every sync in flight and apply it, then the model takes every
+        fragment's global copy, in every mode (:meth:`.overlap.OverlapMode.finish`): the run's result
+        is the global model. Returns the reports of the syncs applied here; ``on_sync`` is called for
+        each once the model holds the result."""
         return self.overlap.finish(self)
 
     def close(self) -> None:

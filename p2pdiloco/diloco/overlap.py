@@ -13,8 +13,8 @@ if the job is not finished then, the loop waits and records the wait. A failed j
 every member of the group fails together) applies nothing anywhere.
 
 Each mode is an :class:`OverlapMode` (:func:`overlap_mode` picks it): how it sends, what it applies
-when, what it does at the end of training and what a checkpoint keeps of it. What the model gets,
-per mode (fragment p, round k sent after inner step s_k, ``M`` peers):
+when and what a checkpoint keeps of it (the end of training is the same in every mode, below). What
+the model gets, per mode (fragment p, round k sent after inner step s_k, ``M`` peers):
 
 ``tau`` (Streaming DiLoCo, arXiv 2501.18512, Algorithm 2). Sent: Δ_m = θ − θ_m(s_k), θ the global
     copy. Due at s_k + tau: θ~ = OuterOpt(θ, Δ) (the global copy from before the result, as the
@@ -77,8 +77,10 @@ per mode (fragment p, round k sent after inner step s_k, ``M`` peers):
     peer's unsent progress Δ_m(k) (and its sample weight) is added to its next pseudo-gradient.
 
 When a run stops, :meth:`DiLoCo.finish` waits for the jobs in flight and applies them, so a run of
-``n`` outer steps applies ``n`` averages in every mode; in ``delay``/``eager`` the model then takes
-the global copy. A state download (:meth:`DiLoCo.load_snapshot`) drops the jobs in flight: a result
+``n`` outer steps applies ``n`` averages in every mode; then, in every mode, the model takes every
+fragment's global copy: a run ends on the global model, as the papers evaluate it (``tau`` drops the
+local steps since each fragment's last sync, up to H − H/P of them; ``eager`` the peer's offset;
+:meth:`OverlapMode.finish`). A state download (:meth:`DiLoCo.load_snapshot`) drops the jobs in flight: a result
 that arrives later belongs to the state left behind and is discarded (an epoch counter).
 
 Memory on the outer device besides the global copy and momentum: each job in flight holds its Δ_m
@@ -103,7 +105,8 @@ __all__ = ["OverlapMode", "TauMode", "DelayMode", "EagerMode", "EagerHeuristicMo
 
 
 class OverlapMode:
-    """How one mode (``streaming.mode``) sends a fragment and applies its results (module docstring).
+    """How one mode (``streaming.mode``) sends a fragment and applies its results (module docstring);
+    the end of training (:meth:`finish`) is the same for all.
 
     The modes are parts of :class:`~.core.DiLoCo` (``dl``, not imported here: core imports this
     module): they run on the training thread and use its job list, groups and lock.
@@ -131,8 +134,24 @@ class OverlapMode:
         """A job of ``frag`` was taken off the list: what the model gets from it now."""
 
     def finish(self, dl: "DiLoCo") -> List[SyncReport]:
-        """End of training: apply every sync in flight."""
-        raise NotImplementedError
+        """End of training, the same in every mode: apply every sync in flight, then the model takes
+        every fragment's global copy. The run's result is the global model, as the papers evaluate it:
+        not a peer's local steps since a fragment's last sync (``tau``: up to H − H/P of them, and the
+        ``alpha`` merge), nor its own eager offset. What those steps carried is dropped with its weight
+        and step count, so a checkpoint written now resumes from the global model with nothing unsent
+        (``tau`` measures its next Δ_m against the global copy; ``delay``/``eager`` restart their start
+        point there). The syncs applied here are reported once the model holds the result, so a
+        validation in ``on_sync`` measures the final model."""
+        reports = [dl._resolve(job, notify=False) for job in list(dl._inflight)]
+        with dl.state_lock:
+            for frag in dl.fragments:
+                frag.outer.copy_to(frag.model_params)
+                self.begin_phase(frag)
+                frag.forget_offset()
+                frag.samples_since_send = frag.steps_since_send = 0
+        for r in reports:
+            dl._notify(r)
+        return reports
 
     def landing(self, dl: "DiLoCo", t: int, due: Sequence[int]) -> Set[int]:
         """Fragments whose sync result may reach the model at position ``t`` (``due``: those sent then)."""
@@ -186,9 +205,6 @@ class TauMode(OverlapMode):
             frag.samples_since_send += int(job.weight)  # the progress stays in the model: so does its weight
             frag.steps_since_send += job.steps
 
-    def finish(self, dl: "DiLoCo") -> List[SyncReport]:
-        return [dl._resolve(job) for job in list(dl._inflight)]
-
     def landing(self, dl: "DiLoCo", t: int, due: Sequence[int]) -> Set[int]:
         return {j.fragment for j in dl._inflight if j.due_step <= t} | (set(due) if self.tau == 0 else set())
 
@@ -234,18 +250,6 @@ class DelayMode(OverlapMode):
                    group: concurrent.futures.Future, scale: float = 1.0) -> List[torch.Tensor]:
         """The start point W_m of the next inner phase (under ``state_lock``): here the global copy θ."""
         return [x.clone() for x in frag.outer.params]
-
-    def finish(self, dl: "DiLoCo") -> List[SyncReport]:
-        """Apply every sync in flight, then the model takes the global copy."""
-        reports = [dl._resolve(job, notify=False) for job in list(dl._inflight)]
-        with dl.state_lock:
-            for frag in dl.fragments:
-                frag.outer.copy_to(frag.model_params)
-                frag.start_from_global()
-                frag.forget_offset()  # the model is on the agreed trajectory now
-        for r in reports:  # reported once the model holds them (validation measures that model)
-            dl._notify(r)
-        return reports
 
     def landing(self, dl: "DiLoCo", t: int, due: Sequence[int]) -> Set[int]:
         return set(due)  # a fragment's previous round lands when it is sent again

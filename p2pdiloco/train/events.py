@@ -142,6 +142,12 @@ class Events:
         logger.info(f"[{self.me}] sync frag {rep.fragment} round {rep.round} {'ok' if rep.ok else 'FAILED'} "
                     f"group {rep.group_size} {rep.seconds:.2f}s val_loss {self.val:.4f} digest {rep.digest}")
 
+    def validated_at_end(self, val: float) -> None:
+        """The validation loss of the model at the end of training (the global model), when no sync
+        event measured it: the summary's ``val_loss_end`` and our progress record carry it."""
+        self.val = val
+        self.swarm.update_progress(val_loss=val)
+
     def summary(self, diloco: DiLoCo, run_dir: str) -> Dict[str, Any]:
         """The peer's summary, also written as the ``summary`` event."""
         node = self.node

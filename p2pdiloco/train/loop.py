@@ -123,10 +123,14 @@ def _keep_going(cfg: RunConfig, stop: list, diloco: DiLoCo, t_start: float) -> b
 
 
 def _finish(replica: Replica, machine: Machine, events: Events, run_dir: str) -> Dict[str, Any]:
-    """Syncs still in flight (streaming overlap) are waited for and applied, then kept: checkpoint,
-    summary event. Returns the summary."""
+    """Syncs still in flight (streaming overlap) are waited for and applied, and the model ends on the
+    global copies in every mode (:meth:`DiLoCo.finish`); then checkpoint and summary event, whose
+    ``val_loss_end`` measures that model. Returns the summary."""
     diloco = replica.diloco
-    diloco.finish()
+    if not any(r.ok for r in diloco.finish()):
+        # no sync applied at the end, so no sync event validated the model finish() left (with fragments
+        # the last validation saw local steps on the fragments synced before the last): measure it now
+        events.validated_at_end(replica.val_loss())
     # the model as finish() left it: every local worker ends with it
     machine.tell(False, diloco.lr_step, events.metrics, final=True)
     diloco.close()
