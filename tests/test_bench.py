@@ -105,6 +105,10 @@ def test_summarize_mode_on_fixture():
     assert m["utilization_per_peer"] == [pytest.approx(1 - 5 / 19.5, abs=1e-4), pytest.approx(1 - 7 / 19.5, abs=1e-4)]
     assert m["failed_syncs"] == 2
     assert m["val_loss_final"] == 3.0 and m["val_loss_final_spread"] == 0.0
+    # the final loss is the peers' val_loss_end (the global model after finish()), not the last sync's
+    ended = [evs[:-1] + [dict(evs[-1], val_loss_end=v)] for evs, v in zip(peers, (2.5, 2.7))]
+    m_end = summarize_mode(ended, samples, tokens_per_step=8 * 128, baseline=False)
+    assert m_end["val_loss_final"] == pytest.approx(2.6) and m_end["curve"][-1]["val_loss"] == 3.0
     baseline = summarize_mode(peers, samples, tokens_per_step=1024, baseline=True)
     assert baseline["counted_bytes_sent_per_peer"] is None   # hivemind counts nothing of its own
     # overlapped modes: the loop's own total of time blocked on the network wins over sync durations

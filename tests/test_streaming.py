@@ -1106,3 +1106,37 @@ def test_eager_offset_survives_a_checkpoint():
     assert d2.fragments[0].offset is None and d2.fragments[0].own_term is None and d2.num_fragments == 1
     for x in (d, d2, d3):
         x.close()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_checkpoint_after_finish_resumes_from_the_global_model(mode):
+    """A checkpoint written after finish() holds the global model and nothing unsent: the resumed peer
+    starts from the global copies (tau measures its next Δ_m against them, delay/eager restart their
+    phase there) and trains on bit for bit as the same peer going on without a restart."""
+    import copy
+
+    from p2pdiloco.train.replica import restore, snapshot
+
+    cfg = _mode_cfg(mode)
+    torch.set_num_threads(1)
+    model, opt, stream = _inner_setup(cfg, shard=0)
+    d = DiLoCo(model, cfg)
+    while d.outer_round() < 2:
+        d.after_inner_step(_inner_step(cfg, model, opt, stream, d.position))
+    d.finish()
+    ckpt = copy.deepcopy(snapshot(model, opt, d, stream))  # state_dict() holds the live tensors
+    model2, opt2, stream2 = _inner_setup(cfg, shard=0)
+    d2 = DiLoCo(model2, cfg)
+    restore(ckpt, model2, opt2, d2, stream2)
+    assert all(torch.equal(a, b) for f in d2.fragments for a, b in zip(f.model_params, f.outer.params))
+    assert d2.samples_since == [0, 0] and d2.steps_since == [0, 0]
+    ends = []
+    for dd, mm, oo, ss in ((d2, model2, opt2, stream2), (d, model, opt, stream)):
+        torch.set_rng_state(ckpt["torch_rng"])
+        while dd.outer_round() < 4:
+            dd.after_inner_step(_inner_step(cfg, mm, oo, ss, dd.position))
+        dd.finish()
+        dd.close()
+        ends.append((dd.digest(), [p.detach().clone() for p in mm.parameters()]))
+    assert ends[0][0] == ends[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(ends[0][1], ends[1][1]))

@@ -660,7 +660,10 @@ def summarize_mode(events_by_peer: List[List[Dict[str, Any]]], samples: List[Tup
         "tokens": int(sum(inner_steps) * tokens_per_step),
         "inner_steps_per_peer": inner_steps,
         "val_loss_start": val0,
-        "val_loss_final": curve[-1]["val_loss"],
+        # p2pdiloco peers: the model at the end is the global model in every mode (DiLoCo.finish), and
+        # val_loss_end measures it; the curve's last point is the last sync's, which with fragments saw
+        # local steps on the others when no sync landed at the end (tau = 0)
+        "val_loss_final": (sum(finals) / n if not baseline and len(finals) == n else curve[-1]["val_loss"]),
         "val_loss_final_per_peer": finals,
         "val_loss_final_spread": max(finals) - min(finals) if finals else None,
         "bytes_sent_per_peer": sum(sent) / n,
