@@ -269,3 +269,30 @@ def test_quality_bench_counts_relayed_replies():
     bf2.weights = [1.0] * 4
     bf2.fn(0)(_x(8192), "delta")
     assert bf2.payload[0] == int(3 / 4 * (c.encoded_size(8192) + 4 * c.encoded_size(8192)))
+
+
+def test_a_relayed_reply_is_checked_before_it_is_averaged():
+    """A member checks an owner's relayed reply: exact size for the parts it names, every relayed part
+    well formed, weights one per covered member adding up to the trailer's total."""
+    from p2pdiloco.swarm.allreduce_member import PartSender
+    from p2pdiloco.swarm.partition import relayed_mean
+    c = sparse_codec(256, 8, 2)
+    parts = [_x(512, seed=i) for i in range(3)]
+    data = b"".join(c.encode(p) for p in parts)
+    out = torch.zeros(512)
+    relayed_mean(c, data, [1.0, 2.0, 3.0], out, "QmOwner")
+    assert torch.equal(out, weighted_mean([c.roundtrip(p) for p in parts], [1.0, 2.0, 3.0]))
+    with pytest.raises(WireError, match="QmOwner"):
+        relayed_mean(c, data[:-1], [1.0, 2.0, 3.0], out, "QmOwner")  # one byte short
+    with pytest.raises(WireError, match="QmOwner"):
+        relayed_mean(c, data, [1.0, 2.0], out, "QmOwner")  # three parts, two weights
+    bad = bytearray(data)
+    bad[8:11] = b"\x00\x00\x00"  # the first part's first two positions equal
+    with pytest.raises(WireError, match="repeats"):
+        relayed_mean(c, bytes(bad), [1.0, 2.0, 3.0], out, "QmOwner")
+    ok = {"cov": [0, 1, 2], "ws": [1.0, 2.0, 3.0], "w": 6.0}
+    assert PartSender._relayed_weights(ok, "QmOwner") == [1.0, 2.0, 3.0]
+    for bad_reply in ({**ok, "w": 6.5}, {**ok, "ws": [1.0, 2.0]}, {**ok, "ws": [1.0, -2.0, 7.0]},
+                      {**ok, "ws": "x"}, {"cov": [0, 1, 2], "w": 6.0}):
+        with pytest.raises(WireError, match="QmOwner"):
+            PartSender._relayed_weights(bad_reply, "QmOwner")
