@@ -3,7 +3,7 @@
 # installs the carried wheels of .whl/ (bench/fetch_device_wheels.sh fills it) into /tmp/site ahead of
 # the image's packages (numpy < 2.4 for hivemind shadows the image's 2.5), checks the imports and
 # hivemind's p2p daemon, then runs python -m p2pdiloco.bench.gpu with its results under $OUT/gpu and
-# this script's log as $OUT/device_run.log. Extra arguments go to the benchmark (e.g. --parts ...).
+# this script's log as $OUT/device_run.log and the peers' logs as $OUT/work-logs.tgz. Extra arguments go to the benchmark (e.g. --parts ...).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_results/device}
@@ -33,4 +33,7 @@ PY
   echo "ip: $(command -v ip || echo missing) ($(ip -V 2>&1 | head -1)), tc: $(command -v tc || echo missing)"
   PYTHONUNBUFFERED=1 timeout 470 python3 -m p2pdiloco.bench.gpu --out "$OUT/gpu" --work /tmp/gpu-work "$@"
   echo "== exit $? at $(date -u +%FT%TZ)"
+  # the peers' logs and metrics (not the token cache): what explains a part that went wrong
+  (cd /tmp/gpu-work 2>/dev/null && find . -name '*.err' -o -name '*.out' -o -name '*.log' -o -name metrics.jsonl \
+     | tar czf "$OUT/work-logs.tgz" -T -) && ls -la "$OUT/work-logs.tgz"
 } 2>&1 | tee "$OUT/device_run.log"

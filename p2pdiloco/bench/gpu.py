@@ -65,7 +65,7 @@ _TINY = os.path.join(_REPO, "peers", "tiny-cpu.toml")
 #: per size: caps (s) and the settings of each part. The full caps add up to 420 s (7 minutes).
 SIZES: Dict[str, Dict[str, Any]] = {
     "full": {
-        "caps": {"prep": 40, "throughput": 115, "exactness": 50, "dp_gap": 95, "sync": 120},
+        "caps": {"prep": 40, "throughput": 190, "exactness": 45, "dp_gap": 95, "sync": 50},
         "vocab": 16384, "max_bytes": 16_000_000,
         "tp_model": dict(d_model=768, n_layers=16, n_heads=12, hf_kv_heads=12, hf_intermediate_size=2048, seq_len=1024),
         "tp_batch": 8, "tp_solo_steps": (3, 12), "tp_H": 20, "tp_outer": 2, "tp_max_seconds": 70, "codec_numel": None,
@@ -715,6 +715,19 @@ def _child(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_caps(text: str) -> Dict[str, float]:
+    caps: Dict[str, float] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, sec = item.partition("=")
+        try:
+            caps[name] = float(sec)
+        except ValueError:
+            raise ConfigError(f"--caps: expected PART=SECONDS, got {item!r}") from None
+        if name not in PARTS or caps[name] <= 0:
+            raise ConfigError(f"--caps: {item!r}: the part must be one of {', '.join(PARTS)} and the seconds > 0")
+    return caps
+
+
 def run_all(args: argparse.Namespace) -> Dict[str, Any]:
     size = SIZES["smoke" if args.smoke else "full"]
     os.makedirs(args.out, exist_ok=True)
@@ -723,9 +736,10 @@ def run_all(args: argparse.Namespace) -> Dict[str, Any]:
         "command": " ".join(["python -m p2pdiloco.bench.gpu", *args.argv]), "smoke": args.smoke,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "git": _git(),
         "device": _device_info(), "parts": {}}
+    caps = dict(size["caps"], **getattr(args, "caps", {}))
     for name in args.parts:
-        print(f"[gpu bench] {name}: cap {size['caps'][name]} s", flush=True)
-        results["parts"][name] = _run_part(name, args, size["caps"][name])
+        print(f"[gpu bench] {name}: cap {caps[name]:g} s", flush=True)
+        results["parts"][name] = _run_part(name, args, caps[name])
         print(f"[gpu bench] {name}: {results['parts'][name]['status']} in {results['parts'][name]['seconds']:.0f} s",
               flush=True)
         _write_json(os.path.join(args.out, "results.json"), results)
@@ -747,6 +761,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, in order (default {','.join(PARTS)})")
     ap.add_argument("--peers", type=int, default=None,
                     help="volunteers sharing the GPU in the throughput part, 2-4 (default 4; --smoke: 2)")
+    ap.add_argument("--caps", default="", help="seconds per part over the defaults, e.g. throughput=200,sync=60")
     ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # the child process of one part
     ap.add_argument("--cap", type=float, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -764,6 +779,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bad = [p for p in args.parts if p not in PARTS]
         if bad:
             raise ConfigError(f"--parts: unknown {', '.join(bad)}; known: {', '.join(PARTS)}")
+        args.caps = _parse_caps(args.caps)
         args.peers = args.peers or SIZES["smoke" if args.smoke else "full"]["peers"]
         if not 2 <= args.peers <= 4:
             raise ConfigError(f"--peers must be 2, 3 or 4, got {args.peers}")
