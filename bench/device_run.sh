@@ -31,7 +31,7 @@ PY
     command -v $t >/dev/null || { [ -x .whl/iproute2/bin/$t ] && export PATH=$PATH:$PWD/.whl/iproute2/bin; break; }
   done
   echo "ip: $(command -v ip || echo missing) ($(ip -V 2>&1 | head -1)), tc: $(command -v tc || echo missing)"
-  PYTHONUNBUFFERED=1 timeout 470 python3 -m p2pdiloco.bench.gpu --out "$OUT/gpu" --work /tmp/gpu-work "$@"
+  PYTHONUNBUFFERED=1 timeout 490 python3 -m p2pdiloco.bench.gpu --out "$OUT/gpu" --work /tmp/gpu-work "$@"
   echo "== exit $? at $(date -u +%FT%TZ)"
   # the peers' logs and metrics (not the token cache): what explains a part that went wrong
   (cd /tmp/gpu-work 2>/dev/null && find . -name '*.err' -o -name '*.out' -o -name '*.log' -o -name metrics.jsonl \

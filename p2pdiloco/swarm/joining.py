@@ -160,6 +160,10 @@ class JoinRequests:
             await asyncio.wait({fut, hung_up}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             hung_up.cancel()
+            # The cancelled read must unwind before this stream is read again (the link check below): a
+            # StreamReader serves one waiter at a time, and Python >= 3.12's wait_for reads in the calling
+            # task at once, without the scheduling step that used to let the cancellation land first.
+            await asyncio.gather(hung_up, return_exceptions=True)
         if not fut.done():
             if slot.joiners.get(sender) is fut:
                 del slot.joiners[sender]

@@ -1,0 +1,65 @@
+"""The group protocol under every asyncio this package supports (Python 3.11 to 3.13).
+
+Python 3.12 rewrote ``asyncio.wait_for`` on ``asyncio.timeout``: the awaited coroutine now runs in the
+calling task at once instead of in a new task one scheduling step later. Code that cancels a task
+reading a stream and reads the stream itself right after worked on 3.11 only by that step: on 3.12 the
+read raises "readexactly() called while another coroutine is already waiting". The join handler did
+exactly this before the link check, so on 3.12 every joiner failed its leader's link check and every
+group with a joiner fell apart (seen on a 3.12 machine: each round synced by the leader alone). Here the
+3.12 ``wait_for`` runs on whatever Python runs the tests, and groups must still form whole.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from p2pdiloco.swarm.matchmaking import Matchmaker
+from p2pdiloco.swarm.node import SwarmNode
+
+LOOP = ["/ip4/127.0.0.1/tcp/0"]
+
+
+@pytest.fixture
+def wait_for_312(monkeypatch):
+    """``asyncio.wait_for`` as Python >= 3.12 has it (the awaited coroutine runs in the calling task);
+    counts its calls so the test can show the code under test went through it."""
+    calls = {"n": 0}
+    if sys.version_info >= (3, 12):
+        real = asyncio.wait_for
+
+        async def counted(fut, timeout):
+            calls["n"] += 1
+            return await real(fut, timeout)
+    else:
+        async def counted(fut, timeout):
+            calls["n"] += 1
+            if timeout is not None and timeout <= 0:
+                fut = asyncio.ensure_future(fut)
+                if fut.done():
+                    return fut.result()
+                fut.cancel()
+                raise asyncio.TimeoutError()
+            async with asyncio.timeout(timeout):
+                return await fut
+    monkeypatch.setattr(asyncio, "wait_for", counted)
+    return calls
+
+
+@pytest.mark.timeout(120)
+def test_groups_form_whole_with_python_312s_wait_for(wait_for_312):
+    first = SwarmNode([], host_maddrs=LOOP)
+    nodes = [first] + [SwarmNode(first.visible_maddrs(), host_maddrs=LOOP) for _ in range(2)]
+    try:
+        mms = [Matchmaker(n, "py312", matchmaking_timeout=20) for n in nodes]
+        for rnd in (1, 2):  # two rounds: the second one on links the first one warmed
+            before = wait_for_312["n"]
+            futs = [n.submit(m.form_group(0, rnd, 3)) for n, m in zip(nodes, mms)]
+            groups = [f.result(60) for f in futs]
+            assert len({(g.gid, g.members) for g in groups}) == 1, groups
+            assert sorted(groups[0].members) == sorted(n.peer_id_str for n in nodes), groups[0].members
+            assert wait_for_312["n"] > before  # the link check went through the 3.12 wait_for
+    finally:
+        for n in nodes:
+            n.shutdown()
