@@ -9,7 +9,7 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-$(shell cat setup.cfg constraints.txt pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup demo test test-slow bench deps lint clean
+.PHONY: setup demo test test-slow test-gpu bench deps lint clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,9 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow
+
+test-gpu: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m gpu tests/test_gpu.py
 
 deps:
 	$(PYTHON) -m p2pdiloco.layers

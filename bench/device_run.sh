@@ -4,6 +4,7 @@
 # the image's packages (numpy < 2.4 for hivemind shadows the image's 2.5), checks the imports and
 # hivemind's p2p daemon, then runs python -m p2pdiloco.bench.gpu with its results under $OUT/gpu and
 # this script's log as $OUT/device_run.log and the peers' logs as $OUT/work-logs.tgz. Extra arguments go to the benchmark (e.g. --parts ...).
+# With --tests first, it runs the CUDA tests (pytest -m gpu tests/test_gpu.py; further arguments to pytest) instead.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_results/device}
@@ -31,6 +32,12 @@ PY
     command -v $t >/dev/null || { [ -x .whl/iproute2/bin/$t ] && export PATH=$PATH:$PWD/.whl/iproute2/bin; break; }
   done
   echo "ip: $(command -v ip || echo missing) ($(ip -V 2>&1 | head -1)), tc: $(command -v tc || echo missing)"
+  if [ "${1:-}" = "--tests" ]; then  # the CUDA tests (tests/test_gpu.py) instead of the benchmark
+    shift
+    PYTHONUNBUFFERED=1 timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py --durations=0 "$@"
+    echo "== pytest exit $? at $(date -u +%FT%TZ)"
+    exit 0
+  fi
   PYTHONUNBUFFERED=1 timeout 490 python3 -m p2pdiloco.bench.gpu --out "$OUT/gpu" --work /tmp/gpu-work "$@"
   echo "== exit $? at $(date -u +%FT%TZ)"
   # the peers' logs and metrics (not the token cache): what explains a part that went wrong
