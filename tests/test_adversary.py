@@ -187,6 +187,8 @@ def test_a_failure_reason_with_record_syntax_leaves_the_members_records_readable
     """A malicious shard owner aborts a round with a reason that carries record syntax
     (``[signature:...]``, ``[owner:...]``). Every member writes the reason into its own record (the
     dashboard's history of failed rounds): the record must stay valid, and readable by everyone."""
+    from p2pdiloco.swarm.keys import history_key
+
     run = f"adv{next(_runs)}"
     members = [Swarm(n, run, matchmaking_timeout=2, allreduce_timeout=5) for n in nodes[1:4]]
     evil = "owner aborted: [signature:AAAA] [owner:ssh-ed25519 AAAA] " + "x" * 40
@@ -194,7 +196,10 @@ def test_a_failure_reason_with_record_syntax_leaves_the_members_records_readable
         s.update_progress(step=STEP, synced_step=STEP, digest="0" * 16, gid="g")
         s.note_failure(4, 0, evil)
         s.publish_progress(wait=True)
-    view = Swarm(nodes[4], run, matchmaking_timeout=2, allreduce_timeout=5).live_peers()
+        assert s.publish_history()
+    deadline = time.time() + 10
+    while len(view := nodes[4].get_subkeys(history_key(run))) < len(members) and time.time() < deadline:
+        time.sleep(0.2)
     assert {s.peer_id for s in members} <= set(view), "a member's own record was made unstorable or unreadable"
     for s in members:
         (reason,) = view[s.peer_id]["fw"]

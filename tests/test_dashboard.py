@@ -54,17 +54,19 @@ from p2pdiloco.swarm.node import SwarmNode
 addr, run, payload = sys.argv[1:4]
 node = SwarmNode([addr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], bootstrap_timeout=30, client_mode=True)
 print(node.peer_id_str, flush=True)
-record = {"reach": "public", "lw": 3, "fr": [3], "ff": [0], "ft": [time.time()], "fw": [payload],
-          "round": None, "vr": [2**53, 2**53 + 2], "vl": [1.0, 1.0000000000000002]}  # valid, at the schema's edges
+record = {"reach": "public", "lw": 3, "round": None}
+history = {"fr": [3], "ff": [0], "ft": [time.time()], "fw": [payload],
+           "vr": [2**53, 2**53 + 2], "vl": [1.0, 1.0000000000000002]}  # valid, at the schema's edges
 while True:  # killed by the test's teardown
     node.store(f"{run}:progress", dict(record, t=time.time()), ttl=8, subkey=node.peer_id_str)
+    node.store(f"{run}:history", dict(history, t=time.time()), ttl=8, subkey=node.peer_id_str)
     time.sleep(1.5)
 """
 
 
 # ---- the records' history fields and the view, without a network --------------------------------------
 def test_history_fields_are_small_and_readable_by_older_peers():
-    rec: Dict[str, Any] = {"step": 30, "round": 3}
+    rec: Dict[str, Any] = {}
     for step in range(40):
         records.note_val_loss(rec, step, 5.0 - step / 10)
     records.note_val_loss(rec, 39, 1.0)  # a later measurement of the same outer step replaces it
@@ -74,15 +76,46 @@ def test_history_fields_are_small_and_readable_by_older_peers():
     assert rec["vr"] == list(range(24, 40)) and rec["vl"][-1] == 1.0 and len(rec["vl"]) == records.VAL_HISTORY
     assert rec["fr"] == [2, 3, 4, 5] and rec["ft"] == [102.0, 103.0, 104.0, 105.0]
     assert len(rec["fw"][-1]) == records.FAIL_REASON_CHARS and rec["fw"][0] == "reason 2"
-    assert records._check_data("progress", rec) is None
-    assert records._check_data("progress", {"step": 1}) is None  # the old fields alone still do
+    assert records._check_data("history", rec) is None
+    assert records._check_data("history", {}) is None
     # a peer of the previous version checks unknown fields only as "small scalars or short lists"
     assert records.GenericRecord.parse_obj(rec)
     import msgpack
     assert len(msgpack.packb(rec)) < 600
     too_long = dict(rec, vr=list(range(17)), vl=[1.0] * 17)
-    assert "vr" in records._check_data("progress", too_long)
-    assert "fw" in records._check_data("progress", dict(rec, fw=["<b>"] * 3 + ["y" * 161]))
+    assert "vr" in records._check_data("history", too_long)
+    assert "fw" in records._check_data("history", dict(rec, fw=["<b>"] * 3 + ["y" * 161]))
+
+
+def test_the_view_takes_each_peers_history_from_its_history_record():
+    """Losses and failures come from ``<run>:history``, joined to the live peers' progress records: a
+    history without a live progress record shows nothing, and a failed history read costs nothing
+    else."""
+    clock = [1000.0]
+    view = SwarmView("r", period=2.0, clock=lambda: clock[0])
+    progress = {"A": {"t": 1000.0, "samples": 0, "sent": 0, "recv": 0, "round": 1, "val_loss": 4.0},
+                "B": {"t": 1000.0, "samples": 0, "sent": 0, "recv": 0, "round": 1, "val_loss": 4.2}}
+    history = {"A": {"vr": [0, 1], "vl": [5.5, 4.0], "fr": [1], "ff": [2], "ft": [999.0], "fw": ["owner left"],
+                     "t": 5.0},
+               "C": {"vr": [7], "vl": [1.0]}}  # C has no live progress record: not shown
+    reads = {"history": 0}
+
+    def read_history():
+        reads["history"] += 1
+        if reads["history"] == 2:
+            raise ConnectionError("DHT down for a moment")
+        return history
+
+    view.attach(lambda: progress, None, read_history)
+    view.refresh()
+    doc = view.document()
+    assert doc["val_loss"] == {"A": [[0, 5.5], [1, 4.0]], "B": [[1, 4.2]]}, doc["val_loss"]
+    assert [(f["peer"], f["outer_step"], f["reason"]) for f in doc["failures"]] == [("A", 1, "owner left")]
+    assert set(doc["peers"]) == {"A", "B"} and doc["peers"]["A"] == progress["A"]  # shown: the progress record
+    clock[0] += 2.0
+    view.refresh()  # the history read fails: the progress read still counts, what was shown stays
+    doc = view.document()
+    assert doc["dht"]["ok"] and doc["val_loss"]["A"] == [[0, 5.5], [1, 4.0]] and reads["history"] == 2
 
 
 def test_local_workers_of_a_record():

@@ -9,6 +9,7 @@ from p2pdiloco.swarm import keys
 
 def test_keys_are_the_wire_formats():
     assert keys.progress_key("r1") == "r1:progress"
+    assert keys.history_key("r1") == "r1:history"
     assert keys.fingerprint_key("r1") == "r1:fingerprint"
     assert keys.ready_key("r1", 2, 17) == "r1:mm:2:17"
     assert keys.group_key("r1", 0, 5) == "r1:group:0:5"
@@ -16,7 +17,8 @@ def test_keys_are_the_wire_formats():
 
 
 def test_every_key_parses_back_to_its_record_kind():
-    made = {"progress": keys.progress_key("a-run"), "fingerprint": keys.fingerprint_key("a-run"),
+    made = {"progress": keys.progress_key("a-run"), "history": keys.history_key("a-run"),
+            "fingerprint": keys.fingerprint_key("a-run"),
             "ready": keys.ready_key("a-run", 1, 9), "group": keys.group_key("a-run", 3, 4)}
     for kind, key in made.items():
         assert keys.kind_of(key) == kind

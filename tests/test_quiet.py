@@ -80,6 +80,38 @@ def test_background_reads_are_local_and_complete(nodes):
 
 
 @pytest.mark.timeout(120)
+def test_the_history_is_a_record_of_its_own(nodes):
+    """Recent losses and failed rounds go to ``<run>:history``, stored when they change and not before
+    it would expire; the progress record, which matchmaking reads at every poll, stays without them."""
+    from p2pdiloco.swarm.keys import history_key
+
+    peers, client = nodes[1:4], nodes[4]
+    run = f"quiethist{next(_runs)}"
+    swarm = Swarm(peers[0], run, matchmaking_timeout=2, allreduce_timeout=5, progress_period=1.0)
+    swarm.check_fingerprint("fp", {"a": 1})
+    assert not swarm.publish_history()  # nothing to say yet
+    for step in range(20):
+        swarm.note_val_loss(step, 5.0 - step / 10)
+    swarm.note_failure(19, 2, "owner left")
+    swarm.update_progress(step=200, val_loss=3.1)
+    swarm.publish_progress(wait=True)
+    assert swarm.publish_history()
+    assert not swarm.publish_history()  # unchanged and fresh: not stored again
+    deadline = time.time() + 10
+    while not (hist := client.get_subkeys(history_key(run))) and time.time() < deadline:
+        time.sleep(0.2)
+    mine = hist[peers[0].peer_id_str]
+    assert mine["vr"] == list(range(4, 20)) and mine["fw"] == ["owner left"] and mine["ff"] == [2]
+    progress = client.get_subkeys(f"{run}:progress")[peers[0].peer_id_str]
+    assert progress["step"] == 200 and not {"vr", "vl", "fr", "ff", "ft", "fw"} & set(progress), progress
+    swarm.note_val_loss(20, 2.9)  # a change is stored at the next publish
+    assert swarm.publish_history()
+    swarm._history_stored -= swarm.history_lifetime / 2  # half its lifetime later: stored again
+    assert swarm.publish_history()
+    swarm.shutdown()
+
+
+@pytest.mark.timeout(120)
 def test_a_peer_waiting_for_its_group_backs_off_its_polls(nodes):
     """A peer waiting for a late one polls the round's records less and less often (each poll asks
     several nodes for every signed record of the round: at a steady 0.1 s that was ~100 KB per sync
@@ -140,10 +172,10 @@ if maddr == "-":
 swarm = Swarm(node, run, matchmaking_timeout=5, allreduce_timeout=5, progress_period=period)
 swarm.check_fingerprint("fp", {"model.n_layers": 2, "inner.sync_every": 50})
 step = 0
-# a record of the usual size: counters, speeds, losses, digest, a history of 16 validation losses
+# a record of the usual size: counters, speeds, losses, digest (the history is a record of its own)
 fields = dict(round=7, next_sync=10**6, synced_step=350, sent=123456789, recv=123456789, sps=1.2345678,
               rate=9.8765432, share=0.25, loss=3.2123456, val_loss=3.2512345, last_sync=time.time(),
-              digest="ccee96861844e352", gid="0123456789abcdef", vr=list(range(16)), vl=[3.1 + i / 97 for i in range(16)])
+              digest="ccee96861844e352", gid="0123456789abcdef")
 swarm.update_progress(step=step, samples=0, **fields)
 swarm.publish_progress(wait=True)
 swarm.start_publishing()

@@ -75,7 +75,7 @@ def test_rsa_records_are_the_bytes_hivemind_signs_and_checks():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_failure_reason_with_record_syntax_leaves_our_record_valid_and_readable(kind):
-    """An owner's abort reason lands in every member's own progress record (``fw``). Whatever it says,
+    """An owner's abort reason lands in every member's own history record (``fw``). Whatever it says,
     the member's record stays valid on every node and readable: no record syntax of the owner's gets
     into it, and its length is bounded. (The validators run as a DHT node runs them.)"""
     from hivemind.dht.routing import DHTID
@@ -87,16 +87,16 @@ def test_a_failure_reason_with_record_syntax_leaves_our_record_valid_and_readabl
 
     evil = ("owner Qm1234 aborted the round: [signature:x] [owner:ssh-ed25519 AAAA] [signature:"
             + "B" * 88 + "]\x00\n" + "z" * 1000)
-    member = types.SimpleNamespace(_progress={"step": 5}, _progress_lock=threading.Lock())
+    member = types.SimpleNamespace(_history={}, _progress_lock=threading.Lock())
     Swarm.note_failure(member, 3, 0, evil)  # what train/events.py does with a failed round's reason
-    reason = member._progress["fw"][-1]
+    reason = member._history["fw"][-1]
     assert "[" not in reason and "]" not in reason and len(reason) <= records.FAIL_REASON_CHARS, reason
     assert reason.startswith("owner Qm1234 aborted the round: (signature:x)"), reason
 
     book = records.RecordBook(_KEYS[kind][0])
-    key = "run:progress"
+    key = "run:history"
     record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(book.owner_subkey),
-                       MSGPackSerializer.dumps(book.encode(key, member._progress)), 1e9)
+                       MSGPackSerializer.dumps(book.encode(key, member._history)), 1e9)
     record = dataclasses.replace(record, value=book.signer.sign_value(record))
     reader = OwnerSignatures(_KEYS[kind][1])  # another node
     assert CompositeValidator([reader, records.RecordSchema()]).validate(record)

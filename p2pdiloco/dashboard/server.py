@@ -39,7 +39,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import UserError
-from ..swarm.keys import fingerprint_key, progress_key
+from ..swarm.keys import fingerprint_key, history_key, progress_key
 from .view import SwarmView
 
 __all__ = ["Dashboard", "serve_for_node", "run_dashboard"]
@@ -357,7 +357,8 @@ class Dashboard:
 
 def _attach_node(view: SwarmView, node: Any) -> None:
     view.attach(lambda: node.get_subkeys(progress_key(view.run_id)),
-                lambda: node.get_subkeys(fingerprint_key(view.run_id)))
+                lambda: node.get_subkeys(fingerprint_key(view.run_id)),
+                lambda: node.get_subkeys(history_key(view.run_id)))
 
 
 def serve_for_node(node: Any, run_id: str, *, host: str, port: int, period: float = 2.0) -> Dashboard:

@@ -1,10 +1,11 @@
 """What the dashboard shows, built from successive reads of the run's progress records.
 
 The dashboard is just another DHT reader: every ``period`` seconds it reads ``<run>:progress`` (the
-same read as ``p2pdiloco status``) and the run's fingerprint (for the sequence length). What a
-single read cannot say, it accumulates here, in memory and bounded:
+same read as ``p2pdiloco status``), ``<run>:history`` (each peer's recent losses and failed rounds,
+kept out of the progress records that matchmaking reads) and the run's fingerprint (for the sequence
+length). What a single read cannot say, it accumulates here, in memory and bounded:
 
-* validation loss per outer step, per peer: from each record's short history (``vr``/``vl``,
+* validation loss per outer step, per peer: from each peer's short history (``vr``/``vl``,
   records.py) plus what earlier reads showed, so the plot reaches back before the dashboard started
   and keeps a peer's points after it left;
 * swarm-wide tokens/s and bytes/s over time: each peer's rate over its records of the last 10 s
@@ -72,6 +73,16 @@ def local_workers(v: Dict[str, Any]) -> int:
     ``status`` counts them: 1 for a record without a valid ``lw`` (an older peer, a stranger's junk)."""
     lw = v.get("lw")
     return lw if isinstance(lw, int) and not isinstance(lw, bool) and 0 < lw <= 4096 else 1
+
+
+def with_history(records: Dict[str, Dict[str, Any]], history: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Each peer's progress record with its history record's fields (``vr``/``vl``, ``fr``/``ff``/``ft``/
+    ``fw``) added; the progress record's own fields win (both have a time ``t``)."""
+    return {pid: {**_history_fields(history.get(pid)), **v} for pid, v in records.items()}
+
+
+def _history_fields(h: Any) -> Dict[str, Any]:
+    return {k: h[k] for k in ("vr", "vl", "fr", "ff", "ft", "fw") if k in h} if isinstance(h, dict) else {}
 
 
 def _num(v: Any) -> Optional[float]:
@@ -160,6 +171,7 @@ class SwarmView:
         self.period = period
         self._read_progress: Optional[Callable[[], Dict[str, Dict[str, Any]]]] = None
         self._read_fingerprint: Optional[Callable[[], Dict[str, Dict[str, Any]]]] = None
+        self._read_history: Optional[Callable[[], Dict[str, Dict[str, Any]]]] = None
         self._clock = clock
         self._lock = threading.Lock()
         self._peers: Dict[str, Dict[str, Any]] = {}          # the listed live peers' records, as shown
@@ -185,10 +197,13 @@ class SwarmView:
 
     # ---- reading --------------------------------------------------------------------------------------
     def attach(self, read_progress: Callable[[], Dict[str, Dict[str, Any]]],
-               read_fingerprint: Optional[Callable[[], Dict[str, Dict[str, Any]]]] = None) -> None:
+               read_fingerprint: Optional[Callable[[], Dict[str, Dict[str, Any]]]] = None,
+               read_history: Optional[Callable[[], Dict[str, Dict[str, Any]]]] = None) -> None:
         """Where to read: ``read_progress`` returns ``{peer id: record}`` of ``<run>:progress`` (may
-        raise); ``read_fingerprint`` the claims under ``<run>:fingerprint`` (for ``model.seq_len``)."""
+        raise); ``read_fingerprint`` the claims under ``<run>:fingerprint`` (for ``model.seq_len``);
+        ``read_history`` the records under ``<run>:history``, folded into the live peers' records."""
         self._read_progress, self._read_fingerprint = read_progress, read_fingerprint
+        self._read_history = read_history
 
     def refresh(self) -> None:
         """One read of the run's records, folded into the view, and the document built for it. A
@@ -215,14 +230,26 @@ class SwarmView:
                 seq_len = None
         with self._lock:
             self._seq_len = seq_len
-            self.fold(records, now)
+            self.fold(records, now, self._history())
             self._reads += 1
             self._last_read = now
             self._error = None
         self.document_bytes()
 
-    def fold(self, records: Dict[str, Dict[str, Any]], now: float) -> None:
-        """Fold one read (``{peer id: record}``, live peers only) into the history (lock held or unshared).
+    def _history(self) -> Dict[str, Dict[str, Any]]:
+        if self._read_history is None:
+            return {}
+        try:
+            return self._read_history()
+        except Exception:  # the losses and failures shown so far stay; the next read may find them
+            return {}
+
+    def fold(self, records: Dict[str, Dict[str, Any]], now: float,
+             history: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
+        """Fold one read (``{peer id: record}``, live peers only, and ``history``: their history records)
+        into the view's memory (lock held or unshared). A peer is shown with its progress record; its
+        losses and failures come from its history record (a progress record's own ``vr``/``vl``/``fr``...
+        when it has none: the view's unit tests give them so).
 
         At most MAX_PEERS peers are listed: those listed longest (a flood of new identities does not
         push out the peers already shown), then by peer id."""
@@ -237,9 +264,10 @@ class SwarmView:
                 self._omitted[pid] = len(omitted)
             self._first.setdefault(pid, now)
             self._seen[pid] = now
-            self._fold_val(pid, v)
+            full = with_history({pid: v}, history or {})[pid]
+            self._fold_val(pid, full)
             self._fold_rate(pid, v, now)
-            self._fold_failures(pid, v)
+            self._fold_failures(pid, full)
         self._bound_val()
         self._forget(now)
         fresh = [r for pid, r in self._rate.items()

@@ -5,6 +5,7 @@ DHT keys (values: signed msgpack maps, :mod:`.records`; the subkey is the writer
 
     <run>:fingerprint              {fp, fields, since}   the configuration every peer must share
     <run>:progress  [peer id]      {step, round, next_sync, ...}   refreshed every progress_period
+    <run>:history  [peer id]       {vr, vl, fr, ff, ft, fw}   recent losses and failed rounds (dashboard)
     <run>:mm:<frag>:<round>  [peer id]    {t, reach[, via]}   ready for that round (matchmaking)
     <run>:group:<frag>:<round>  [leader id]  {members, base}  the one group of that round
 
@@ -13,16 +14,22 @@ Stream protocols (libp2p handlers) are ``p2pdiloco.<run>.<name>``: ``join`` (mat
 """
 from __future__ import annotations
 
-__all__ = ["progress_key", "fingerprint_key", "ready_key", "group_key", "kind_of", "handler_name",
+__all__ = ["progress_key", "history_key", "fingerprint_key", "ready_key", "group_key", "kind_of", "handler_name",
            "RECORD_KINDS"]
 
 #: the record kinds :func:`kind_of` names (each has a schema in :mod:`.records`)
-RECORD_KINDS = ("progress", "fingerprint", "ready", "group", "generic")
+RECORD_KINDS = ("progress", "history", "fingerprint", "ready", "group", "generic")
 
 
 def progress_key(run_id: str) -> str:
     """Every live peer's progress record (subkey: its peer id)."""
     return f"{run_id}:progress"
+
+
+def history_key(run_id: str) -> str:
+    """Every peer's recent validation losses and failed rounds (subkey: its peer id): read by dashboards
+    only, so the progress records that matchmaking reads again and again stay small."""
+    return f"{run_id}:history"
 
 
 def fingerprint_key(run_id: str) -> str:
@@ -45,6 +52,8 @@ def kind_of(key: str) -> str:
     this module is ``generic``)."""
     if key.endswith(":progress"):
         return "progress"
+    if key.endswith(":history"):
+        return "history"
     if key.endswith(":fingerprint"):
         return "fingerprint"
     if ":mm:" in key:

@@ -106,9 +106,9 @@ class _Open(BaseModel):
         return _check_extras(cls, values)
 
 
-#: how many outer steps' validation losses a progress record carries (``vr``/``vl``)
+#: how many outer steps' validation losses a history record carries (``vr``/``vl``)
 VAL_HISTORY = 16
-#: how many failed rounds a progress record carries (``fr``/``ff``/``ft``/``fw``), and reason length
+#: how many failed rounds a history record carries (``fr``/``ff``/``ft``/``fw``), and reason length
 FAIL_HISTORY = 4
 FAIL_REASON_CHARS = 160
 
@@ -140,8 +140,14 @@ class ProgressRecord(_Open):
     gone: Optional[StrictBool] = None
     #: can others dial this peer (swarm/reachability.py): public, private or relayed
     reach: Optional[constr(strict=True, regex=r"^(public|private|relayed)$")] = None
-    # -- a short history for the dashboard (p2pdiloco/dashboard), filled by note_val_loss and
-    # note_failure below: a dashboard started mid-run still shows the recent past. Oldest first, equal lengths.
+
+
+class HistoryRecord(_Open):
+    """``<run>:history`` (one per peer, stored when it changes and before it would expire): the recent
+    past a dashboard started mid-run shows, kept out of the progress record that every peer reads at
+    every matchmaking poll. Filled by :func:`note_val_loss` and :func:`note_failure`; oldest first,
+    equal lengths."""
+
     #: the last VAL_HISTORY outer steps at which this peer measured a validation loss, and those losses
     vr: Optional[conlist(Count, max_items=VAL_HISTORY)] = None
     vl: Optional[conlist(Number, max_items=VAL_HISTORY)] = None
@@ -150,6 +156,7 @@ class ProgressRecord(_Open):
     ff: Optional[conlist(Count, max_items=FAIL_HISTORY)] = None
     ft: Optional[conlist(Number, max_items=FAIL_HISTORY)] = None
     fw: Optional[conlist(constr(strict=True, max_length=FAIL_REASON_CHARS), max_items=FAIL_HISTORY)] = None
+    t: Optional[Number] = None
 
 
 class ReadyRecord(_Open):
@@ -197,6 +204,7 @@ class GenericRecord(_Open):
 
 SCHEMAS: Dict[str, Type[BaseModel]] = {
     "progress": ProgressRecord,
+    "history": HistoryRecord,
     "ready": ReadyRecord,
     "group": GroupRecord,
     "fingerprint": FingerprintRecord,
@@ -417,23 +425,23 @@ def run_fingerprint(claims: Dict[str, Dict[str, Any]], mine: Dict[str, Any],
     return next(v for v in counted.values() if v.get("fp") == best)
 
 
-def note_val_loss(progress: Dict[str, Any], outer_step: int, val_loss: float) -> None:
-    """Add (outer step, validation loss) to a progress record's ``vr``/``vl`` (in place); a later value
+def note_val_loss(history: Dict[str, Any], outer_step: int, val_loss: float) -> None:
+    """Add (outer step, validation loss) to a history record's ``vr``/``vl`` (in place); a later value
     for the same outer step replaces the earlier one; only the last VAL_HISTORY steps are kept; a
-    non-finite loss is left out (the record's ``val_loss`` still shows it)."""
+    non-finite loss is left out (the progress record's ``val_loss`` still shows it)."""
     if not isinstance(val_loss, (int, float)) or not math.isfinite(val_loss):
         return
-    steps, losses = list(progress.get("vr") or []), list(progress.get("vl") or [])
+    steps, losses = list(history.get("vr") or []), list(history.get("vl") or [])
     if steps and steps[-1] == outer_step:
         del steps[-1], losses[-1]
     steps.append(int(outer_step))
     losses.append(float(val_loss))
-    progress["vr"], progress["vl"] = steps[-VAL_HISTORY:], losses[-VAL_HISTORY:]
+    history["vr"], history["vl"] = steps[-VAL_HISTORY:], losses[-VAL_HISTORY:]
 
 
-def note_failure(progress: Dict[str, Any], outer_step: int, fragment: int, reason: str,
+def note_failure(history: Dict[str, Any], outer_step: int, fragment: int, reason: str,
                  when: Optional[float] = None) -> None:
-    """Add a failed round to a progress record's ``fr``/``ff``/``ft``/``fw`` (in place), keeping the
+    """Add a failed round to a history record's ``fr``/``ff``/``ft``/``fw`` (in place), keeping the
     last FAIL_HISTORY; the reason is cut to FAIL_REASON_CHARS characters."""
     reason = " ".join(str(reason or "unknown").split())
     if len(reason) > FAIL_REASON_CHARS:
@@ -441,7 +449,7 @@ def note_failure(progress: Dict[str, Any], outer_step: int, fragment: int, reaso
     new = {"fr": int(outer_step), "ff": int(fragment), "ft": float(time.time() if when is None else when),
            "fw": reason}
     for k, v in new.items():
-        progress[k] = (list(progress.get(k) or []) + [v])[-FAIL_HISTORY:]
+        history[k] = (list(history.get(k) or []) + [v])[-FAIL_HISTORY:]
 
 
 def _dht_time() -> float:

@@ -29,7 +29,7 @@ from ..compression.robust import RobustConfig
 from ..errors import FingerprintMismatch
 from .allreduce import AllReducer
 from .group import Coverage, Group
-from .keys import fingerprint_key, progress_key
+from .keys import fingerprint_key, history_key, progress_key
 from .matchmaking import Matchmaker
 from .node import SwarmNode
 from .timeouts import Timeouts, allreduce_bytes
@@ -50,6 +50,8 @@ LOOKUP_PERIOD = 120.0
 LOCAL_READ_PERIOD = 2.0
 #: progress-record stores allowed in flight at once (each can take seconds: see Swarm.publish_progress)
 MAX_STORES_IN_FLIGHT = 4
+#: a history record lives this many progress records' lifetimes (Swarm.history_lifetime)
+HISTORY_LIFETIMES = 10
 
 
 class Swarm:
@@ -78,6 +80,11 @@ class Swarm:
         self._in_flight: Set[concurrent.futures.Future] = set()  # progress stores not finished yet
         self._reached: List[Tuple[float, int]] = []  # (when, how many nodes took it) of recent progress stores
         self._dirty = False  # a publish was put off because too many stores were in flight
+        #: our history record (records.HistoryRecord), kept apart from the progress record that every
+        #: peer reads at every matchmaking poll; stored by the publisher when it changed or ages
+        self._history: Dict[str, Any] = {}
+        self._history_changed = False
+        self._history_stored = -float("inf")  # monotonic time of our last history store
         #: other peers' fingerprint records were found when we joined: the run exists (or did, within FINGERPRINT_TTL)
         self.run_existed = False
         self._claimed_since: List[Any] = []  # when each of those claims was first made (their ``since``)
@@ -198,17 +205,45 @@ class Swarm:
         with self._progress_lock:
             self._progress.update(fields)
 
-    # the dashboard's history: the last validation losses and failed rounds, in our own record
+    # the dashboard's history: the last validation losses and failed rounds, in our history record
     def note_val_loss(self, outer_step: int, val_loss: float) -> None:
         with self._progress_lock:
-            records.note_val_loss(self._progress, outer_step, val_loss)
+            records.note_val_loss(self._history, outer_step, val_loss)
+            self._history_changed = True
 
     def note_failure(self, outer_step: int, fragment: int, reason: str) -> None:
         # the reason often quotes another peer (an owner's abort reason): no record syntax of theirs
         # may reach our own record, whose signature every node checks
         reason = plain_text(reason, records.FAIL_REASON_CHARS)
         with self._progress_lock:
-            records.note_failure(self._progress, outer_step, fragment, reason)
+            records.note_failure(self._history, outer_step, fragment, reason)
+            self._history_changed = True
+
+    def own_history(self) -> Dict[str, Any]:
+        """A copy of our history record as last updated (not necessarily published yet)."""
+        with self._progress_lock:
+            return dict(self._history)
+
+    @property
+    def history_lifetime(self) -> float:
+        """Seconds a history record lives: HISTORY_LIFETIMES progress records' lifetimes. A dashboard
+        shows a peer's history only beside its live progress record, so an old one outliving its peer
+        shows nothing; living long, it is re-stored rarely when nothing changes (an idle peer)."""
+        return HISTORY_LIFETIMES * self.record_lifetime
+
+    def publish_history(self) -> bool:
+        """Store our history record when it changed since the last store, or when that store is half
+        its lifetime old (a dashboard started later still finds it); in the background, by the
+        periodic publisher (at most once per progress period). True when a store was started."""
+        now = time.monotonic()
+        with self._progress_lock:
+            due = self._history_changed or now - self._history_stored >= self.history_lifetime / 2
+            if not self._history or not due:
+                return False
+            value = dict(self._history, t=time.time())
+            self._history_changed, self._history_stored = False, now
+        self.node.submit(self.node.astore_near(history_key(self.run_id), value, ttl=self.history_lifetime))
+        return True
 
     def own_progress(self) -> Dict[str, Any]:
         """A copy of our progress record as last updated (not necessarily published yet)."""
@@ -284,7 +319,9 @@ class Swarm:
                                      f"{[n for _, n in self._reached]} nodes lately)")
                         next_lookup = time.monotonic() + LOOKUP_PERIOD
                         lookup = self.node.lookup_near(progress_key(self.run_id))
+                        self.node.lookup_near(history_key(self.run_id))  # where publish_history stores
                     self.publish_progress()
+                    self.publish_history()
                     self._refresh_fingerprint()
                 except Exception as e:  # the DHT may be shutting down
                     logger.debug(f"progress publish failed: {e}")
