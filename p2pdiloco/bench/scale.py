@@ -1,0 +1,298 @@
+"""Control traffic and connections against the swarm's size: N volunteers on one machine.
+
+    python -m p2pdiloco.bench.scale --peers 4,8,24 --outer-steps 3 --out runs/scale
+
+For each N: a bootstrap peer and N volunteers of ``--config`` (the real ``p2pdiloco join`` command,
+each in its own process group, one torch thread each) train on 127.0.0.1 for ``--outer-steps``
+outer steps, each keeping a ledger of its DHT calls (``P2PDILOCO_DHT_LEDGER=1``,
+:mod:`p2pdiloco.swarm.ledger`). Per peer and successful fragment sync, means over peers:
+
+* DHT bytes by record kind (``progress``, ``history``, ``ready``, ``group``, ``fingerprint``, ``node``
+  for lookups), requests and responses together, protobuf sizes (without stream framing and TCP/IP);
+* all-reduce bytes sent (payload and framing: the sync events' ``sync_bytes_sent``);
+* group formation (``group_wait_seconds``) and sync seconds, medians;
+* the group sizes seen, and how many syncs failed or split (one (fragment, round) synced by groups
+  that ended on different digests);
+* TCP connections held by each peer's p2p daemon, the largest count sampled every 2 s.
+
+Seconds are on N processes sharing this machine's cores: read them against each other, not as a
+network's. Results go to ``<out>/results.json``, ``<out>/table.md`` and ``<out>/scale.png`` (DHT bytes
+per sync by kind, and connections, against N). Only 127.0.0.1 is used.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..errors import ConfigError, UserError
+
+__all__ = ["main", "summarize", "format_table"]
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: what every volunteer runs beside --config: one thread each (N of them share the cores), one shard each
+_PEER_SETS = ["train.threads=1", "train.progress_bar=false", "train.eval_batches=1"]
+KINDS = ("progress", "history", "ready", "group", "fingerprint", "node", "generic")
+
+
+def _read_jsonl(path: str) -> List[Dict[str, Any]]:
+    out: List[Dict[str, Any]] = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:  # a line torn by a kill
+                    pass
+    return out
+
+
+def _kind(row: str) -> str:
+    """``find:ready`` -> ``ready``; a call that touched several kinds counts under the first."""
+    kind = row.split(":", 1)[1] if ":" in row else row
+    kind = kind.split("+", 1)[0]
+    return kind if kind in KINDS else ("node" if kind in ("-", "") else "generic")
+
+
+def summarize(n: int, runs: List[List[Dict[str, Any]]], connections: Dict[int, int]) -> Dict[str, Any]:
+    """One row of the table from the N peers' metrics (``runs``: each peer's events)."""
+    dht_kind: Dict[str, List[float]] = {k: [] for k in KINDS}
+    dht_total, ar_bytes, waits, secs, sizes = [], [], [], [], []
+    ok = failed = 0
+    digests: Dict[tuple, set] = {}
+    for recs in runs:
+        syncs = [r for r in recs if r.get("event") == "sync"]
+        good = [r for r in syncs if r.get("ok")]
+        ok += len(good)
+        failed += len(syncs) - len(good)
+        for r in good:
+            digests.setdefault((r["fragment"], r["outer_step"]), set()).add(r.get("digest"))
+            sizes.append(r.get("group_size"))
+            if isinstance(r.get("sync_bytes_sent"), (int, float)):
+                ar_bytes.append(r["sync_bytes_sent"])
+            if isinstance(r.get("group_wait_seconds"), (int, float)):
+                waits.append(r["group_wait_seconds"])
+            if isinstance(r.get("sync_seconds"), (int, float)):
+                secs.append(r["sync_seconds"])
+        summary = next((r for r in recs if r.get("event") == "summary"), None)
+        ledger = (summary or {}).get("dht_ledger")
+        if good and isinstance(ledger, dict):
+            per_kind = {k: 0.0 for k in KINDS}
+            for row, (_, req, resp) in ledger.items():
+                per_kind[_kind(row)] += req + resp
+            for k in KINDS:
+                dht_kind[k].append(per_kind[k] / len(good))
+            dht_total.append(sum(per_kind.values()) / len(good))
+    mean = lambda xs: round(statistics.fmean(xs), 1) if xs else None  # noqa: E731
+    median = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
+    return {
+        "peers": n, "peers_reporting": sum(1 for recs in runs if any(r.get("event") == "summary" for r in recs)),
+        "ok_syncs": ok, "failed_syncs": failed, "split_rounds": sum(1 for d in digests.values() if len(d) > 1),
+        "group_sizes": sorted({s for s in sizes if isinstance(s, int)}),
+        "dht_bytes_per_sync": mean(dht_total), "dht_bytes_per_sync_by_kind": {k: mean(v) for k, v in dht_kind.items()},
+        "allreduce_bytes_per_sync": mean(ar_bytes),
+        "group_formation_s_median": median(waits), "sync_s_median": median(secs),
+        "connections_max": max(connections.values()) if connections else None,
+        "connections_mean": mean(list(connections.values())),
+    }
+
+
+class _Connections(threading.Thread):
+    """The largest number of established TCP connections of each peer's p2p daemon, sampled every 2 s."""
+
+    def __init__(self, pids: Dict[int, int]):
+        super().__init__(daemon=True)
+        self.pids, self.peak = pids, {}  # peer index -> pid of its `join` process; peer index -> connections
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            import psutil
+        except ImportError:  # a hivemind dependency: absent only in unusual installs
+            return
+        while not self.stop.wait(2.0):
+            for i, pid in self.pids.items():
+                try:
+                    daemons = [c for c in psutil.Process(pid).children(recursive=True) if "p2pd" in c.name()]
+                    n = sum(1 for d in daemons for c in d.net_connections(kind="tcp") if c.status == "ESTABLISHED")
+                except (psutil.Error, OSError):
+                    continue
+                self.peak[i] = max(self.peak.get(i, 0), n)
+
+
+def _popen(work: str, name: str, args: Sequence[str], env: Dict[str, str]) -> subprocess.Popen:
+    out = open(os.path.join(work, f"{name}.out"), "w")
+    err = open(os.path.join(work, f"{name}.err"), "w")
+    return subprocess.Popen([sys.executable, "-m", "p2pdiloco.cli", *args], stdout=out, stderr=err, cwd=work,
+                            env=env, start_new_session=True)
+
+
+def _bootstrap(work: str, env: Dict[str, str], timeout: float = 120) -> tuple:
+    p = _popen(work, "boot", ["bootstrap", "--identity", os.path.join(work, "boot.key")], env)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with open(os.path.join(work, "boot.out")) as f:
+            lines = [ln.strip() for ln in f if "/p2p/" in ln]
+        if lines:
+            return p, lines[0]
+        if p.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise UserError(f"the bootstrap peer printed no address (see {work}/boot.err)")
+
+
+def run_one(n: int, args: argparse.Namespace) -> Dict[str, Any]:
+    """Train N volunteers to the outer-step budget (or ``--timeout``) and summarize them."""
+    work = os.path.join(args.out, f"n{n}")
+    os.makedirs(work, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING", P2PDILOCO_DHT_LEDGER="1")
+    procs: List[subprocess.Popen] = []
+    t0 = time.time()
+    conns = None
+    try:
+        boot, addr = _bootstrap(work, env)
+        procs.append(boot)
+        for i in range(n):
+            sets = [*_PEER_SETS, *args.set, f"swarm.run_id=scale-{n}-{os.getpid()}", f"swarm.min_peers_to_start={n}",
+                    f"data.num_shards={n}", f"data.shard={i}", f"train.max_outer_steps={args.outer_steps}",
+                    f"train.run_dir={os.path.join(work, f'p{i}')}"]
+            procs.append(_popen(work, f"p{i}", ["join", "--initial-peers", addr, "--config", args.config,
+                                                *sum((["--set", s] for s in sets), [])], env))
+        conns = _Connections({i: p.pid for i, p in enumerate(procs[1:])})
+        conns.start()
+        deadline, last = t0 + args.timeout, 0.0
+        while time.time() < deadline and any(p.poll() is None for p in procs[1:]):
+            if time.time() - last >= 15:
+                last = time.time()
+                syncs = sum(1 for i in range(n) for r in _read_jsonl(os.path.join(work, f"p{i}", "metrics.jsonl"))
+                            if r.get("event") == "sync")
+                running = sum(1 for p in procs[1:] if p.poll() is None)
+                print(f"[scale] N={n}: {running}/{n} peers running, {syncs} syncs logged, {time.time() - t0:.0f} s",
+                      file=sys.stderr, flush=True)
+            time.sleep(1.0)
+    finally:
+        if conns is not None:
+            conns.stop.set()
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
+    runs = [_read_jsonl(os.path.join(work, f"p{i}", "metrics.jsonl")) for i in range(n)]
+    row = summarize(n, runs, conns.peak if conns is not None else {})
+    row["seconds"] = round(time.time() - t0, 1)
+    row["exit_codes"] = [p.returncode for p in procs[1:]]
+    failed = [i for i, p in enumerate(procs[1:]) if p.returncode not in (0, -signal.SIGKILL)]
+    if failed:
+        with open(os.path.join(work, f"p{failed[0]}.err")) as f:
+            tail = f.read().strip().splitlines()[-1:] or ["(nothing)"]
+        row["errors"] = f"{len(failed)} peer(s) exited with an error; p{failed[0]}: {tail[0][:500]}"
+        print(f"[scale] N={n}: {row['errors']}", file=sys.stderr, flush=True)
+        if row["ok_syncs"] == 0:
+            raise UserError(f"no volunteer of N={n} synced: {row['errors']} (logs in {work})")
+    return row
+
+
+def _kb(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x / 1000:.1f} KB"
+
+
+def format_table(rows: List[Dict[str, Any]]) -> str:
+    lines = ["| peers | ok / failed / split syncs | group sizes | DHT per peer per sync | of which progress / history / "
+             "ready / group / node | all-reduce sent per sync | formation s (median) | sync s (median) | "
+             "connections per peer (max) |", "|---" * 9 + "|"]
+    for r in rows:
+        k = r["dht_bytes_per_sync_by_kind"]
+        lines.append(f"| {r['peers']} | {r['ok_syncs']} / {r['failed_syncs']} / {r['split_rounds']} | "
+                     f"{', '.join(map(str, r['group_sizes'])) or '-'} | {_kb(r['dht_bytes_per_sync'])} | "
+                     f"{' / '.join(_kb(k.get(x)) for x in ('progress', 'history', 'ready', 'group', 'node'))} | "
+                     f"{_kb(r['allreduce_bytes_per_sync'])} | {r['group_formation_s_median']} | {r['sync_s_median']} | "
+                     f"{r['connections_max'] if r['connections_max'] is not None else 'n/a'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows: List[Dict[str, Any]], out: str) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ns = [r["peers"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    bottom = [0.0] * len(rows)
+    for kind in KINDS:
+        vals = [(r["dht_bytes_per_sync_by_kind"].get(kind) or 0) / 1000 for r in rows]
+        if any(vals):
+            a.bar([str(n) for n in ns], vals, bottom=bottom, label=kind)
+            bottom = [x + y for x, y in zip(bottom, vals)]
+    a.plot([str(n) for n in ns], [(r["allreduce_bytes_per_sync"] or 0) / 1000 for r in rows], "k.-",
+           label="all-reduce sent")
+    a.set_xlabel("peers")
+    a.set_ylabel("KB per peer per fragment sync")
+    a.set_title("DHT bytes by record kind")
+    a.legend(fontsize=8)
+    b.plot(ns, [r["connections_max"] or 0 for r in rows], "o-", label="max")
+    b.plot(ns, [r["connections_mean"] or 0 for r in rows], "s-", label="mean")
+    b.set_xlabel("peers")
+    b.set_ylabel("TCP connections of a peer's p2p daemon")
+    b.legend()
+    fig.tight_layout()
+    path = os.path.join(out, "scale.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m p2pdiloco.bench.scale", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peers", default="4,8,24", help="comma-separated swarm sizes (default 4,8,24)")
+    ap.add_argument("--outer-steps", type=int, default=3)
+    ap.add_argument("--config", default=os.path.join(_REPO, "peers", "tiny-cpu.toml"))
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="settings of every volunteer (e.g. inner.sync_every=60)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per swarm size before it is cut off")
+    ap.add_argument("--out", default="runs/scale")
+    args = ap.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.peers.split(",") if x.strip()]
+        if not sizes or any(n < 2 for n in sizes):
+            raise ValueError
+    except ValueError:
+        print(f"error: --peers takes swarm sizes of at least 2, comma-separated; got {args.peers!r}", file=sys.stderr)
+        return 2
+    if args.outer_steps < 1:
+        print("error: --outer-steps must be at least 1", file=sys.stderr)
+        return 2
+    args.out = os.path.abspath(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    rows: List[Dict[str, Any]] = []
+    load = os.getloadavg()
+    try:
+        for n in sizes:
+            print(f"[scale] N={n}: starting a bootstrap and {n} volunteers", file=sys.stderr, flush=True)
+            rows.append(run_one(n, args))
+            result = {"command": " ".join(["python -m p2pdiloco.bench.scale", *(argv if argv is not None else sys.argv[1:])]),
+                      "load_at_start": [round(x, 2) for x in load], "rows": rows}
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump(result, f, indent=1)
+            with open(os.path.join(args.out, "table.md"), "w") as f:
+                f.write(format_table(rows))
+    except (ConfigError, UserError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _plot(rows, args.out)
+    print(format_table(rows))
+    return 0 if all(r["ok_syncs"] > 0 for r in rows) else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""bench.scale: the per-sync figures from the peers' metrics (fixtures), and the real command end to end
+(``slow``: a bootstrap and two volunteers, about a minute)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from p2pdiloco.bench.scale import format_table, summarize
+
+
+def _sync(frag, rnd, digest, ok=True, size=3, sent=1000, wait=0.5, secs=2.0):
+    return {"event": "sync", "fragment": frag, "outer_step": rnd, "digest": digest, "ok": ok, "group_size": size,
+            "sync_bytes_sent": sent, "group_wait_seconds": wait, "sync_seconds": secs}
+
+
+def test_summarize_counts_per_sync_by_kind_and_finds_splits():
+    ledger = {"find:progress": [10, 1000, 9000], "store:history": [2, 600, 40], "find:ready": [8, 800, 1200],
+              "store:ready+group": [1, 100, 0], "find:node": [3, 300, 300], "ping:-": [1, 50, 50]}
+    a = [_sync(0, 1, "d1"), _sync(1, 1, "e1"), _sync(0, 2, "d2", ok=False), {"event": "summary", "dht_ledger": ledger}]
+    b = [_sync(0, 1, "d1"), _sync(1, 1, "OTHER", sent=3000), {"event": "summary", "dht_ledger": ledger}]
+    c = [_sync(0, 1, "d1")]  # killed before its summary: its syncs count, its DHT bytes are unknown
+    row = summarize(3, [a, b, c], {0: 4, 1: 6, 2: 5})
+    assert (row["ok_syncs"], row["failed_syncs"], row["split_rounds"]) == (5, 1, 1)  # (1, 1): d/e vs OTHER
+    assert row["peers_reporting"] == 2 and row["group_sizes"] == [3]
+    total = sum(req + resp for _, req, resp in ledger.values())  # 13,440 bytes over 2 ok syncs, both peers
+    assert row["dht_bytes_per_sync"] == round(total / 2, 1)
+    kinds = row["dht_bytes_per_sync_by_kind"]
+    assert kinds["progress"] == 5000.0 and kinds["history"] == 320.0 and kinds["ready"] == 1050.0
+    assert kinds["node"] == 350.0 and kinds["group"] == 0.0  # ready+group counts under its first kind
+    assert row["allreduce_bytes_per_sync"] == 1400.0 and row["connections_max"] == 6
+    table = format_table([row])
+    assert "| 3 | 5 / 1 / 1 | 3 | 6.7 KB |" in table and "5.0 KB / 0.3 KB / 1.1 KB / 0.0 KB / 0.3 KB" in table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_scale_benchmark_end_to_end(tmp_path):
+    out = tmp_path / "scale"
+    r = subprocess.run([sys.executable, "-m", "p2pdiloco.bench.scale", "--peers", "2", "--outer-steps", "1",
+                        "--set", "inner.sync_every=20", "--out", str(out)], capture_output=True, text=True,
+                       timeout=380, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["ok_syncs"] >= 2 and row["failed_syncs"] == 0 and row["group_sizes"] == [2]
+    assert row["dht_bytes_per_sync"] > 0 and row["dht_bytes_per_sync_by_kind"]["progress"] > 0
+    assert row["connections_max"] >= 1 and (out / "scale.png").exists() and "| 2 |" in (out / "table.md").read_text()
