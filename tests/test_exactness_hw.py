@@ -73,18 +73,28 @@ def test_peers_on_different_kernels_stay_bitwise_identical(procs, tmp_path, run)
     for p in peers:
         assert procs.wait(p, 240) == 0, procs.err(p.name)[-3000:]
 
+    assert_one_state_everywhere(tmp_path, run, n, lambda i, start: (
+        start["cpu_capability"].lower() == caps[i].lower(), (caps[i], start["cpu_capability"])))  # the fault fired
+
+
+def assert_one_state_everywhere(tmp_path, run: str, n: int, ran_as_told) -> None:
+    """Peers ``p0..p{n-1}`` under ``tmp_path``: each ran as it was told (``ran_as_told(i, start event)``
+    gives (ok, what to show)), every sync succeeded in a full group, no state was repaired, and all
+    peers log the same digest at the start and after every (fragment, round)."""
     digests: Dict[tuple, Dict[int, str]] = {}
-    for i, cap in enumerate(caps):
+    for i in range(n):
         recs = read_metrics(str(tmp_path / f"p{i}" / "metrics.jsonl"))
         start = [r for r in recs if r["event"] == "start"][0]
-        assert start["cpu_capability"].lower() == cap.lower(), (cap, start["cpu_capability"])  # the fault fired
+        ok, shown = ran_as_told(i, start)
+        assert ok, shown
         digests.setdefault(("start",), {})[i] = start["digest"]
         syncs = [r for r in recs if r["event"] == "sync"]
-        assert syncs and all(r["ok"] and r["group_size"] == n for r in syncs), [(r["ok"], r.get("error")) for r in syncs]
+        assert syncs and all(r["ok"] and r["group_size"] == n for r in syncs), \
+            [(r["fragment"], r["outer_step"], r["ok"], r["group_size"], r.get("error")) for r in syncs]
         for r in syncs:
             digests.setdefault((r["fragment"], r["outer_step"]), {})[i] = r["digest"]
         repairs = [r["event"] for r in recs if r["event"] in ("catch_up", "digest_mismatch")]
-        assert not repairs, f"peer {i} ({cap}) repaired its state: {repairs}"
+        assert not repairs, f"peer {i} repaired its state: {repairs}"
     assert len(digests) >= 1 + OUTER_STEPS
     for key, per_peer in digests.items():
         assert len(per_peer) == n and len(set(per_peer.values())) == 1, f"{run}: digests differ at {key}: {per_peer}"

@@ -14,15 +14,13 @@ runs it with the CPU in the GPU's place, to check the tests themselves on a mach
 from __future__ import annotations
 
 import os
-from typing import Dict
 
 import pytest
 import torch
 
 from conftest import TINY
 from p2pdiloco.compression import get_codec
-from p2pdiloco.metrics import read_metrics
-from test_exactness_hw import BASE, CAPS, OUTER_STEPS, RUNS
+from test_exactness_hw import BASE, CAPS, RUNS, assert_one_state_everywhere
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("P2PDILOCO_TEST_GPU_DEVICE", "cuda")
@@ -59,19 +57,5 @@ def test_a_gpu_peer_beside_cpu_peers_stays_bitwise_identical(procs, tmp_path, ru
     for p in peers:
         assert procs.wait(p, 300) == 0, procs.err(p.name)[-3000:]
 
-    digests: Dict[tuple, Dict[int, str]] = {}
-    for i, dev in enumerate(devices):
-        recs = read_metrics(str(tmp_path / f"p{i}" / "metrics.jsonl"))
-        start = [r for r in recs if r["event"] == "start"][0]
-        assert start["device"].split(":")[0] == dev, (dev, start["device"])  # it really trained there
-        digests.setdefault(("start",), {})[i] = start["digest"]
-        syncs = [r for r in recs if r["event"] == "sync"]
-        assert syncs and all(r["ok"] and r["group_size"] == n for r in syncs), \
-            [(r["fragment"], r["outer_step"], r["ok"], r["group_size"], r.get("error")) for r in syncs]
-        for r in syncs:
-            digests.setdefault((r["fragment"], r["outer_step"]), {})[i] = r["digest"]
-        repairs = [r["event"] for r in recs if r["event"] in ("catch_up", "digest_mismatch")]
-        assert not repairs, f"peer {i} ({dev}) repaired its state: {repairs}"
-    assert len(digests) >= 1 + OUTER_STEPS
-    for key, per_peer in digests.items():
-        assert len(per_peer) == n and len(set(per_peer.values())) == 1, f"{run}: digests differ at {key}: {per_peer}"
+    assert_one_state_everywhere(tmp_path, run, n, lambda i, start: (  # each really trained where told
+        start["device"].split(":")[0] == devices[i], (devices[i], start["device"])))

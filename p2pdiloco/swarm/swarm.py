@@ -219,11 +219,6 @@ class Swarm:
             records.note_failure(self._history, outer_step, fragment, reason)
             self._history_changed = True
 
-    def own_history(self) -> Dict[str, Any]:
-        """A copy of our history record as last updated (not necessarily published yet)."""
-        with self._progress_lock:
-            return dict(self._history)
-
     @property
     def history_lifetime(self) -> float:
         """Seconds a history record lives: HISTORY_LIFETIMES progress records' lifetimes. A dashboard
