@@ -50,6 +50,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import ConfigError, UserError
+from .procs import LocalProcs as _Procs, child_env as _child_env
 
 __all__ = ["PARTS", "SIZES", "main", "format_table"]
 
@@ -141,65 +142,6 @@ def _write_json(path: str, obj: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, default=str)
     os.replace(tmp, path)
-
-
-def _child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING", **(extra or {}))
-
-
-class _Procs:
-    """The CLI processes of one part, each in its own process group; all killed at the end."""
-
-    def __init__(self, work: str):
-        self.work, self.procs = work, []
-
-    def start(self, name: str, *args: str, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
-        out = open(os.path.join(self.work, f"{name}.out"), "w")
-        err = open(os.path.join(self.work, f"{name}.err"), "w")
-        p = subprocess.Popen([sys.executable, "-m", "p2pdiloco.cli", *args], stdout=out, stderr=err, cwd=self.work,
-                             env=_child_env(env), start_new_session=True)
-        p.name = name  # type: ignore[attr-defined]
-        self.procs.append(p)
-        return p
-
-    def bootstrap(self, timeout: float = 90) -> str:
-        p = self.start("boot", "bootstrap", "--identity", os.path.join(self.work, "boot.key"))
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            with open(os.path.join(self.work, "boot.out")) as f:
-                lines = [ln.strip() for ln in f if "/p2p/" in ln]
-            if lines:
-                return lines[0]
-            if p.poll() is not None:
-                break
-            time.sleep(0.2)
-        raise RuntimeError(f"bootstrap printed no address (see {self.work}/boot.err)")
-
-    def tail(self, name: str, n: int = 1500) -> str:
-        try:
-            with open(os.path.join(self.work, f"{name}.err")) as f:
-                return f.read()[-n:]
-        except OSError:
-            return ""
-
-    def wait(self, names: Sequence[str], timeout: float) -> Dict[str, Optional[int]]:
-        deadline = time.time() + timeout
-        byname = {p.name: p for p in self.procs}  # type: ignore[attr-defined]
-        codes: Dict[str, Optional[int]] = {}
-        for n in names:
-            try:
-                codes[n] = byname[n].wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                codes[n] = None
-        return codes
-
-    def close(self) -> None:
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.wait()
 
 
 class _GpuMemory(threading.Thread):

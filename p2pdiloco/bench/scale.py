@@ -26,13 +26,14 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import ConfigError, UserError
+from .procs import LocalProcs
+from .run import _read_jsonl
 
 __all__ = ["main", "summarize", "format_table"]
 
@@ -40,18 +41,6 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 #: what every volunteer runs beside --config: one thread each (N of them share the cores), one shard each
 _PEER_SETS = ["train.threads=1", "train.progress_bar=false", "train.eval_batches=1"]
 KINDS = ("progress", "history", "ready", "group", "fingerprint", "node", "generic")
-
-
-def _read_jsonl(path: str) -> List[Dict[str, Any]]:
-    out: List[Dict[str, Any]] = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:  # a line torn by a kill
-                    pass
-    return out
 
 
 def _kind(row: str) -> str:
@@ -127,73 +116,45 @@ class _Connections(threading.Thread):
                 self.peak[i] = max(self.peak.get(i, 0), n)
 
 
-def _popen(work: str, name: str, args: Sequence[str], env: Dict[str, str]) -> subprocess.Popen:
-    out = open(os.path.join(work, f"{name}.out"), "w")
-    err = open(os.path.join(work, f"{name}.err"), "w")
-    return subprocess.Popen([sys.executable, "-m", "p2pdiloco.cli", *args], stdout=out, stderr=err, cwd=work,
-                            env=env, start_new_session=True)
-
-
-def _bootstrap(work: str, env: Dict[str, str], timeout: float = 120) -> tuple:
-    p = _popen(work, "boot", ["bootstrap", "--identity", os.path.join(work, "boot.key")], env)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        with open(os.path.join(work, "boot.out")) as f:
-            lines = [ln.strip() for ln in f if "/p2p/" in ln]
-        if lines:
-            return p, lines[0]
-        if p.poll() is not None:
-            break
-        time.sleep(0.2)
-    raise UserError(f"the bootstrap peer printed no address (see {work}/boot.err)")
-
-
 def run_one(n: int, args: argparse.Namespace) -> Dict[str, Any]:
     """Train N volunteers to the outer-step budget (or ``--timeout``) and summarize them."""
     work = os.path.join(args.out, f"n{n}")
     os.makedirs(work, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING", P2PDILOCO_DHT_LEDGER="1")
-    procs: List[subprocess.Popen] = []
+    procs = LocalProcs(work)
     t0 = time.time()
     conns = None
     try:
-        boot, addr = _bootstrap(work, env)
-        procs.append(boot)
+        addr = procs.bootstrap(timeout=120)
         for i in range(n):
             sets = [*_PEER_SETS, *args.set, f"swarm.run_id=scale-{n}-{os.getpid()}", f"swarm.min_peers_to_start={n}",
                     f"data.num_shards={n}", f"data.shard={i}", f"train.max_outer_steps={args.outer_steps}",
                     f"train.run_dir={os.path.join(work, f'p{i}')}"]
-            procs.append(_popen(work, f"p{i}", ["join", "--initial-peers", addr, "--config", args.config,
-                                                *sum((["--set", s] for s in sets), [])], env))
-        conns = _Connections({i: p.pid for i, p in enumerate(procs[1:])})
+            procs.start(f"p{i}", "join", "--initial-peers", addr, "--config", args.config,
+                        *sum((["--set", s] for s in sets), []), env={"P2PDILOCO_DHT_LEDGER": "1"})
+        peers = procs.procs[1:]
+        conns = _Connections({i: p.pid for i, p in enumerate(peers)})
         conns.start()
         deadline, last = t0 + args.timeout, 0.0
-        while time.time() < deadline and any(p.poll() is None for p in procs[1:]):
+        while time.time() < deadline and any(p.poll() is None for p in peers):
             if time.time() - last >= 15:
                 last = time.time()
                 syncs = sum(1 for i in range(n) for r in _read_jsonl(os.path.join(work, f"p{i}", "metrics.jsonl"))
                             if r.get("event") == "sync")
-                running = sum(1 for p in procs[1:] if p.poll() is None)
+                running = sum(1 for p in peers if p.poll() is None)
                 print(f"[scale] N={n}: {running}/{n} peers running, {syncs} syncs logged, {time.time() - t0:.0f} s",
                       file=sys.stderr, flush=True)
             time.sleep(1.0)
     finally:
         if conns is not None:
             conns.stop.set()
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.wait()
+        procs.close()
     runs = [_read_jsonl(os.path.join(work, f"p{i}", "metrics.jsonl")) for i in range(n)]
     row = summarize(n, runs, conns.peak if conns is not None else {})
     row["seconds"] = round(time.time() - t0, 1)
-    row["exit_codes"] = [p.returncode for p in procs[1:]]
-    failed = [i for i, p in enumerate(procs[1:]) if p.returncode not in (0, -signal.SIGKILL)]
+    row["exit_codes"] = [p.returncode for p in procs.procs[1:]]
+    failed = [i for i, p in enumerate(procs.procs[1:]) if p.returncode not in (0, -signal.SIGKILL)]
     if failed:
-        with open(os.path.join(work, f"p{failed[0]}.err")) as f:
-            tail = f.read().strip().splitlines()[-1:] or ["(nothing)"]
+        tail = procs.tail(f"p{failed[0]}", 100_000).strip().splitlines()[-1:] or ["(nothing)"]
         row["errors"] = f"{len(failed)} peer(s) exited with an error; p{failed[0]}: {tail[0][:500]}"
         print(f"[scale] N={n}: {row['errors']}", file=sys.stderr, flush=True)
         if row["ok_syncs"] == 0:

@@ -75,13 +75,8 @@ def local_workers(v: Dict[str, Any]) -> int:
     return lw if isinstance(lw, int) and not isinstance(lw, bool) and 0 < lw <= 4096 else 1
 
 
-def with_history(records: Dict[str, Dict[str, Any]], history: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """Each peer's progress record with its history record's fields (``vr``/``vl``, ``fr``/``ff``/``ft``/
-    ``fw``) added; the progress record's own fields win (both have a time ``t``)."""
-    return {pid: {**_history_fields(history.get(pid)), **v} for pid, v in records.items()}
-
-
 def _history_fields(h: Any) -> Dict[str, Any]:
+    """A history record's fields (``vr``/``vl``, ``fr``/``ff``/``ft``/``fw``); none for anything else."""
     return {k: h[k] for k in ("vr", "vl", "fr", "ff", "ft", "fw") if k in h} if isinstance(h, dict) else {}
 
 
@@ -264,7 +259,7 @@ class SwarmView:
                 self._omitted[pid] = len(omitted)
             self._first.setdefault(pid, now)
             self._seen[pid] = now
-            full = with_history({pid: v}, history or {})[pid]
+            full = {**_history_fields((history or {}).get(pid)), **v}  # its own fields win (both have a t)
             self._fold_val(pid, full)
             self._fold_rate(pid, v, now)
             self._fold_failures(pid, full)
