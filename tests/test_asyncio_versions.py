@@ -4,9 +4,9 @@ Python 3.12 rewrote ``asyncio.wait_for`` on ``asyncio.timeout``: the awaited cor
 calling task at once instead of in a new task one scheduling step later. Code that cancels a task
 reading a stream and reads the stream itself right after worked on 3.11 only by that step: on 3.12 the
 read raises "readexactly() called while another coroutine is already waiting". The join handler did
-exactly this before the link check, so on 3.12 every joiner failed its leader's link check and every
-group with a joiner fell apart (seen on a 3.12 machine: each round synced by the leader alone). Here the
-3.12 ``wait_for`` runs on whatever Python runs the tests, and groups must still form whole.
+exactly this before the link check: on 3.12 every joiner would fail its leader's link check and every
+group with a joiner would fall apart. Here the 3.12 ``wait_for`` runs on whatever Python runs the tests,
+and groups must still form whole.
 """
 from __future__ import annotations
 
