@@ -58,8 +58,12 @@ def test_private_peers_behind_two_nats_train_together_punched_or_relayed(tmp_pat
                         "the bootstrap address")
         settings = ["swarm.run_id=homes", f"inner.sync_every={H}", "train.max_outer_steps=40",
                     "swarm.min_peers_to_start=2"]
+        # against random ports the punch fails, and each peer logs that only once its attempt's window
+        # is over (several seconds after it was relayed): the run must outlast it on both peers
+        pace = {"P2PDILOCO_FAULTS": json.dumps({"phase": "step", "action": "slow", "factor": 4, "times": 0})} \
+            if ports == "random" else None
         for host, n in ((pa, "a"), (pb, "b")):
-            peers.start(host, n, *join_args(addr, dirs[n], *settings))
+            peers.start(host, n, *join_args(addr, dirs[n], *settings), env=pace)
         wait_for(lambda: all(len(ok_syncs(dirs[n])) >= 2 for n in "ab"), 200, "relayed syncs", peers, ["a", "b"])
         status = h0.run(ns_cli("status", "--initial-peers", addr, "--run-id", "homes", "--json"), timeout=60,
                         cwd=str(tmp_path))
@@ -88,6 +92,7 @@ def test_private_peers_behind_two_nats_train_together_punched_or_relayed(tmp_pat
             assert "hole punched to" in err, err[-3000:]
             assert syncs[-1]["relayed_bytes"] == half, [r["relayed_bytes"] for r in syncs]
         else:  # the punch fails against random ports; every round keeps crossing the relay
+            assert "injected fault: slow at step" in err, err[-2000:]  # the pacing fired
             assert "hole punch to" in err and "failed" in err, err[-3000:]
             assert "hole punched to" not in err, err[-3000:]
             assert syncs[-1]["relayed_bytes"] > half, [r["relayed_bytes"] for r in syncs]
