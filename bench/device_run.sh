@@ -4,7 +4,9 @@
 # the image's packages (numpy < 2.4 for hivemind shadows the image's 2.5), checks the imports and
 # hivemind's p2p daemon, then runs python -m p2pdiloco.bench.gpu with its results under $OUT/gpu and
 # this script's log as $OUT/device_run.log and the peers' logs as $OUT/work-logs.tgz. Extra arguments go to the benchmark (e.g. --parts ...).
-# With --tests first, it runs the CUDA tests (pytest -m gpu tests/test_gpu.py; further arguments to pytest) instead.
+# With --tests first, it runs the CUDA tests (pytest -m gpu tests/test_gpu.py; further arguments to pytest) instead,
+# within P2PDILOCO_TESTS_TIMEOUT seconds (480). Both in one call (the machine stays warm 30 s only):
+#   bash bench/device_run.sh --parts prep,throughput,exactness && OUT=$OUT/tests bash bench/device_run.sh --tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_results/device}
@@ -12,8 +14,10 @@ mkdir -p "$OUT"
 {
   echo "== $(date -u +%FT%TZ) commit ${P2PDILOCO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} $(uname -r) $(nproc) cores"
   ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/*.whl: run bench/fetch_device_wheels.sh and carry .whl"; exit 3; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 3; }
+  if [ ! -e /tmp/site/.p2pdiloco-installed ]; then  # once per machine: a second call on it reuses the install
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && touch /tmp/site/.p2pdiloco-installed || { echo "wheel install failed"; exit 3; }
+  fi
   export PYTHONPATH=/tmp/site:$PWD
   python3 - <<'PY' || exit 4
 import os, subprocess, sys
@@ -34,7 +38,7 @@ PY
   echo "ip: $(command -v ip || echo missing) ($(ip -V 2>&1 | head -1)), tc: $(command -v tc || echo missing)"
   if [ "${1:-}" = "--tests" ]; then  # the CUDA tests (tests/test_gpu.py) instead of the benchmark
     shift
-    PYTHONUNBUFFERED=1 timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py --durations=0 "$@"
+    PYTHONUNBUFFERED=1 timeout "${P2PDILOCO_TESTS_TIMEOUT:-480}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py --durations=0 "$@"
     echo "== pytest exit $? at $(date -u +%FT%TZ)"
     exit 0
   fi
