@@ -275,7 +275,7 @@ def part_throughput(ctx: Dict[str, Any], size: Dict[str, Any], save) -> Dict[str
             + [f"train.device={device}", f"train.autocast={'bf16' if cuda else 'off'}",
                f"inner.batch_size={size['tp_batch']}", f"inner.sync_every={size['tp_H']}", "inner.round_samples=0",
                "inner.warmup_steps=10", "streaming.fragments=4", "streaming.pattern=balanced", "train.eval_batches=2",
-               "train.progress_bar=false", f"data.num_shards={peers}"])
+               "train.progress_bar=false", f"data.num_shards={peers}"] + ctx.get("peer_sets", []))
     cfg = load_config(_LLAMA_BASE, sets)
     params = _count(cfg)
     fpt = _flops_per_token(cfg, params)
@@ -283,7 +283,8 @@ def part_throughput(ctx: Dict[str, Any], size: Dict[str, Any], save) -> Dict[str
     res: Dict[str, Any] = {"model": dict(size["tp_model"], vocab=ctx["vocab"], params=params, kind="hf llama"),
                            "batch": cfg.inner.batch_size, "H": cfg.inner.sync_every, "peers": peers,
                            "autocast": cfg.train.autocast, "device": device, "flops_per_token": fpt,
-                           "peak_flops": peak, "scheme": "4 fragments (balanced), tau overlap, 4-bit (the default)"}
+                           "peak_flops": peak, "scheme": "4 fragments (balanced), tau overlap, 4-bit (the default)",
+                           "peer_sets": ctx.get("peer_sets", [])}
     solo = _solo(cfg, size["tp_solo_steps"], device)
     solo["mfu"] = round(solo["tokens_per_s"] * fpt / peak, 4) if peak else None
     res["solo"] = solo
@@ -604,7 +605,8 @@ def _run_part(name: str, args: argparse.Namespace, cap: float) -> Dict[str, Any]
     if os.path.exists(path):
         os.remove(path)
     argv = [sys.executable, "-m", "p2pdiloco.bench.gpu", "--part", name, "--cap", str(cap), "--out", args.out,
-            "--work", args.work, "--peers", str(args.peers), *(["--smoke"] if args.smoke else [])]
+            "--work", args.work, "--peers", str(args.peers), *(["--smoke"] if args.smoke else []),
+            *sum((["--peer-set", s] for s in args.peer_set), [])]
     t0 = time.time()
     with open(os.path.join(args.work, f"part-{name}.log"), "w") as log:
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True)
@@ -633,7 +635,7 @@ def _child(args: argparse.Namespace) -> int:
     size = SIZES["smoke" if args.smoke else "full"]
     ctx = {"work": args.work, "tokenizer": os.path.join(args.work, "tok.json"), "cache": os.path.join(args.work, "tokens"),
            "max_bytes": size["max_bytes"], "peers": args.peers, "smoke": args.smoke, "cap": args.cap, "t0": time.time(),
-           "cuda": _cuda() and not args.smoke}
+           "cuda": _cuda() and not args.smoke, "peer_sets": list(args.peer_set)}
     if args.part != "prep" and os.path.exists(ctx["tokenizer"]):
         from ..tokenizer import tokenizer_vocab_size
 
@@ -704,6 +706,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--peers", type=int, default=None,
                     help="volunteers sharing the GPU in the throughput part, 2-4 (default 4; --smoke: 2)")
     ap.add_argument("--caps", default="", help="seconds per part over the defaults, e.g. throughput=200,sync=60")
+    ap.add_argument("--peer-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config setting for the throughput part's volunteers over the benchmark's own "
+                         "(repeatable), e.g. train.threads=4")
     ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # the child process of one part
     ap.add_argument("--cap", type=float, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
