@@ -10,12 +10,19 @@ optimiser, every fragment's outer state, the inner step and the step of the last
 position), the data stream position and RNG states, plus the global-state digest so a resume can
 be checked against the swarm's. It is loaded with ``torch.load(weights_only=True)``: nothing is
 unpickled. A missing, truncated or foreign file raises :class:`CheckpointError` with what to do.
+
+:class:`CheckpointWriter` takes the writing off the training thread: the state is copied to host
+memory at once (so the checkpoint is the state of that moment, whatever training does next) and
+serialized, fsynced and renamed by one background thread. At most one checkpoint is in flight: a
+save due while one is still being written is skipped, so a slow disk costs checkpoints, not memory.
 """
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import tempfile
+import threading
 from typing import Any, Dict, Optional
 
 import torch
@@ -23,18 +30,22 @@ import torch
 from . import faults
 from .errors import CheckpointError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "CHECKPOINT_NAME"]
+__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "host_copy", "CheckpointWriter",
+           "CHECKPOINT_NAME"]
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "checkpoint.pt"
 _TMP_PREFIX = ".checkpoint-"
 _TMP_SUFFIX = ".tmp"
 
 
-def save_checkpoint(run_dir: str, state: Dict[str, Any]) -> str:
+def save_checkpoint(run_dir: str, state: Dict[str, Any], step: Optional[int] = None) -> str:
     """Write ``state`` to ``<run_dir>/checkpoint.pt`` atomically; returns the path.
 
     Fault-injection phase ``checkpoint.write`` fires between the fsync of the temp file and the
-    rename (a stall there is the window in which a ``kill -9`` must not lose the last checkpoint).
+    rename (a stall there is the window in which a ``kill -9`` must not lose the last checkpoint),
+    at ``step`` (the inner step the state is of; default the training loop's current one).
     """
     os.makedirs(run_dir, exist_ok=True)
     _remove_partials(run_dir)
@@ -45,7 +56,7 @@ def save_checkpoint(run_dir: str, state: Dict[str, Any]) -> str:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        faults.fire("checkpoint.write")
+        faults.fire("checkpoint.write", step=step)
         os.replace(tmp, path)
         dfd = os.open(run_dir, os.O_RDONLY)
         try:
@@ -57,6 +68,79 @@ def save_checkpoint(run_dir: str, state: Dict[str, Any]) -> str:
             os.unlink(tmp)
         raise
     return path
+
+
+def host_copy(obj: Any) -> Any:
+    """``obj`` with every tensor copied to host memory and every list, tuple and dict rebuilt: a state
+    that nothing training does afterwards can change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):  # a module's state dict is an OrderedDict with _metadata (versions) to keep
+        out = type(obj)()
+        for k, v in obj.items():
+            out[k] = host_copy(v)
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata
+        return out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj
+
+
+class CheckpointWriter:
+    """Atomic checkpoints written by one background thread, at most one in flight (module docstring).
+
+    :meth:`submit` copies the state to host memory and returns at once; a write that fails is logged
+    (the last committed checkpoint stays) and counted in :attr:`failures`. :meth:`flush` waits until
+    nothing is in flight; :meth:`save_now` flushes, then writes on the calling thread, raising on a
+    failure (the last checkpoint of a run)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self.skipped = 0
+        self.failures = 0
+
+    def submit(self, run_dir: str, state: Dict[str, Any], step: int) -> bool:
+        """Start writing ``state`` (a copy of it); False (nothing done) while the last one is in flight."""
+        with self._cond:
+            if self._busy:
+                self.skipped += 1
+                logger.info(f"checkpoint at step {step} skipped: the previous one is still being written "
+                            f"({self.skipped} skipped so far); the next one is newer")
+                return False
+            self._busy = True
+        try:
+            copy = host_copy(state)
+        except BaseException:
+            self._done()
+            raise
+        threading.Thread(target=self._write, args=(run_dir, copy, step), name="checkpoint-writer",
+                         daemon=True).start()
+        return True
+
+    def _write(self, run_dir: str, state: Dict[str, Any], step: int) -> None:
+        try:
+            save_checkpoint(run_dir, state, step=step)
+        except Exception as e:
+            self.failures += 1
+            logger.error(f"checkpoint at step {step} not written to {run_dir} ({type(e).__name__}: {e}); training "
+                         "goes on and the last committed checkpoint stays: check the disk (space, permissions)")
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._busy)
+
+    def save_now(self, run_dir: str, state: Dict[str, Any], step: int) -> str:
+        self.flush()
+        return save_checkpoint(run_dir, state, step=step)
 
 
 def find_checkpoint(run_dir: str) -> Optional[str]:

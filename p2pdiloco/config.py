@@ -398,6 +398,10 @@ class TrainConfig:
     threads: int = 0
     #: validation batches measured at every sync
     eval_batches: int = 4
+    #: write the checkpoint after each outer step on a background thread (training goes on; the state is
+    #: first copied to host memory, so a second copy of model, AdamW and outer state is held while it
+    #: is written); false: the training thread writes it and waits for the disk, without the copy
+    background_checkpoints: bool = True
     #: show a progress bar on stderr
     progress_bar: bool = True
     #: also serve the swarm's web dashboard on this port (0 = no dashboard; p2pdiloco/dashboard)

@@ -197,12 +197,13 @@ def counters() -> Dict[str, int]:
         return dict(_counts)
 
 
-def _match(phase: str, frag: Optional[int], round_: Optional[int]) -> Optional[Fault]:
+def _match(phase: str, frag: Optional[int], round_: Optional[int], step: Optional[int] = None) -> Optional[Fault]:
     if not _rules:  # the common case: one list check
         return None
+    step = _step if step is None else int(step)
     with _lock:
         for rule in _rules:
-            if rule.matches(phase, _step, frag, round_):
+            if rule.matches(phase, step, frag, round_):
                 rule.fired += 1
                 key = f"{phase}:{rule.action}"
                 _counts[key] = _counts.get(key, 0) + 1
@@ -212,8 +213,8 @@ def _match(phase: str, frag: Optional[int], round_: Optional[int]) -> Optional[F
             return None
     if rule.action == "slow" and count > 1 and count % 100:
         return rule  # counted; a throttle fires every step, reported at the first firing and every 100th
-    event = dict(phase=phase, action=rule.action, step=_step, frag=frag, round=round_, count=count)
-    logger.warning(f"injected fault: {rule.action} at {phase} (step {_step}, fragment {frag}, round {round_}, "
+    event = dict(phase=phase, action=rule.action, step=step, frag=frag, round=round_, count=count)
+    logger.warning(f"injected fault: {rule.action} at {phase} (step {step}, fragment {frag}, round {round_}, "
                    f"firing {count})")
     if _sink is not None:
         try:
@@ -236,13 +237,14 @@ def _act(rule: Fault) -> None:
 
 
 def fire(phase: str, *, frag: Optional[int] = None, round: Optional[int] = None,
-         busy: float = 0.0) -> Optional[Fault]:
+         busy: float = 0.0, step: Optional[int] = None) -> Optional[Fault]:
     """Run the matching rule's action here (stalls with time.sleep); returns the rule, or None.
 
     ``tamper`` is returned to the caller, which owns the bytes (see :func:`tamper_bytes`). ``busy``: the
-    compute seconds of the inner step just taken (``slow`` sleeps a multiple of it).
+    compute seconds of the inner step just taken (``slow`` sleeps a multiple of it). ``step``: the inner
+    step the work at ``phase`` belongs to, where that is not the loop's current one (a background thread).
     """
-    rule = _match(phase, frag, round)
+    rule = _match(phase, frag, round, step)
     if rule is not None:
         if rule.action == "stall":
             time.sleep(rule.seconds)

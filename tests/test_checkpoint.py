@@ -6,7 +6,9 @@ on the same run directory: it must resume from the last *committed* checkpoint, 
 """
 from __future__ import annotations
 
+import collections
 import glob
+import logging
 import os
 import signal
 
@@ -15,7 +17,7 @@ import torch
 
 from elastic_support import faults_env, join_args, ok_syncs, read_events, wait_for
 from p2pdiloco import faults
-from p2pdiloco.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from p2pdiloco.checkpoint import CheckpointWriter, find_checkpoint, load_checkpoint, save_checkpoint
 from p2pdiloco.errors import CheckpointError, SyncFailed
 
 H = 10
@@ -93,3 +95,56 @@ def test_corrupt_or_foreign_checkpoints_are_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match="not a p2pdiloco checkpoint"):
         load_checkpoint(path)
     assert find_checkpoint(str(tmp_path / "nowhere")) is None
+
+
+def test_background_writer_copies_the_state_and_keeps_one_write_in_flight(tmp_path, caplog):
+    """The training thread hands a checkpoint over and goes on: the file holds the state of that moment
+    (changes after submit do not reach it), a save due while a write stalls is skipped (no second copy
+    held), and flush waits for the write."""
+    run_dir = str(tmp_path)
+    x = torch.arange(6, dtype=torch.float32)
+    state = {"format": 1, "model": collections.OrderedDict(w=x), "outer": [{"m": x * 2}], "inner_step": 20}
+    state["model"]._metadata = {"": {"version": 1}}
+    writer = CheckpointWriter()
+    faults.install([{"phase": "checkpoint.write", "action": "stall", "seconds": 3, "step": 20}])
+    try:
+        assert writer.submit(run_dir, state, 20)
+        x.add_(100.0)  # training goes on with the live tensors
+        assert not writer.submit(run_dir, dict(state, inner_step=25), 25) and writer.skipped == 1
+        assert find_checkpoint(run_dir) is None  # submit returned while its write stalls before the rename
+        writer.flush()
+        assert faults.counters() == {"checkpoint.write:stall": 1}  # the stall fired, at the state's step
+    finally:
+        faults.clear()
+    assert find_checkpoint(run_dir) is not None  # flush waited for it
+    got = load_checkpoint(find_checkpoint(run_dir))
+    assert got["inner_step"] == 20 and torch.equal(got["model"]["w"], torch.arange(6, dtype=torch.float32))
+    assert torch.equal(got["outer"][0]["m"], 2 * torch.arange(6, dtype=torch.float32))
+    assert got["model"]._metadata == {"": {"version": 1}}
+    assert writer.submit(run_dir, dict(state, inner_step=30), 30)  # idle again: the next one is written
+    writer.flush()
+    assert load_checkpoint(find_checkpoint(run_dir))["inner_step"] == 30 and not _partials(tmp_path)
+
+
+def test_a_failed_background_write_keeps_the_last_checkpoint_and_says_so(tmp_path, caplog):
+    run_dir = str(tmp_path)
+    writer = CheckpointWriter()
+    writer.save_now(run_dir, {"format": 1, "inner_step": 10}, 10)
+    faults.install([{"phase": "checkpoint.write", "action": "fail", "step": 20}])
+    try:
+        with caplog.at_level(logging.ERROR, logger="p2pdiloco.checkpoint"):
+            assert writer.submit(run_dir, {"format": 1, "inner_step": 20}, 20)
+            writer.flush()
+        assert faults.counters() == {"checkpoint.write:fail": 1}
+    finally:
+        faults.clear()
+    assert writer.failures == 1 and "checkpoint at step 20 not written" in caplog.text
+    assert "last committed checkpoint stays" in caplog.text
+    assert load_checkpoint(find_checkpoint(run_dir))["inner_step"] == 10 and not _partials(tmp_path)
+    # the run's last checkpoint is written on the caller's thread and its failure raised
+    faults.install([{"phase": "checkpoint.write", "action": "fail"}])
+    try:
+        with pytest.raises(SyncFailed):
+            writer.save_now(run_dir, {"format": 1, "inner_step": 30}, 30)
+    finally:
+        faults.clear()

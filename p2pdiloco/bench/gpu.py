@@ -231,20 +231,25 @@ def _solo(cfg: Any, steps: Sequence[int], device: str) -> Dict[str, Any]:
 
 
 def _peer_rates(runs: List[List[Dict[str, Any]]], batch: int, seq: int) -> List[Optional[float]]:
-    """Tokens/s of each peer: its summary (inner steps over training seconds), else its sync events."""
+    """Tokens/s of each peer in its steady state: the inner steps from its first to its last sync over
+    the time between them (syncs, outer steps, validation and checkpoints included; the first steps'
+    warm-up and the run's end not), else over its whole run (the summary's seconds)."""
     rates: List[Optional[float]] = []
     for recs in runs:
-        summ = [r for r in recs if r["event"] == "summary"]
-        if summ and summ[0]["seconds"] > 0:
-            rates.append(round(summ[0]["inner_steps"] * batch * seq / summ[0]["seconds"], 1))
-            continue
         syncs = [r for r in recs if r["event"] == "sync"]
-        if len(syncs) >= 2 and syncs[-1]["time"] > syncs[0]["time"]:
+        if len(syncs) >= 2 and syncs[-1]["time"] > syncs[0]["time"] and syncs[-1]["step"] > syncs[0]["step"]:
             rates.append(round((syncs[-1]["step"] - syncs[0]["step"]) * batch * seq
                                / (syncs[-1]["time"] - syncs[0]["time"]), 1))
-        else:
-            rates.append(None)
+            continue
+        rates.append(_whole_run_rate(recs, batch, seq))
     return rates
+
+
+def _whole_run_rate(recs: List[Dict[str, Any]], batch: int, seq: int) -> Optional[float]:
+    summ = [r for r in recs if r["event"] == "summary"]
+    if summ and summ[0]["seconds"] > 0:
+        return round(summ[0]["inner_steps"] * batch * seq / summ[0]["seconds"], 1)
+    return None
 
 
 def _sync_by_fragment(runs: List[List[Dict[str, Any]]]) -> Dict[str, Any]:
@@ -311,6 +316,7 @@ def part_throughput(ctx: Dict[str, Any], size: Dict[str, Any], save) -> Dict[str
     total = sum(r for r in rates if r) if any(rates) else None
     res["swarm"] = {
         "exit_codes": codes, "tokens_per_s": rates, "tokens_per_s_sum": round(total, 1) if total else None,
+        "tokens_per_s_whole_run": [_whole_run_rate(recs, cfg.inner.batch_size, cfg.model.seq_len) for recs in runs],
         "sum_over_solo": round(total / solo["tokens_per_s"], 3) if total else None,
         "mfu_sum": round(total * fpt / peak, 4) if (total and peak) else None,
         "outer_steps": [next((r["outer_steps"] for r in recs if r["event"] == "summary"), None) for recs in runs],
@@ -525,7 +531,8 @@ def _summary(name: str, r: Dict[str, Any]) -> str:
                          for k, v in (w.get("sync_by_fragment") or {}).items())
         return (f"{_f((r.get('model') or {}).get('params'), '{:,}')} params, {r.get('autocast')}: alone "
                 f"{_f(s.get('tokens_per_s'), '{:,.0f}')} tok/s (MFU {_f(s.get('mfu'))}); {r.get('peers')} peers "
-                f"{w.get('tokens_per_s')} tok/s, sum/alone {_f(w.get('sum_over_solo'))}, MFU sum {_f(w.get('mfu_sum'))}; "
+                f"{w.get('tokens_per_s')} tok/s between first and last sync (whole run {w.get('tokens_per_s_whole_run')}), "
+                f"{'peers with ' + ', '.join(r['peer_sets']) + '; ' if r.get('peer_sets') else ''}sum/alone {_f(w.get('sum_over_solo'))}, MFU sum {_f(w.get('mfu_sum'))}; "
                 f"GPU MiB {w.get('gpu_memory_mib')}; {frag}")
     if name == "exactness":
         return (f"{[p.get('device') for p in r.get('peers', [])]}: {r.get('syncs_compared')} syncs, digests equal "

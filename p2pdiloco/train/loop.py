@@ -134,7 +134,7 @@ def _finish(replica: Replica, machine: Machine, events: Events, run_dir: str) ->
     # the model as finish() left it: every local worker ends with it
     machine.tell(False, diloco.lr_step, events.metrics, final=True)
     diloco.close()
-    replica.save_checkpoint(run_dir, events.me)
+    replica.save_checkpoint(run_dir, events.me, last=True)
     events.close_bar()
     return events.summary(diloco, run_dir)
 

@@ -11,12 +11,12 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointWriter, find_checkpoint, load_checkpoint
 from ..config import RunConfig
 from ..data import BatchStream, evaluate, load_corpus
 from ..diloco.core import DiLoCo
@@ -105,6 +105,7 @@ class Replica:
     train_opt: torch.optim.Optimizer
     shards: Optional[FsdpShards]
     diloco: DiLoCo
+    writer: CheckpointWriter = field(default_factory=CheckpointWriter)
 
     def step(self) -> Tuple[float, int]:
         """One AdamW step on the next batch of our shard; returns (loss, batch size). With local workers,
@@ -122,7 +123,10 @@ class Replica:
         return evaluate(self.model, self.corpus.val, batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
                         max_batches=cfg.train.eval_batches, device=self.machine.eval_device)
 
-    def save_checkpoint(self, run_dir: str, me: str) -> None:
+    def save_checkpoint(self, run_dir: str, me: str, last: bool = False) -> None:
+        """A checkpoint of this moment: written in the background (train.background_checkpoints; skipped
+        while the previous one is being written), or on this thread; ``last``: the run's last one, on
+        this thread after any in flight, a failure raised."""
         opt = self.inner_opt
         if self.machine.sharded:  # the workers gathered the full optimiser state to us after this step (or not)
             leader = self.machine.leader
@@ -132,7 +136,11 @@ class Replica:
                 return
         with self.diloco.state_lock:  # not while a background sync writes a global copy
             snap = snapshot(self.model, opt, self.diloco, self.stream, local_workers=self.machine.world)
-        save_checkpoint(run_dir, snap)
+            # the state holds live tensors: copied (background) or written (here) before a sync may change them
+            if self.cfg.train.background_checkpoints and not last:
+                self.writer.submit(run_dir, snap, snap["inner_step"])
+            else:
+                self.writer.save_now(run_dir, snap, snap["inner_step"])
 
 
 def build_replica(cfg: RunConfig, machine: Machine, node: SwarmNode, swarm: Swarm, run_dir: str,
