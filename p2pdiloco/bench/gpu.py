@@ -597,13 +597,16 @@ def _plots(results: Dict[str, Any], out: str) -> List[str]:
 
 # ----------------------------------------------------------------------------- the driver
 def _git() -> str:
-    """The commit: git's, else ``P2PDILOCO_COMMIT`` (a device machine gets the working tree without .git)."""
+    """The commit: ``P2PDILOCO_COMMIT`` when set (a device machine's copy of the working tree may carry the
+    .git of an older commit, or none), else git's."""
+    if os.environ.get("P2PDILOCO_COMMIT"):
+        return os.environ["P2PDILOCO_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", _REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         head = ""
-    return head or os.environ.get("P2PDILOCO_COMMIT", "unknown")
+    return head or "unknown"
 
 
 def _run_part(name: str, args: argparse.Namespace, cap: float) -> Dict[str, Any]:
