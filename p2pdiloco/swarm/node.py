@@ -22,7 +22,7 @@ import threading
 import time
 from collections import Counter
 from functools import partial
-from typing import Any, Awaitable, Callable, Dict, List, Optional
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Set
 
 import msgpack
 
@@ -237,6 +237,19 @@ def _identity_in_use(peer_id: str, initial_peers: List[str]) -> bool:
         return False
 
 
+async def held(coro: Awaitable[Any], tasks: Set[asyncio.Task]) -> Any:
+    """Await ``coro`` with its task in ``tasks`` until it is done. The event loop references its tasks
+    only weakly: a task that awaits a future nothing else holds (hivemind's MPFuture, registered by a
+    weak reference only) forms a cycle with it, and a garbage collection destroys both while pending,
+    so the coroutine never finishes and whoever waits for it times out."""
+    task = asyncio.current_task()
+    tasks.add(task)
+    try:
+        return await coro
+    finally:
+        tasks.discard(task)
+
+
 class SwarmNode:
     """Start (or join) the DHT and keep a P2P client with its own event loop thread.
 
@@ -333,6 +346,8 @@ class SwarmNode:
         self.gate = PeerGate()
         self.traffic = Traffic()
         self.loop = asyncio.new_event_loop()
+        #: the tasks started by :meth:`submit`, held until done (see :func:`held`)
+        self._tasks: Set[asyncio.Task] = set()
         self._thread = threading.Thread(target=self._run_loop, name="p2pdiloco-net", daemon=True)
         self._thread.start()
         self.p2p = self.call(self.dht.replicate_p2p(), timeout=30)
@@ -404,9 +419,9 @@ class SwarmNode:
             why = self.call(relay_mod.reserve(self, relay), timeout=15)
             if why is None:
                 self.reachability, self.via = "relayed", relay
-                self._renewer = asyncio.run_coroutine_threadsafe(self._renew(relay), self.loop)
+                self._renewer = self.submit(self._renew(relay))
                 self.add_handler(punch_mod.HANDLER, partial(punch_mod.serve_punch, self))
-                self.punches.task = asyncio.run_coroutine_threadsafe(punch_mod.puncher(self), self.loop)
+                self.punches.task = self.submit(punch_mod.puncher(self))
                 logger.info(f"[{self.short_id}] relayed through {short_id(relay)}: other peers reach us through it")
                 return
             refusals.append(f"{short_id(relay)}: {why}")
@@ -444,7 +459,8 @@ class SwarmNode:
 
     # ---- running coroutines on the network thread -------------------------------------------
     def submit(self, coro: Awaitable[Any]) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Run ``coro`` on the network thread; its task is held until done (:func:`held`)."""
+        return asyncio.run_coroutine_threadsafe(held(coro, self._tasks), self.loop)
 
     def call(self, coro: Awaitable[Any], timeout: Optional[float] = None) -> Any:
         return self.submit(coro).result(timeout)
