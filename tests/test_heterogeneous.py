@@ -5,8 +5,9 @@ Through the real CLI: a bootstrap and 3 peers, one made 5x slower per inner step
 (``slow``: it sleeps 4x each step's compute time). Asserts: the slowdown fired; the slow peer took far
 fewer inner steps than the fast ones; every round was a full group and every member's weight is the
 samples it reports, summing to the round's total that every member received; digests equal after every
-sync; the fast peers waited in syncs at most 10% of their wall time (printed: each peer's share of
-its wall time spent waiting in syncs); and a single-process reference that replays each peer's inner
+sync; the fast peers waited in syncs at most 10% of their wall time, or twice the slow peer's share
+when the machine's load makes every sync slower (waiting for the slow peer would be 80%; printed: each
+peer's share of its wall time spent waiting in syncs); and a single-process reference that replays each peer's inner
 steps (same shard, same inner optimiser, same lr schedule) and applies the same sample-weighted
 averages in the group's member order has the swarm's digest after every round and its final parameters bitwise.
 """
@@ -84,9 +85,14 @@ def test_fast_peers_do_not_wait_for_a_slow_one(procs, tmp_path, run):
     print("\nshare of wall time waiting in syncs: " + ", ".join(
         f"peer {i}{' (slow)' if i == SLOW else ''} {w:.1%} ({s['network_wait_seconds']:.1f} of {s['seconds']:.1f} s, "
         f"{steps[i]} inner steps)" for i, (w, s) in enumerate(zip(waits, summaries))))
+    # Waiting for the slow peer would cost a fast one (FACTOR - 1) / FACTOR = 80% of its wall time. What a
+    # fast peer may wait is what the slow peer waits in the same run (the syncs' own cost under this
+    # machine's load: the slow peer never waits for anyone), twice over, and never less than 10%.
+    bound = max(0.10, 2 * waits[SLOW])
     for i in range(3):
         if i != SLOW:
-            assert waits[i] <= 0.10, f"fast peer {i} waited {waits[i]:.1%} of its wall time"
+            assert waits[i] <= bound, (f"fast peer {i} waited {waits[i]:.1%} of its wall time (bound {bound:.1%}: "
+                                       f"the slow peer waited {waits[SLOW]:.1%})")
 
     if P > 1:
         return
