@@ -235,3 +235,58 @@ def test_idle_bytes_per_period_on_the_wire():
     assert max(sent) <= allowed and max(recv) <= allowed, (sent, recv, allowed)
     # and something was published: at least a store to each other node per period
     assert min(sent) >= (n_periods - 1) * (nodes - 1) * 1000, (sent, n_periods)
+
+
+@pytest.mark.timeout(120)
+def test_a_waiting_formation_rereads_the_live_peers_less_often_while_nothing_changes(nodes):
+    """While a formation waits for a peer that does not come, each re-read of the live peers' progress
+    records (every record, from several nodes: the control traffic that grows with the swarm) comes
+    twice as long after the last, up to REEVAL_MAX_S; a read that changes whom we wait for (a joiner
+    appears) brings the next one back to reevaluate_period."""
+    peers = nodes[1:4]
+    run = f"quiet{next(_runs)}"
+    swarms = [Swarm(n, run, matchmaking_timeout=7, allreduce_timeout=5, progress_period=1.0) for n in peers]
+    me, due, joiner = swarms
+    for s in (me, due):  # B is due at step 40 but never gets ready
+        s.check_fingerprint("fp", {"a": 1})
+        s.update_progress(step=30, next_sync=40, synced_step=0)
+        s.publish_progress(wait=True)
+    mm = me.matchmaker
+    period = mm.reevaluate_period
+    evaluations = []  # (is the joiner waited for, the pause to the next re-read)
+    evaluate = mm._evaluate
+
+    def recorded(a, read):
+        evaluate(a, read)
+        evaluations.append((joiner.peer_id in a.waiting_for, a.reeval_gap))
+        if len(evaluations) == 3:  # C announces itself, due at the same step: a joiner to wait for
+            joiner.check_fingerprint("fp", {"a": 1})
+            joiner.update_progress(step=30, next_sync=40, synced_step=0)
+            joiner.publish_progress()
+
+    mm._evaluate = recorded
+
+    async def wait_alone():
+        a = await mm._enter(0, 0, 3, 40)
+        try:
+            return await mm._poll(a)
+        finally:
+            a.hang_up()
+
+    assert me.node.call(wait_alone(), timeout=60) is None  # nobody came: the poll ran to its deadline
+    seen = [i for i, (waited, _) in enumerate(evaluations) if waited]
+    assert seen, f"the joiner's record never showed: {evaluations}"
+    first = seen[0]
+    gaps = [g for _, g in evaluations]
+    assert gaps[:3] == [period, 2 * period, min(4 * period, quiet_cap(period))], evaluations
+    assert gaps[first] == period and first >= 3, evaluations  # the read that saw the joiner
+    for i in range(1, len(gaps)):
+        if i != first:
+            assert gaps[i] == min(2 * gaps[i - 1], quiet_cap(period)), evaluations
+    # 7 s of waiting: about 6 re-reads instead of 14 at a steady reevaluate_period
+    assert len(evaluations) <= 8, evaluations
+
+
+def quiet_cap(period):
+    from p2pdiloco.swarm.matchmaking import REEVAL_MAX_S
+    return max(REEVAL_MAX_S, period)

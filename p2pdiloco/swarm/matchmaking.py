@@ -20,7 +20,8 @@
    without itself (or is refused with ``closed``) raises :class:`MatchmakingFailed`: it missed
    the round and must catch up (download state), never sync alone.
 5. Elastic membership (when the caller passes ``sync_step``): while waiting, the live peers'
-   progress records are re-read every ``reevaluate_period`` seconds. A peer that said goodbye
+   progress records are re-read, ``reevaluate_period`` seconds after a read that changed whom we
+   wait for, twice the last pause (up to ``REEVAL_MAX_S``) after one that did not. A peer that said goodbye
    (clean leave) or whose record expired (crashed, stopped) stops being waited for; a peer that
    just announced itself (a joiner) starts being waited for. How long to wait is *derived* from
    the peers' measured speed: a missing peer at inner step ``s`` running ``sps`` steps/s is
@@ -105,6 +106,12 @@ __all__ = ["Matchmaker", "expected_peers"]
 #: several nodes, each answer carrying every signed record of the round: ~100 KB per sync and peer
 #: at a steady 0.1 s with 4 peers)
 POLL_MIN_S, POLL_MAX_S = 0.1, 0.8
+#: the longest pause between two re-reads of the live peers while a formation polls (seconds): the
+#: re-reads start every reevaluate_period and double while one brings no change in whom we wait for.
+#: Each re-read carries every live peer's progress record from several nodes (the control traffic that
+#: grows with the swarm), and those records change only when their peer syncs or re-publishes, which
+#: a reader sees within LOCAL_READ_PERIOD (2 s) anyway
+REEVAL_MAX_S = 2.0
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +138,7 @@ class _Attempt:
     peers: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     absent: Set[str] = field(default_factory=set)
     last_eval: float = -1e9
+    reeval_gap: float = 0.0                 # the pause to the next re-read of the live peers (the backoff)
     presumed: str = ""
     early: Optional[asyncio.Future] = None  # our request to the presumable leader, while it is open
     quiet_polls: int = 0                    # polls in a row that found no new ready peer (the backoff)
@@ -399,22 +407,28 @@ class Matchmaker(Leading, JoinRequests):
         return a
 
     def _evaluate(self, a: "_Attempt", read: Dict[str, Dict[str, Any]]) -> None:
-        """A fresh read of the live peers: whom we wait for, how many, and until when (item 5)."""
+        """A fresh read of the live peers: whom we wait for, how many, and until when (item 5). The next
+        re-read is reevaluate_period away after a read that changed whom we wait for (or the first),
+        twice the last pause (up to REEVAL_MAX_S) after one that did not."""
+        before = (set(a.peers), a.waiting_for, a.expected)
         a.last_eval = time.monotonic()
         a.peers = read
         a.waiting_for = expected_peers(read, a.me, a.sync_step)
         a.expected = 1 + len(a.waiting_for | (a.ready - {a.me}))
         a.deadline = self._derived_deadline(read, a.waiting_for - a.ready, a.sync_step, a.first_seen, a.start,
                                             a.hard_deadline)
+        changed = not a.reeval_gap or before != (set(a.peers), a.waiting_for, a.expected)
+        a.reeval_gap = (self.reevaluate_period if changed
+                        else min(max(REEVAL_MAX_S, self.reevaluate_period), 2 * a.reeval_gap))
 
     async def _poll(self, a: "_Attempt") -> Optional[Group]:
-        """Poll the ready records (and, every reevaluate_period, the live peers and the group record)
-        until as many peers are ready as expected or the deadline; join requests count as ready records.
-        Returns the group when the presumable leader answered with one, else None."""
+        """Poll the ready records and the group record (and, at the re-read pauses of :meth:`_evaluate`,
+        the live peers) until as many peers are ready as expected or the deadline; join requests count as
+        ready records. Returns the group when the presumable leader answered with one, else None."""
         slot = a.slot
         while True:
             # the three reads of one poll run side by side: each waits a round trip or more on a WAN
-            reeval = a.sync_step is not None and time.monotonic() - a.last_eval >= self.reevaluate_period
+            reeval = a.sync_step is not None and time.monotonic() - a.last_eval >= a.reeval_gap
             reads = asyncio.ensure_future(asyncio.gather(
                 self._ready_read(a.key), self._live_peers(check=True) if reeval else _nothing(),
                 self.node.aget_subkeys(self._group_key(a.frag, a.round))))
