@@ -82,6 +82,8 @@ def host_copy(obj: Any) -> Any:
         if hasattr(obj, "_metadata"):
             out._metadata = obj._metadata
         return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple takes its fields one by one
+        return type(obj)(*(host_copy(v) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(host_copy(v) for v in obj)
     return obj

@@ -17,7 +17,7 @@ import torch
 
 from elastic_support import faults_env, join_args, ok_syncs, read_events, wait_for
 from p2pdiloco import faults
-from p2pdiloco.checkpoint import CheckpointWriter, find_checkpoint, load_checkpoint, save_checkpoint
+from p2pdiloco.checkpoint import CheckpointWriter, find_checkpoint, host_copy, load_checkpoint, save_checkpoint
 from p2pdiloco.errors import CheckpointError, SyncFailed
 
 H = 10
@@ -148,3 +148,14 @@ def test_a_failed_background_write_keeps_the_last_checkpoint_and_says_so(tmp_pat
             writer.save_now(run_dir, {"format": 1, "inner_step": 30}, 30)
     finally:
         faults.clear()
+
+
+def test_host_copy_rebuilds_containers_and_copies_tensors():
+    pair = collections.namedtuple("pair", "a b")
+    x = torch.arange(3.0)
+    state = {"n": pair(x, [x]), "size": torch.Size([2, 3]), "t": (x, 1), "s": "text"}
+    got = host_copy(state)
+    x.add_(10.0)
+    assert isinstance(got["n"], pair) and torch.equal(got["n"].a, torch.arange(3.0))
+    assert torch.equal(got["n"].b[0], torch.arange(3.0)) and got["size"] == torch.Size([2, 3])
+    assert torch.equal(got["t"][0], torch.arange(3.0)) and got["t"][1] == 1 and got["s"] == "text"
