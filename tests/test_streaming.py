@@ -1074,6 +1074,40 @@ def test_a_digest_mismatch_names_the_first_differing_tensor():
     assert d.first_difference({**meta, "step": meta["step"] + 2}, flat.numpy().tobytes()) is None  # a catch-up
 
 
+def test_a_mismatch_after_a_split_history_is_not_reported_as_a_bug(caplog):
+    """Adopting the majority's state after our recent groups were not theirs (a split history, resolved
+    by design) says so; the same difference from donors whose last group is ours is reported as a bug."""
+    import types
+
+    from p2pdiloco.config import RunConfig
+    from p2pdiloco.train.recovery import Recovery
+
+    cfg = make_cfg("inner.sync_every=2", "streaming.fragments=2")
+    torch.manual_seed(0)
+    d = DiLoCo(build_model(cfg.model), cfg)
+    for _ in range(4):
+        d.after_inner_step(1)
+    d.finish()
+    meta, payload = d.snapshot()
+    flat = torch.frombuffer(bytearray(payload), dtype=torch.float32).clone()
+    flat[5] += 1.0
+    got = types.SimpleNamespace(meta=meta, payload=flat.numpy().tobytes(), digest="theirs", donors={"D": [0, 1]})
+    events = []
+    lineage = {"g-ours"}
+    swarm = types.SimpleNamespace(set_give_way=lambda f: None, lineage=lambda last=None: lineage)
+    metrics = types.SimpleNamespace(write=lambda event, **kw: events.append(dict(kw, event=event)))
+    r = Recovery(RunConfig(), types.SimpleNamespace(short_id="me"), swarm, d, metrics)
+    read = {"D": {"gid": "g-theirs"}}
+    with caplog.at_level("WARNING", logger="p2pdiloco.train.recovery"):
+        r._report_mismatch(got, read)
+        assert "split history" in caplog.text and "this is a bug" not in caplog.text
+        lineage.add("g-theirs")  # we were in the donors' last group: the same bits were due
+        r._report_mismatch(got, read)
+        assert "this is a bug" in caplog.text
+    assert [e["cause"] for e in events] == ["split history", "same group"]
+    assert all(e["event"] == "digest_mismatch" and e["fragment"] == 0 for e in events)
+
+
 def test_eager_offset_survives_a_checkpoint():
     """A peer's eager offset (its own share of the trajectory) and the own term in it are part of its
     checkpoint: a resumed peer restarts its next phase from agreed θ plus the same offset; a downloaded

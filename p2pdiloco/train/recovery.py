@@ -193,7 +193,7 @@ class Recovery:
         swarm, diloco, metrics = self.swarm, self.diloco, self.metrics
         for donor, why in got.rejected:
             metrics.write("state_rejected", donor=donor, reason=why, step=got.step)
-        self._report_mismatch(got)
+        self._report_mismatch(got, read)
         diloco.load_snapshot(got.meta, got.payload)
         # we left our history for the donors': their last group is our lineage now (else the lineage
         # rule would see them as rivals again and again), they are our side
@@ -207,20 +207,29 @@ class Recovery:
                               round=diloco.outer_round(), digest=diloco.digest(), next_sync=diloco.next_sync_step())
         swarm.publish_progress()
 
-    def _report_mismatch(self, got) -> None:
-        """A verified state of our own synced step with another digest: every peer of a step should
-        hold the same bits, so this is a bug. Say where the states first differ before adopting."""
+    def _report_mismatch(self, got, read: Peers) -> None:
+        """A verified state of our own synced step with another digest. Peers of one group hold the same
+        bits, so when the donors' last group is one of ours this is a bug; when it is not, our recent
+        groups were not theirs (a split history: the majority's is adopted, as designed). Either way,
+        say where the states first differ before adopting."""
         diloco = self.diloco
         diff = diloco.first_difference(got.meta, got.payload)
         if diff is None:
             return
-        logger.warning(f"[{self.me}] digest mismatch at step {diloco.synced_step} (ours {diloco.digest()}, the "
-                       f"swarm's {got.digest}); this is a bug, please report it with this line: first differing "
-                       f"tensor: fragment {diff['fragment']} {diff['tensor']} ({diff['kind']}), "
-                       f"{diff['differing']} of {diff['numel']} elements differ, max |diff| "
-                       f"{diff['max_abs_diff']:.3g}; adopting the majority's state")
+        where = (f"first differing tensor: fragment {diff['fragment']} {diff['tensor']} ({diff['kind']}), "
+                 f"{diff['differing']} of {diff['numel']} elements differ, max |diff| {diff['max_abs_diff']:.3g}")
+        theirs = {read.get(d, {}).get("gid") for d in got.donors} - {None, ""}
+        split = bool(theirs) and not theirs & self.swarm.lineage(self.recent)
+        if split:
+            logger.warning(f"[{self.me}] our state at step {diloco.synced_step} comes from groups the donors were "
+                           f"not in (ours {diloco.digest()}, theirs {got.digest}): a split history; adopting the "
+                           f"majority's ({where})")
+        else:
+            logger.warning(f"[{self.me}] digest mismatch at step {diloco.synced_step} (ours {diloco.digest()}, the "
+                           f"swarm's {got.digest}); this is a bug, please report it with this line: {where}; "
+                           "adopting the majority's state")
         self.metrics.write("digest_mismatch", step=diloco.synced_step, ours=diloco.digest(), theirs=got.digest,
-                           **diff)
+                           cause="split history" if split else "same group", **diff)
 
 
 def _next_sync_after(diloco: DiLoCo, step: int) -> int:
