@@ -1052,16 +1052,21 @@ def test_exit_with_a_sync_in_flight_is_clean(tmp_path):
         assert "terminate called" not in res.stderr
 
 
-def test_a_digest_mismatch_names_the_first_differing_tensor():
-    """Two states of the same synced step must be the same bits; when a downloaded one is not, the peer
-    says where: the first differing tensor (fragment, name, θ or momentum) and how many elements differ."""
+def _two_fragments_synced():
+    """A DiLoCo of two fragments after two syncs each, and its state as a donor sends it."""
     cfg = make_cfg("inner.sync_every=2", "streaming.fragments=2")
     torch.manual_seed(0)
     d = DiLoCo(build_model(cfg.model), cfg)
     for _ in range(4):
         d.after_inner_step(1)
     d.finish()
-    meta, payload = d.snapshot()
+    return (d, *d.snapshot())
+
+
+def test_a_digest_mismatch_names_the_first_differing_tensor():
+    """Two states of the same synced step must be the same bits; when a downloaded one is not, the peer
+    says where: the first differing tensor (fragment, name, θ or momentum) and how many elements differ."""
+    d, meta, payload = _two_fragments_synced()
     assert d.first_difference(meta, payload) is None  # the same state
     flat = torch.frombuffer(bytearray(payload), dtype=torch.float32).clone()
     o1 = d.outer[1]
@@ -1082,13 +1087,7 @@ def test_a_mismatch_after_a_split_history_is_not_reported_as_a_bug(caplog):
     from p2pdiloco.config import RunConfig
     from p2pdiloco.train.recovery import Recovery
 
-    cfg = make_cfg("inner.sync_every=2", "streaming.fragments=2")
-    torch.manual_seed(0)
-    d = DiLoCo(build_model(cfg.model), cfg)
-    for _ in range(4):
-        d.after_inner_step(1)
-    d.finish()
-    meta, payload = d.snapshot()
+    d, meta, payload = _two_fragments_synced()
     flat = torch.frombuffer(bytearray(payload), dtype=torch.float32).clone()
     flat[5] += 1.0
     got = types.SimpleNamespace(meta=meta, payload=flat.numpy().tobytes(), digest="theirs", donors={"D": [0, 1]})
