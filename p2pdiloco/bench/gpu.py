@@ -529,10 +529,12 @@ def _summary(name: str, r: Dict[str, Any]) -> str:
         s, w = r.get("solo") or {}, r.get("swarm") or {}
         frag = "; ".join(f"f{k} sync {_f(v['mean_sync_s'])} s wait {_f(v['mean_wait_s'])} s"
                          for k, v in (w.get("sync_by_fragment") or {}).items())
+        sets = f"peers with {', '.join(r['peer_sets'])}; " if r.get("peer_sets") else ""
         return (f"{_f((r.get('model') or {}).get('params'), '{:,}')} params, {r.get('autocast')}: alone "
                 f"{_f(s.get('tokens_per_s'), '{:,.0f}')} tok/s (MFU {_f(s.get('mfu'))}); {r.get('peers')} peers "
-                f"{w.get('tokens_per_s')} tok/s between first and last sync (whole run {w.get('tokens_per_s_whole_run')}), "
-                f"{'peers with ' + ', '.join(r['peer_sets']) + '; ' if r.get('peer_sets') else ''}sum/alone {_f(w.get('sum_over_solo'))}, MFU sum {_f(w.get('mfu_sum'))}; "
+                f"{w.get('tokens_per_s')} tok/s between first and last sync "
+                f"(whole run {w.get('tokens_per_s_whole_run')}), {sets}"
+                f"sum/alone {_f(w.get('sum_over_solo'))}, MFU sum {_f(w.get('mfu_sum'))}; "
                 f"GPU MiB {w.get('gpu_memory_mib')}; {frag}")
     if name == "exactness":
         return (f"{[p.get('device') for p in r.get('peers', [])]}: {r.get('syncs_compared')} syncs, digests equal "
