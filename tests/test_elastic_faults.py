@@ -5,7 +5,9 @@
   keep training in a smaller group and end identical; the fault fired exactly once;
 * a straggler (SIGSTOP on its whole process group, later SIGCONT): the group goes on without it;
   when it wakes it notices it is behind, re-syncs, and never sends a contribution for a round that
-  is already over.
+  is already over;
+* a round that fails for every peer: each one's record says so, so no peer waits for a newer state
+  that nobody has.
 """
 from __future__ import annotations
 
@@ -113,3 +115,29 @@ def test_a_frozen_peer_does_not_hide_the_live_peers_records():
     assert r["store_s"]["unfrozen"] < 1.0 and r["store_s"]["first_frozen"] >= 2.5, r
     assert r["reads"] >= 10, r
     assert r["missing_s"] == 0.0 and r["max_age_s"] < r["record_lifetime_s"], r
+
+
+@pytest.mark.timeout(240)
+def test_a_round_failed_by_everyone_is_not_waited_out(procs, tmp_path):
+    """Every peer's send fails in round 1 (the fault on all three). A failed round may have completed
+    for the others, so a peer looks for their newer state; here nobody has one, and each peer's
+    record says its round failed too, so every peer stops looking once it has read the others'
+    records (``catch_up_settled``) instead of polling three progress periods, and training goes on
+    with one state everywhere."""
+    addr = procs.bootstrap()
+    run = run_settings("allfail", "train.max_outer_steps=4")
+    fail = faults_env({"phase": "allreduce.send", "action": "fail", "frag": 0, "round": 1})
+    peers = [procs.start(*join_args(addr, tmp_path / n, *run), name=n, env=fail) for n in "abc"]
+    for p in peers:
+        assert procs.wait(p, 200) == 0, procs.err(p.name)[-3000:]
+    for n in "abc":
+        fired = read_events(tmp_path / n, "fault")
+        assert [(f["phase"], f["action"], f["round"]) for f in fired] == [("allreduce.send", "fail", 1)], fired
+        syncs = read_events(tmp_path / n, "sync")
+        failed = [r for r in syncs if not r["ok"]]
+        assert [r["outer_step"] for r in failed] == [2], syncs  # round 1, and no other
+        settled = read_events(tmp_path / n, "catch_up_settled")
+        assert len(settled) == 1 and "failed for every live peer (3)" in settled[0]["reason"], settled
+        assert settled[0]["step"] == failed[0]["step"], (settled, failed)  # at the failed round, not later
+        assert sum(r["ok"] for r in syncs if r["step"] > failed[0]["step"]) >= 2, syncs  # training went on
+    assert_agree([tmp_path / n for n in "abc"], min_common=3)

@@ -135,6 +135,8 @@ class ProgressRecord(_Open):
     loss: Optional[Number] = None
     val_loss: Optional[Number] = None
     last_sync: Optional[Number] = None
+    #: the send step of the last round that did not complete for this peer (failed or missed)
+    failed: Optional[Count] = None
     t: Optional[Number] = None
     digest: Optional[constr(strict=True, max_length=4096, regex=r"^[0-9a-f\-]*$")] = None
     gone: Optional[StrictBool] = None

@@ -138,6 +138,7 @@ class Events:
             swarm.note_val_loss(diloco.outer_round(), self.val)
         else:
             swarm.note_failure(rep.round + 1, rep.fragment, rep.error or "failed")
+            swarm.update_progress(failed=rep.step)  # peers waiting to catch up see nobody completed it
         swarm.publish_progress()
         logger.info(f"[{self.me}] sync frag {rep.fragment} round {rep.round} {'ok' if rep.ok else 'FAILED'} "
                     f"group {rep.group_size} {rep.seconds:.2f}s val_loss {self.val:.4f} digest {rep.digest}")

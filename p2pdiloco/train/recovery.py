@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ..config import RunConfig
 from ..diloco.core import DiLoCo, SyncReport
@@ -94,10 +94,26 @@ class Recovery:
                 self.adopt_rivals()
             elif not self.catch_up(wait=cfg.swarm.allreduce_timeout):
                 logger.warning(f"[{self.me}] missed a round and found no verified state to catch up to yet")
-        elif any(not r.ok and not r.missed for r in reports):
+        elif failed := [r for r in reports if not r.ok and not r.missed]:
             # A failed round may have completed for the others (a reply lost on its way to us only).
-            # Then our θ is stale: adopt theirs rather than contribute against an old base.
-            self.catch_up(wait=3 * cfg.swarm.progress_period)
+            # Then our θ is stale: adopt theirs rather than contribute against an old base. Once
+            # every other live peer says it did not complete it either, there is nothing to wait for.
+            self.catch_up(wait=3 * cfg.swarm.progress_period, settled=lambda view: self._failed_for_all(view, failed))
+
+    def _failed_for_all(self, view: Peers, failed: List[SyncReport]) -> Optional[str]:
+        """Why waiting for a newer state is over: every other live peer's record says the round(s) in
+        ``failed`` did not complete for it either (its ``failed`` is at or past them, its synced step
+        before them), so no one holds a state to catch up to. None while one has not said so (an
+        older record, an older version, a straggler not there yet). A claim only ends our wait: a
+        lying peer can make us keep our own state until the next check against the swarm's records,
+        never adopt another one (that takes a verified download)."""
+        first, last = min(r.step for r in failed), max(r.step for r in failed)
+        others = [rec for pid, rec in view.items() if pid != self.node.peer_id_str]
+        for rec in others:
+            gave_up, synced = rec.get("failed"), rec.get("synced_step")
+            if not isinstance(gave_up, int) or gave_up < last or (isinstance(synced, int) and synced >= first):
+                return None
+        return f"the round at step {last} failed for every live peer ({len(others) + 1})"
 
     def check_against_swarm(self) -> None:
         """Every progress_period, from the records read in the background (no DHT wait here): are we
@@ -143,11 +159,15 @@ class Recovery:
         return self.catch_up(wait=0, min_step=-1, peers=lambda: self.rivals(self.swarm.live_peers()) or {})
 
     # ---- catching up -----------------------------------------------------------------------------------
-    def catch_up(self, wait: float, min_step: Optional[int] = None, joining: bool = False, peers=None) -> bool:
-        """Adopt the swarm's verified state if it is ahead of ours; poll up to ``wait`` seconds.
-        A failed download while ``joining`` stops the peer (JoinFailed); later it keeps our state."""
+    def catch_up(self, wait: float, min_step: Optional[int] = None, joining: bool = False, peers=None,
+                 settled: Optional[Callable[[Peers], Optional[str]]] = None) -> bool:
+        """Adopt the swarm's verified state if it is ahead of ours; poll up to ``wait`` seconds, or
+        until ``settled`` of the records just read gives a reason to stop (logged, and the
+        ``catch_up_settled`` event). A failed download while ``joining`` stops the peer (JoinFailed);
+        later it keeps our state."""
         cfg, swarm, diloco, metrics = self.cfg, self.swarm, self.diloco, self.metrics
-        deadline = time.time() + wait
+        t_start = time.time()
+        deadline = t_start + wait
         read: Peers = {}  # the records the target was picked from
 
         def source() -> Peers:
@@ -179,6 +199,11 @@ class Recovery:
             if got is not None:
                 self._adopt(got, read)
                 return True
+            if settled is not None and (why := settled(read)):
+                metrics.write("catch_up_settled", step=diloco.position, reason=why,
+                              seconds=round(time.time() - t_start, 3), peers=len(read))
+                logger.info(f"[{self.me}] {why}: keeping our state")
+                return False
             if time.time() >= deadline:
                 return False
             time.sleep(0.5)
