@@ -141,3 +141,23 @@ def test_a_round_failed_by_everyone_is_not_waited_out(procs, tmp_path):
         assert settled[0]["step"] == failed[0]["step"], (settled, failed)  # at the failed round, not later
         assert sum(r["ok"] for r in syncs if r["step"] > failed[0]["step"]) >= 2, syncs  # training went on
     assert_agree([tmp_path / n for n in "abc"], min_common=3)
+
+
+def test_failed_for_all_needs_every_other_peer_to_say_so_and_a_liar_cannot_hide_a_completed_round():
+    """The rule behind ``catch_up_settled``, on records: our round at step 20 failed."""
+    from types import SimpleNamespace
+
+    from p2pdiloco.diloco.background import SyncReport
+    from p2pdiloco.train.recovery import Recovery
+
+    me = SimpleNamespace(node=SimpleNamespace(peer_id_str="me"))
+    failed = [SyncReport(step=20, fragment=0, round=1, ok=False)]
+    said = {"synced_step": 10, "failed": 20}
+    rule = lambda view: Recovery._failed_for_all(me, view, failed)  # noqa: E731
+    assert "failed for every live peer (3)" in rule({"me": {}, "a": said, "b": said})
+    assert rule({"me": {}}) is not None  # alone: nobody can hold a newer state
+    assert rule({"a": said, "b": {"synced_step": 10}}) is None  # b has not said (older record or version)
+    assert rule({"a": said, "b": {"synced_step": 10, "failed": 10}}) is None  # b's failure is an older round
+    # a completed round is visible in an honest record whatever a liar claims
+    assert rule({"liar": said, "b": {"synced_step": 20}}) is None
+    assert rule({"liar": said, "b": {"synced_step": 20, "failed": 20}}) is None
