@@ -261,6 +261,9 @@ class CompressionConfig:
     power_iterations: int = 1
     #: error feedback keeps this share of the low-rank residual (1: all of it)
     feedback_decay: float = 1.0
+    #: where the error-feedback residual goes: "resend" (added to the next round's pseudo-gradient) or
+    #: "model" (this peer's model keeps it: the next inner phase starts from the average minus it)
+    feedback_form: str = "resend"
     #: comma-separated substrings: parameters whose names contain one are sent whole with ``codec``, not
     #: as low-rank factors (e.g. "emb" for the embeddings)
     dense_params: str = ""
@@ -299,6 +302,12 @@ class CompressionConfig:
             raise ConfigError(f"compression.power_iterations ({self.power_iterations!r}) must be an integer >= 1")
         if not 0.0 <= self.feedback_decay <= 1.0:
             raise ConfigError(f"compression.feedback_decay ({self.feedback_decay!r}) must be in [0, 1]")
+        if self.feedback_form not in ("resend", "model"):
+            raise ConfigError(f"compression.feedback_form ({self.feedback_form!r}) must be 'resend' (the residual "
+                              "is added to the next round's pseudo-gradient) or 'model' (the peer's model keeps it)")
+        if self.feedback_form == "model" and not self.error_feedback:
+            raise ConfigError("compression.feedback_form=model keeps the error-feedback residual in the model: "
+                              "set compression.error_feedback=true as well")
 
     def _validate_sparse(self) -> None:
         chunk, k = self.sparse_chunk, self.sparse_k
@@ -547,6 +556,7 @@ class RunConfig:
         for name in _SECTIONS:
             getattr(self, name).validate()
         self._check_sparse()
+        self._check_feedback_form()
         self.streaming.check_schedule(self.inner.sync_every, self.model.num_blocks())
         self._check_vocab()
         if self.local.sharding == "fsdp" and self.inner.round_samples:
@@ -569,6 +579,20 @@ class RunConfig:
             raise ConfigError(f"compression.codec=sparse needs robust.aggregator=mean (now "
                               f"{self.robust.aggregator!r}): the owners relay the members' sparse parts and every "
                               "member takes their weighted mean; CenteredClip's result is not sparse")
+
+    def _check_feedback_form(self) -> None:
+        """The residual kept in the model enters where a ``tau`` result is merged into it; the
+        restarting modes (``delay``, ``eager``) start each phase from their own start point, and
+        SparseLoCo's buffer is its momentum, not a residual to hand over."""
+        if self.compression.feedback_form != "model":
+            return
+        if self.compression.codec == "sparse":
+            raise ConfigError("compression.feedback_form=model does not apply to compression.codec=sparse (its "
+                              "error buffer is the outer momentum); use compression.feedback_form=resend")
+        if self.streaming.mode != "tau":
+            raise ConfigError(f"compression.feedback_form=model needs streaming.mode=tau (blocking DiLoCo is tau 0), "
+                              f"not {self.streaming.mode!r}: the residual is kept where a result is merged into the "
+                              "model; use compression.feedback_form=resend with delay or eager")
 
     def _check_vocab(self) -> None:
         """The tokenizer's vocabulary must be the model's: a token id past the embedding would crash

@@ -343,7 +343,9 @@ class _Stream:
 @pytest.mark.parametrize("sets", [["compression.codec=e3m0", "compression.error_feedback=true"],
                                   ["compression.codec=e3m0", "compression.lowrank=true", "compression.error_feedback=true"],
                                   ["compression.codec=sparse", "outer.lr=1", "outer.momentum=0",
-                                   "compression.sparse_chunk=256", "compression.sparse_k=8"]])
+                                   "compression.sparse_chunk=256", "compression.sparse_k=8"],
+                                  ["compression.codec=nf4", "compression.lowrank=true", "compression.error_feedback=true",
+                                   "compression.feedback_form=model"]])
 def test_reducer_state_survives_a_checkpoint(tmp_path, sets):
     """Save after two syncs, restore into fresh objects through the real checkpoint files: the
     next sync of the restored peer is bitwise the same as the original's."""
@@ -459,3 +461,56 @@ def test_lowrank_4bit_factors_keep_weak_directions_with_ritz_warm_start(warm_sta
         assert max(err) < 0.1, err
     else:
         assert max(err[12:]) > 0.5, err
+
+
+# ---- feedback_form = model: the unsent part stays in the peer's model ----------------------------
+def test_feedback_form_config():
+    assert _cfg().compression.feedback_form == "resend"
+    ef = ("compression.codec=nf4", "compression.error_feedback=true")
+    assert run_fingerprint(_cfg(*ef, "compression.feedback_form=model")) != run_fingerprint(_cfg(*ef))
+    sparse = ("compression.codec=sparse", "outer.lr=1", "outer.momentum=0", "compression.error_feedback=true")
+    for sets, msg in [(["compression.feedback_form=later"], "must be 'resend'"),
+                      (["compression.feedback_form=model"], "set compression.error_feedback=true"),
+                      ([*sparse, "compression.feedback_form=model"], "does not apply to compression.codec=sparse"),
+                      ([*ef, "compression.feedback_form=model", "streaming.mode=delay"], "needs streaming.mode=tau")]:
+        with pytest.raises(ConfigError, match=msg):
+            _cfg(*sets)
+
+
+@pytest.mark.parametrize("form", ["model", "resend"])
+@pytest.mark.parametrize("sets", [["compression.codec=nf4", "compression.lowrank=true", "compression.min_numel=1000"],
+                                  ["compression.codec=e3m0"]], ids=["lowrank-nf4", "e3m0"])
+def test_feedback_form_model_keeps_the_unsent_part_in_the_model(sets, form):
+    """A group of one applies exactly its own compressed part, so what the part left out is
+    e = Δ − avg. ``model``: after each sync the model sits at θ − e (the next Δ holds e, the reducer
+    keeps nothing to add again); ``resend``: the model is the global copy and the reducer keeps e."""
+    cfg = load_config("tests/tiny-diloco.toml", ["inner.sync_every=1", *sets, "compression.error_feedback=true",
+                                                 f"compression.feedback_form={form}"])
+    torch.manual_seed(0)
+    m = build_model(cfg.model)
+    d = DiLoCo(m, cfg)
+    frag, red = d.fragments[0], d.reducers[0]
+    seen = {}
+    reduce = red.reduce
+
+    def spy(delta, allreduce):
+        seen["delta"], seen["avg"] = delta.clone(), reduce(delta, allreduce)
+        return seen["avg"]
+
+    red.reduce = spy
+    for _ in range(2):  # the second round's Δ holds the first round's e: it is not added twice
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 1e-2)
+        assert d.after_inner_step(1)[0].ok
+        e = seen["delta"] - seen["avg"]
+        assert e.norm() > 0.01 * seen["delta"].norm()  # the codec / the low rank left something out
+        offset = frag.outer.pseudo_gradient(frag.model_params)  # θ − θ_m
+        if form == "model":
+            torch.testing.assert_close(offset, e, rtol=0, atol=1e-6)
+            assert red.take_residual() is None  # handed over: nothing left to add to the next Δ
+        else:
+            assert torch.equal(offset, torch.zeros_like(offset))
+            kept = red.take_residual()
+            torch.testing.assert_close(kept, e, rtol=0, atol=1e-6)
+            break  # take_residual emptied it: a second round would not be the resend form any more

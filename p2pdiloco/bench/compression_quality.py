@@ -70,14 +70,16 @@ SETTINGS: Dict[str, Tuple[str, ...]] = {
     "fp32": ("compression.codec=fp32", "compression.error_feedback=false", *_PLAIN),
     "fp16": ("compression.codec=fp16", "compression.error_feedback=false", *_PLAIN),
     "e3m0": ("compression.codec=e3m0", "compression.error_feedback=false", *_PLAIN),
-    "e3m0-ef": ("compression.codec=e3m0", "compression.error_feedback=true", *_PLAIN),
+    "e3m0-ef": ("compression.codec=e3m0", "compression.error_feedback=true", "compression.feedback_form=resend", *_PLAIN),
     "nf4": ("compression.codec=nf4", "compression.error_feedback=false", *_PLAIN),
-    "nf4-ef": ("compression.codec=nf4", "compression.error_feedback=true", *_PLAIN),
+    "nf4-ef": ("compression.codec=nf4", "compression.error_feedback=true", "compression.feedback_form=resend", *_PLAIN),
     "lowrank": ("compression.codec=fp32", "compression.error_feedback=false", *_LOWRANK_R4),
     "e3m0-lowrank": ("compression.codec=e3m0", "compression.error_feedback=false", *_LOWRANK_R4),
-    "e3m0-lowrank-ef": ("compression.codec=e3m0", "compression.error_feedback=true", *_LOWRANK_R4),
-    "e3m0-lowrank-r16-ef": ("compression.codec=e3m0", "compression.error_feedback=true", *_LOWRANK_R4[:1],
-                            "compression.rank=16", *_LOWRANK_R4[2:]),
+    "e3m0-lowrank-ef": ("compression.codec=e3m0", "compression.error_feedback=true", "compression.feedback_form=resend",
+                        *_LOWRANK_R4),
+    "e3m0-lowrank-r16-ef": ("compression.codec=e3m0", "compression.error_feedback=true",
+                            "compression.feedback_form=resend", *_LOWRANK_R4[:1], "compression.rank=16",
+                            *_LOWRANK_R4[2:]),
     "e3m0-lowrank-f16": ("compression.codec=e3m0", "compression.error_feedback=false", *_LOWRANK_F16),
     "nf4-lowrank-f16": ("compression.codec=nf4", "compression.error_feedback=false", *_LOWRANK_F16),
     #: the factors row-major (every 64-value block mixes all r columns): what low-rank sent before columns
@@ -88,6 +90,9 @@ SETTINGS: Dict[str, Tuple[str, ...]] = {
                              "compression.warm_start=mean"),
     #: the same factors in fp32: truncation alone, no quantization
     "fp32-lowrank-f16": ("compression.codec=fp32", "compression.error_feedback=false", *_LOWRANK_F16),
+    #: nf4-lowrank-f16 with the residual kept in each peer's model (error feedback without resending)
+    "nf4-lowrank-f16-keep": ("compression.codec=nf4", "compression.error_feedback=true",
+                             "compression.feedback_form=model", "compression.feedback_decay=1", *_LOWRANK_F16),
     #: SparseLoCo: top-k per chunk of a decayed error buffer, applied with outer lr 1 and no momentum
     "sparse": _sparse(64),
     "sparse-k32": _sparse(32),
@@ -150,7 +155,9 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False)
         return evaluate(models[0], corpus.val, batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
                         max_batches=cfg.train.eval_batches, device="cpu")
 
-    losses, sent, ranks = [val()], [], []
+    losses, sent, ranks, touched_share = [val()], [], [], []
+    touched: Optional[torch.Tensor] = None  # coordinates the applied update has changed at least once
+    keep = cfg.compression.feedback_form == "model"
     step = 0
     t0 = time.perf_counter()
     for _ in range(rounds):
@@ -170,9 +177,17 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False)
             t.join()
         if any(o is None or not torch.equal(o, outs[0]) for o in outs):
             raise RuntimeError("peers disagree on the averaged pseudo-gradient")
+        nz = outs[0] != 0
+        touched = nz if touched is None else touched | nz
+        touched_share.append(round(float(touched.float().mean()), 4))
         outer.step(outs[0])
-        for ps in params:
+        for ps, red in zip(params, reducers):
             outer.copy_to(ps)
+            residual = red.take_residual() if keep else None
+            if residual is not None:  # feedback_form=model: the peer restarts from θ − e_m (TauMode's merge)
+                with torch.no_grad():
+                    for p, e in zip(ps, outer.unflatten(residual)):
+                        p.sub_(e.to(p.device, p.dtype))
         losses.append(val())
         sent.append(bf.payload[0])
         if progress:
@@ -184,7 +199,7 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False)
     fp32_bytes = int(2 * (peers - 1) / peers * 4 * numel)  # PlainReducer with fp32: one all-reduce of Δ
     return {"val_loss": [round(v, 4) for v in losses], "bytes_per_sync": sent,
             "fp32_bytes_per_sync": fp32_bytes, "x_fewer_than_fp32": round(fp32_bytes / max(1, sent[-1]), 1) if sent else None,
-            "mean_rank": [round(r, 2) for r in ranks], "seconds": round(time.perf_counter() - t0, 1)}
+            "mean_rank": [round(r, 2) for r in ranks], "touched": touched_share, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -105,7 +105,7 @@ class DiLoCo:
                               f"= {self.H // P}")
         #: ``streaming.mode`` as configured, and the rules that implement it
         self.mode = st.mode
-        self.overlap: OverlapMode = overlap_mode(st, self.H)
+        self.overlap: OverlapMode = overlap_mode(st, self.H, keep_residual=cfg.compression.feedback_form == "model")
         self.schedule = Schedule(self.H, P)
         self.layout: FragmentLayout = split_fragments(model, P, st.pattern)
         self.codec: Codec = get_codec(cfg.compression.codec)

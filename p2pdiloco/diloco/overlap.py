@@ -173,12 +173,20 @@ class OverlapMode:
 
 class TauMode(OverlapMode):
     """``tau``: the average reaches the model ``tau`` positions after the send, merged with weight
-    ``1 − alpha`` (tau = 0, alpha = 0: blocking DiLoCo)."""
+    ``1 − alpha`` (tau = 0, alpha = 0: blocking DiLoCo).
+
+    ``keep_residual`` (``compression.feedback_form = "model"``): what this peer's compressed part left
+    out of its Δ_m (the reducer's error-feedback residual e_m) stays in its model, which is merged with
+    θ~ − e_m instead of θ~. The next Δ_m = θ~ − θ_m then holds e_m as it holds the local progress, so
+    the reducer adds nothing (it hands e_m over and forgets it), and the next inner phase starts from
+    a point that already has the progress this peer did not send: it is neither re-learned nor sent
+    twice. The global copy, the average and every digest are untouched: e_m only moves this peer's
+    own model."""
 
     name = "tau"
 
-    def __init__(self, tau: int, alpha: float):
-        self.tau, self.alpha = tau, alpha
+    def __init__(self, tau: int, alpha: float, keep_residual: bool = False):
+        self.tau, self.alpha, self.keep_residual = tau, alpha, keep_residual
 
     def send(self, dl: "DiLoCo", frag: FragmentState, t: int) -> List[SyncReport]:
         # never two rounds of a fragment in flight (tau < H/P): this resolves nothing in a valid run
@@ -200,7 +208,13 @@ class TauMode(OverlapMode):
     def on_resolved(self, dl: "DiLoCo", frag: FragmentState, job: SyncJob) -> None:
         if job.ok:
             with dl.state_lock:  # θ_m ← alpha·θ_m + (1 − alpha)·θ~   (Algorithm 2)
-                merge_into(frag.model_params, frag.outer.params, self.alpha)
+                target = frag.outer.params
+                residual = frag.reducer.take_residual() if self.keep_residual else None
+                if residual is not None:  # θ~ − e_m: this peer's unsent part stays in its model
+                    if job.scale != 1.0:  # e_m is in units of the scaled Δ_m that was sent
+                        residual = residual / job.scale
+                    target = [g - e.to(g.device) for g, e in zip(target, frag.outer.unflatten(residual))]
+                merge_into(frag.model_params, target, self.alpha)
         else:
             frag.samples_since_send += int(job.weight)  # the progress stays in the model: so does its weight
             frag.steps_since_send += job.steps
@@ -356,10 +370,11 @@ def _expected_size(dl: "DiLoCo", group: concurrent.futures.Future, prev: Optiona
     return max(1, dl.swarm.expected_group(dl.position)) if dl.swarm is not None else 1
 
 
-def overlap_mode(streaming, H: int) -> OverlapMode:
-    """The mode ``streaming`` (a validated ``[streaming]`` config section) asks for."""
+def overlap_mode(streaming, H: int, keep_residual: bool = False) -> OverlapMode:
+    """The mode ``streaming`` (a validated ``[streaming]`` config section) asks for; ``keep_residual``
+    (``tau`` only, the config checks it): the model keeps the reducer's error-feedback residual."""
     if streaming.mode == "tau":
-        return TauMode(streaming.tau, streaming.alpha)
+        return TauMode(streaming.tau, streaming.alpha, keep_residual)
     if streaming.mode == "delay":
         return DelayMode(H)
     if streaming.eager_estimate == "fresh_heuristic":

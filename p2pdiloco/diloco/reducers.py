@@ -24,6 +24,9 @@ hold: the state after the last *completed* sync, returned at once even while a s
 background thread (a sync in flight is not part of a checkpoint). ``reset()`` forgets this peer's
 residuals (it adopted another peer's state, whose history its residuals do not belong to); it waits
 for a sync in flight. ``info()`` is what the last successful sync logs (``SyncReport.extra``).
+``take_residual()`` hands the error-feedback residual of the last completed sync to the caller and
+forgets it (``compression.feedback_form = "model"``: the peer keeps it in its model instead, so the next
+pseudo-gradient holds it without the reducer adding it); ``None`` when the reducer keeps none.
 """
 from __future__ import annotations
 
@@ -56,6 +59,8 @@ class Reducer(Protocol):
 
     def info(self) -> Dict[str, object]: ...
 
+    def take_residual(self) -> Optional[torch.Tensor]: ...
+
 
 class PlainReducer:
     """One all-reduce of Δ with the run's codec (fp32 = OpenDiLoCo-style DiLoCo)."""
@@ -76,6 +81,9 @@ class PlainReducer:
 
     def info(self) -> Dict[str, object]:
         return {}
+
+    def take_residual(self) -> Optional[torch.Tensor]:
+        return None
 
 
 class QuantizedReducer:
@@ -124,6 +132,13 @@ class QuantizedReducer:
 
     def info(self) -> Dict[str, object]:
         return {"residual_norm": round(self._ef.norm(), 6)}
+
+    def take_residual(self) -> Optional[torch.Tensor]:
+        with self._lock:
+            r = self._ef.residual("delta")
+            self._ef.reset()
+            self._saved = {}
+            return r
 
 
 class SparseReducer:
@@ -186,6 +201,9 @@ class SparseReducer:
 
     def info(self) -> Dict[str, object]:
         return dict(self._info)
+
+    def take_residual(self) -> Optional[torch.Tensor]:
+        return None  # the buffer is the outer momentum: it stays here (the config refuses the model form)
 
 
 class LowRankReducer:
@@ -301,6 +319,27 @@ class LowRankReducer:
 
     def info(self) -> Dict[str, object]:
         return dict(self._info)
+
+    def take_residual(self) -> Optional[torch.Tensor]:
+        """The flat residual of the fragment (each low-rank matrix's, each small tensor's codec
+        residual, zeros where there is none), then forgotten; ``None`` when there is none at all."""
+        with self._lock:
+            comp, parts = self.comp, [None] * len(self._shapes)
+            for j, i in enumerate(comp.lowrank_indices):
+                parts[i] = comp.residual(j)
+            if self._small_ef is not None:
+                for i in comp.small_indices:
+                    parts[i] = self._small_ef.residual(str(i))
+            if all(p is None for p in parts):
+                return None
+            device = next(p.device for p in parts if p is not None)
+            flat = torch.cat([torch.zeros(n, device=device) if p is None else p.reshape(-1).to(device)
+                              for p, n in zip(parts, self._numels)])
+            comp.reset_residuals()
+            if self._small_ef is not None:
+                self._small_ef.reset()
+            self._commit()
+            return flat
 
 
 def make_reducer(cfg, params: Sequence[torch.Tensor], names: Optional[Sequence[str]] = None) -> Reducer:
