@@ -296,3 +296,18 @@ def test_a_relayed_reply_is_checked_before_it_is_averaged():
                       {**ok, "ws": "x"}, {"cov": [0, 1, 2], "w": 6.0}):
         with pytest.raises(WireError, match="QmOwner"):
             PartSender._relayed_weights(bad_reply, "QmOwner")
+
+
+def test_quality_bench_reports_the_coordinates_the_update_touched():
+    """The share of coordinates the applied update has changed at least once, per round: all of them
+    for a dense codec, a share that grows round by round and stays below 1 for top-k."""
+    from p2pdiloco.bench.compression_quality import SETTINGS, run_setting
+    from p2pdiloco.config import load_config
+
+    base = ["streaming.fragments=1", "inner.sync_every=2", "train.eval_batches=1", "data.max_bytes=200000"]
+    dense = run_setting(load_config("tests/tiny-diloco.toml", [*base, *SETTINGS["fp32"]]), peers=2, rounds=2)
+    assert dense["touched"] == [1.0, 1.0]
+    sparse = load_config("tests/tiny-diloco.toml", [*base, *SETTINGS["sparse-k32"], "compression.sparse_chunk=1024",
+                                                    "compression.sparse_k=8"])
+    share = run_setting(sparse, peers=2, rounds=3)["touched"]
+    assert 0 < share[0] < share[1] < share[2] < 0.05, share  # 2 peers x 8 of 1024 per round: at most 1.6% more

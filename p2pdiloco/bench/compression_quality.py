@@ -247,7 +247,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         r["overrides"] = list(settings[name])
         print(f"{name:<22} val_loss {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.4f}  "
               f"bytes/sync/peer {r['bytes_per_sync'][-1]:>10,} ({r['x_fewer_than_fp32']}x fewer than fp32)  "
-              f"({r['seconds']} s)  losses {r['val_loss']}  mean rank {r['mean_rank'][-1:] }", flush=True)
+              f"({r['seconds']} s)  losses {r['val_loss']}  mean rank {r['mean_rank'][-1:] }  "
+              f"coordinates touched {100 * r['touched'][-1] if r['touched'] else 0:.1f}%", flush=True)
         saved = {"argv": argv if argv is not None else sys.argv[1:], "config": args.config, "set": args.set,
                  "peers": args.peers, "rounds": args.rounds, "seed": args.seed, "results": results}
         if args.json:
