@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from p2pdiloco.bench.hivemind_dp import _count_partial_averages, read_iface_bytes
-from p2pdiloco.bench.run import BASELINES, MATRICES, MODES, format_table, summarize_mode, windowed_peak
+from p2pdiloco.bench.run import BASELINES, MATRICES, MATRIX_SETS, MODES, format_table, summarize_mode, windowed_peak
 
 _missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
 needs_root = pytest.mark.skipif(
@@ -61,6 +61,14 @@ def test_every_matrix_names_known_modes():
         for mode in modes:
             assert mode in MODES or mode in BASELINES, (name, mode)
     assert not set(MODES) & set(BASELINES)
+
+
+def test_every_mode_is_a_valid_configuration():
+    from p2pdiloco.config import load_config
+
+    for mode, overrides in MODES.items():  # the bench resolves round_samples=auto per run (4 peers here)
+        sets = [s.replace("round_samples=auto", "round_samples=3840") for s in overrides]
+        load_config("peers/tiny-cpu.toml", [*MATRIX_SETS["long"], *sets])  # raises ConfigError naming the key
 
 
 def _ev(event, t, **kw):

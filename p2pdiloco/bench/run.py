@@ -94,6 +94,11 @@ MODES: Dict[str, Tuple[str, ...]] = {
     "streaming4-tau4-nf4-lowrank": ("scheme=streaming", "compression.codec=nf4", "compression.lowrank=true",
                                     "compression.rank_fraction=0.125", "compression.adaptive=false",
                                     "compression.dense_params=emb"),
+    # the same with error feedback kept in each peer's model (compression.feedback_form=model)
+    "streaming4-tau4-nf4-lowrank-keep": ("scheme=streaming", "compression.codec=nf4", "compression.lowrank=true",
+                                         "compression.rank_fraction=0.125", "compression.adaptive=false",
+                                         "compression.dense_params=emb", "compression.error_feedback=true",
+                                         "compression.feedback_form=model"),
     "streaming4-eager-nf4": ("streaming.fragments=4", "streaming.mode=eager", "compression.codec=nf4"),
     # the same as their all-public namesakes with every odd-numbered peer private (HALF_PRIVATE)
     "diloco-fp32-halfprivate": (),
