@@ -156,6 +156,7 @@ def test_failed_for_all_needs_every_other_peer_to_say_so_and_a_liar_cannot_hide_
     rule = lambda view: Recovery._failed_for_all(me, view, failed)  # noqa: E731
     assert "failed for every live peer (3)" in rule({"me": {}, "a": said, "b": said})
     assert rule({"me": {}}) is not None  # alone: nobody can hold a newer state
+    assert rule({}) is None  # nothing read (not even our own record): no evidence
     assert rule({"a": said, "b": {"synced_step": 10}}) is None  # b has not said (older record or version)
     assert rule({"a": said, "b": {"synced_step": 10, "failed": 10}}) is None  # b's failure is an older round
     # a completed round is visible in an honest record whatever a liar claims

@@ -107,6 +107,8 @@ class Recovery:
         older record, an older version, a straggler not there yet). A claim only ends our wait: a
         lying peer can make us keep our own state until the next check against the swarm's records,
         never adopt another one (that takes a verified download)."""
+        if not view:  # nothing read (not even our own record): no evidence either way
+            return None
         first, last = min(r.step for r in failed), max(r.step for r in failed)
         others = [rec for pid, rec in view.items() if pid != self.node.peer_id_str]
         for rec in others:
