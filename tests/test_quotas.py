@@ -172,9 +172,15 @@ def test_identities_holding_streams_open_leave_room_for_honest_rounds(peers, mon
         monkeypatch.setattr(module, name, value, raising=False)
     attackers = Attackers(target, f"p2pdiloco.{run}.part", kind, k=6, streams_each=6)
     try:
-        attackers.start(0, 1, 2, 3)
+        # one identity first, up to its own limit (4, half the strangers' room), then three more: past
+        # half of the room each gets only one. Started together, the first four places could go to any
+        # of them (4 + 0 + 0 + 0 down to 1 + 1 + 1 + 1, then one more each for those with none), so the
+        # total would be anything from 4 to 7; in this order it is the most they can hold.
+        attackers.start(0)
+        _wait(lambda: held() >= 4 and attackers.refusals[0], 60, "the first attacker's streams")
+        attackers.start(1, 2, 3)
         # the attack fired: every identity asked for more than it got, and together they hold the
-        # strangers' room but one place (4 + 1 + 1 + 1: past half of it, each gets only one)
+        # strangers' room but one place (4 + 1 + 1 + 1)
         _wait(lambda: held() >= 7 and all(attackers.refusals[i] for i in range(4)), 60, "the attackers' streams")
         _honest_round(target, honest, reducers, run, 1)  # the honest peer is a stranger to the target here
         assert held() <= 8, held()
