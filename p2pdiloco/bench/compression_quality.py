@@ -70,7 +70,8 @@ SETTINGS: Dict[str, Tuple[str, ...]] = {
     "fp32": ("compression.codec=fp32", "compression.error_feedback=false", *_PLAIN),
     "fp16": ("compression.codec=fp16", "compression.error_feedback=false", *_PLAIN),
     "e3m0": ("compression.codec=e3m0", "compression.error_feedback=false", *_PLAIN),
-    "e3m0-ef": ("compression.codec=e3m0", "compression.error_feedback=true", "compression.feedback_form=resend", *_PLAIN),
+    "e3m0-ef": ("compression.codec=e3m0", "compression.error_feedback=true", "compression.feedback_form=resend",
+                *_PLAIN),
     "nf4": ("compression.codec=nf4", "compression.error_feedback=false", *_PLAIN),
     "nf4-ef": ("compression.codec=nf4", "compression.error_feedback=true", "compression.feedback_form=resend", *_PLAIN),
     "lowrank": ("compression.codec=fp32", "compression.error_feedback=false", *_LOWRANK_R4),
@@ -199,7 +200,8 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False)
     fp32_bytes = int(2 * (peers - 1) / peers * 4 * numel)  # PlainReducer with fp32: one all-reduce of Δ
     return {"val_loss": [round(v, 4) for v in losses], "bytes_per_sync": sent,
             "fp32_bytes_per_sync": fp32_bytes, "x_fewer_than_fp32": round(fp32_bytes / max(1, sent[-1]), 1) if sent else None,
-            "mean_rank": [round(r, 2) for r in ranks], "touched": touched_share, "seconds": round(time.perf_counter() - t0, 1)}
+            "mean_rank": [round(r, 2) for r in ranks], "touched": touched_share,
+            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
