@@ -46,6 +46,9 @@ RUNS: Dict[str, tuple] = {
                        "streaming.fragments=2", "streaming.mode=eager"], ["avx2", "default", "avx512"]),
     "sparse-tau": (["compression.codec=sparse", "outer.lr=1", "outer.momentum=0", "compression.sparse_chunk=1024",
                     "compression.sparse_k=16", "streaming.fragments=2", "streaming.tau=2"], ["avx2", "default", "avx512"]),
+    "lowrank-keep-tau": (["compression.codec=nf4", "compression.lowrank=true", "compression.rank=4",
+                          "compression.error_feedback=true", "compression.feedback_form=model", "streaming.fragments=2",
+                          "streaming.tau=2"], ["avx2", "default", "avx512"]),
     "nf4-eager-heuristic": (["compression.codec=nf4", "compression.error_feedback=true", "streaming.mode=eager",
                              "streaming.eager_estimate=fresh_heuristic"], ["default", "avx2"]),
 }
@@ -53,7 +56,7 @@ RUNS: Dict[str, tuple] = {
 
 #: in the default suite: three kernel builds each, fp32 with tau (the default mode), low-rank 4-bit with eager and
 #: sparse (relayed parts, every member averaging them) with tau;
-#: the other two (~25 s each) in make test-slow
+#: the others (~25 s each) in make test-slow
 DEFAULT_RUNS = ("fp32-tau", "lowrank-eager", "sparse-tau")
 
 
