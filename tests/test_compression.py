@@ -267,21 +267,8 @@ def test_lowrank_reducer_with_4bit_factors_is_identical_and_feeds_back():
     # error feedback holds what low rank and the wire dropped: the mean residual accounts for
     # most of the gap between what was applied and what the peers meant
     gap = applied - true_sum
-    mean_res = sum(_lowrank_residual(r) for r in reds) / 3
+    mean_res = sum(r.take_residual() for r in reds) / 3  # laid out like the input, zeros where none
     assert (gap + mean_res).norm() < 0.25 * gap.norm()
-
-
-def _lowrank_residual(red):
-    """A LowRankReducer's residuals laid out like its input vector (zeros where there are none)."""
-    parts, j = [], 0
-    for i, s in enumerate(SHAPES):
-        if i in red.comp.lowrank_indices:
-            r = red.comp.residual(j)
-            j += 1
-        else:
-            r = red._small_ef.residual(str(i)) if red._small_ef is not None else None
-        parts.append(r.reshape(-1) if r is not None else torch.zeros(s.numel()))
-    return torch.cat(parts)
 
 
 def test_lowrank_reducer_failed_sync_leaves_state_and_next_round_works():

@@ -38,6 +38,7 @@ from ..config import RunConfig, load_config
 from ..data import BatchStream, evaluate, load_corpus
 from ..train.inner import inner_optimizer, inner_step
 from ..diloco.outer import OuterState
+from ..diloco.overlap import merge_into, minus_residual
 from ..diloco.reducers import make_reducer
 from ..model import seeded_model
 from ..swarm.partition import shard_bounds
@@ -183,12 +184,11 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False)
         touched_share.append(round(float(touched.float().mean()), 4))
         outer.step(outs[0])
         for ps, red in zip(params, reducers):
-            outer.copy_to(ps)
             residual = red.take_residual() if keep else None
-            if residual is not None:  # feedback_form=model: the peer restarts from θ − e_m (TauMode's merge)
-                with torch.no_grad():
-                    for p, e in zip(ps, outer.unflatten(residual)):
-                        p.sub_(e.to(p.device, p.dtype))
+            if residual is None:
+                outer.copy_to(ps)
+            else:  # feedback_form=model: the peer restarts from θ − e_m, as TauMode merges it
+                merge_into(ps, minus_residual(outer, residual), 0.0)
         losses.append(val())
         sent.append(bf.payload[0])
         if progress:

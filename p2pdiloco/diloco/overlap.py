@@ -101,7 +101,7 @@ from .fragment_state import FragmentState
 from .outer import nesterov_step_
 
 __all__ = ["OverlapMode", "TauMode", "DelayMode", "EagerMode", "EagerHeuristicMode", "overlap_mode",
-           "lookahead", "pseudo_gradient_from", "merge_into"]
+           "lookahead", "minus_residual", "pseudo_gradient_from", "merge_into"]
 
 
 class OverlapMode:
@@ -213,7 +213,7 @@ class TauMode(OverlapMode):
                 if residual is not None:  # θ~ − e_m: this peer's unsent part stays in its model
                     if job.scale != 1.0:  # e_m is in units of the scaled Δ_m that was sent
                         residual = residual / job.scale
-                    target = [g - e.to(g.device) for g, e in zip(target, frag.outer.unflatten(residual))]
+                    target = minus_residual(frag.outer, residual)
                 merge_into(frag.model_params, target, self.alpha)
         else:
             frag.samples_since_send += int(job.weight)  # the progress stays in the model: so does its weight
@@ -392,6 +392,13 @@ def lookahead(outer, delta_flat: torch.Tensor) -> List[torch.Tensor]:
         nesterov_step_(p, b.clone(), d, lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
         out.append(p)
     return out
+
+
+@torch.no_grad()
+def minus_residual(outer, residual: torch.Tensor) -> List[torch.Tensor]:
+    """θ − e_m per parameter: the point a peer that keeps its residual ``e_m`` (flat, the fragment's
+    order) in its model is merged with."""
+    return [g - e.to(g.device) for g, e in zip(outer.params, outer.unflatten(residual))]
 
 
 @torch.no_grad()
