@@ -151,3 +151,40 @@ def test_a_leader_that_vanishes_after_proposing_our_group_fails_our_round(monkey
     # a leader that vanishes before proposing anything: we just try the next one
     monkeypatch.setattr(joining, "open_stream", open_silent)
     assert asyncio.run(mm._join("a", 0, 5)) == (None, None)
+
+
+@pytest.mark.parametrize("answer", ["group", "refuse"])
+def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(answer):
+    """The presumable leader polls the round for everyone who asked it: a follower reads the live peers
+    and the group record once as it enters, then nothing until the leader answers (every read would
+    carry every ready or progress record of the round, per follower: the traffic that grows with the
+    swarm). When the leader refuses without a hint, the follower polls the round itself again."""
+    records = {"t:progress": _due("a", "me")}
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=3.0)
+    reads: List[str] = []
+    aget = mm.node.aget_subkeys
+
+    async def counting_aget(key):
+        reads.append(key)
+        return await aget(key)
+
+    mm.node.aget_subkeys = counting_aget
+    asked: List[str] = []
+
+    async def join(leader, frag, round_, due=None, timeout=None):
+        asked.append(leader)
+        if len(asked) == 1:
+            await asyncio.sleep(1.0)  # the leader waits for its round before it answers
+        return (_group(("a", "me")), None) if answer == "group" else (None, None)
+
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset()):
+        return _group(["me"], gid="lead")
+
+    mm._join, mm._lead = join, lead
+    group = asyncio.run(mm.form_group(0, 5, 2, sync_step=100))
+    first = ["t:progress", "t:group:0:5"]  # as it enters
+    if answer == "group":
+        assert (asked, group.members, reads) == (["a"], ("a", "me"), first)
+    else:  # refused after a second: then it polls the ready and group records itself, and leads
+        assert asked[0] == "a" and group.gid == "lead"
+        assert reads[:2] == first and "t:mm:0:5" in reads[2:]

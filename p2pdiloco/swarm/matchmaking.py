@@ -63,7 +63,11 @@
    peers due at this sync) to admit it as soon as it is ready, while it polls, and a leader counts
    such a request as that peer's ready record: usually the group closes without any peer waiting
    for another's record to reach the DHT. The request decides nothing: when the poll picks another
-   leader (or us), the peer hangs up first, and a joiner that hung up is never admitted.
+   leader (or us), the peer hangs up first, and a joiner that hung up is never admitted. While the
+   presumable leader holds the request, the peer reads nothing more: the leader polls the round for
+   everyone who asked it and answers when its group closes, and each read would carry every ready or
+   progress record of the round (per follower and poll: the control traffic that grows with the
+   swarm). A refusal, or no answer by the peer's own deadline, sends it back to polling.
 10. Links are warmed before the round. When the leader closes a group it first sends
    every joiner the *proposed* members and owners (``warm``); each member, the leader too, opens a
    connection to every owner it will send parts to (:func:`~p2pdiloco.swarm.dialing.ensure_connected`:
@@ -349,8 +353,9 @@ class Matchmaker(Leading, JoinRequests):
         as many ready peers as expected (records or requests)     stop polling
         a live peer due now is not ready yet                      wait for it until its derived ETA, never
                                                                   past ``matchmaking_timeout``
-        the presumable leader (best rank of us and the peers      ask it to admit us at once, while polling;
-        due now) is another peer                                  its group, when it answers, is ours
+        the presumable leader (best rank of us and the peers      ask it to admit us at once and read nothing
+        due now) is another peer                                  more until it answers: its group is ours;
+                                                                  refused, or no answer by our deadline: poll
         alone while others are live, or partners of our last      look once more (after <= 1 s): behind?
         group cannot be seen at all                               missed? more ready records?
         candidates                                                ready peers, plus unseen due peers and
@@ -424,9 +429,25 @@ class Matchmaker(Leading, JoinRequests):
     async def _poll(self, a: "_Attempt") -> Optional[Group]:
         """Poll the ready records and the group record (and, at the re-read pauses of :meth:`_evaluate`,
         the live peers) until as many peers are ready as expected or the deadline; join requests count as
-        ready records. Returns the group when the presumable leader answered with one, else None."""
+        ready records; while the presumable leader holds our request, wait for its answer instead (item
+        9). Returns the group when the presumable leader answered with one, else None."""
         slot = a.slot
         while True:
+            if a.early is not None and not a.early.done():
+                # The presumable leader holds our request: it polls the round for all of us and answers
+                # when its group closes (or refuses, and we poll on). Reading the round ourselves meanwhile
+                # would only end in waiting for that answer too, at the cost of every ready and progress
+                # record per read: the control traffic that grows with the swarm.
+                now = time.monotonic()
+                a.ready |= self._unbanned(slot.arrivals)
+                if len(a.ready) >= a.expected or now >= a.deadline:
+                    return None
+                await self._wait_for_news(a.deadline - now, slot, a.early)
+                if a.early.done():
+                    group = self._early_group(a)
+                    if group is not None:
+                        return group
+                continue
             # the three reads of one poll run side by side: each waits a round trip or more on a WAN
             reeval = a.sync_step is not None and time.monotonic() - a.last_eval >= a.reeval_gap
             reads = asyncio.ensure_future(asyncio.gather(
@@ -441,12 +462,9 @@ class Matchmaker(Leading, JoinRequests):
                 reads.cancel()
                 reads.add_done_callback(consume_outcome)
             if a.early is not None and a.early.done():
-                group, _ = a.early.result()  # a RoundMissed (closed without us) ends matchmaking here
-                a.early = None
+                group = self._early_group(a)
                 if group is not None:
-                    slot.leader, slot.final = a.presumed, group
-                    slot.decided.set()
-                    return self._remember(group, a.t_enter)
+                    return group
                 continue  # refused (it follows another peer, or is not the leader): poll on
             if not reads.done():
                 return None  # enough peers asked us to lead
@@ -464,6 +482,18 @@ class Matchmaker(Leading, JoinRequests):
             a.quiet_polls = 0 if (len(a.ready), a.expected) != before else a.quiet_polls + 1
             await self._wait_for_news(min(POLL_MAX_S, POLL_MIN_S * 2 ** min(a.quiet_polls, 8),
                                           max(0.02, a.deadline - now)), slot, a.early)
+
+    def _early_group(self, a: "_Attempt") -> Optional[Group]:
+        """The presumable leader's answer to our early request: its group (ours now), or None when it
+        refused (it follows another peer, or is not the leader). A RoundMissed (closed without us) ends
+        matchmaking here."""
+        group, _ = a.early.result()
+        a.early = None
+        if group is None:
+            return None
+        a.slot.leader, a.slot.final = a.presumed, group
+        a.slot.decided.set()
+        return self._remember(group, a.t_enter)
 
     async def _last_look(self, a: "_Attempt") -> None:
         """The partners of our last group whose record we cannot see at all count as unseen: crashed, or
