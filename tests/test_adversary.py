@@ -244,9 +244,9 @@ def test_sybils_attack_a_training_swarm(procs, tmp_path):
     def after(n):
         return [r for r in read_events(tmp_path / n, "sync") if r["time"] > t_attack]
 
-    wait_for(lambda: all(len(after(n)) >= 4 for n in names) and len(ok_syncs(tmp_path / "j")) >= 2, 150,
-             "syncs during the attack", procs, names + ["j", "attacker"])
-    assert report()["rounds"] >= 3 and report()["stores"] >= 30, report()
+    # the honest peers sync on while the attack goes on: six of its rounds (30 fake records stored)
+    wait_for(lambda: all(len(after(n)) >= 4 for n in names) and len(ok_syncs(tmp_path / "j")) >= 2
+             and report()["stores"] >= 30, 150, "syncs during the attack", procs, names + ["j", "attacker"])
     # no honest record disappeared: the attacker itself reads all four honest peers' records
     j_id = read_events(tmp_path / "j", "start")[0]["peer"]
     wait_for(lambda: set(ids.values()) | {j_id} <= set(report()["honest_seen"]), 30, "the honest records")
