@@ -151,3 +151,39 @@ def test_three_volunteers_match_reference(procs, tmp_path):
     torch.manual_seed(cfg.train.seed)
     init = [p.detach() for p in build_model(cfg.model).parameters()]
     assert max(float((a - b).abs().max()) for a, b in zip(swarm_params, init)) > 1e-3
+
+
+def test_waiting_for_peers_to_start_backs_off_its_reads(monkeypatch):
+    """Holding the first step until min_peers_to_start peers are live reads every live peer's record at
+    each poll: the polls back off from 0.5 s to 2 s, end as soon as enough peers are live, and never
+    sleep past the timeout."""
+    from p2pdiloco.swarm import swarm as swarm_mod
+
+    clock = [0.0]
+    sleeps = []
+    monkeypatch.setattr(swarm_mod.time, "monotonic", lambda: clock[0])
+
+    def sleep(s):
+        sleeps.append(s)
+        clock[0] += s
+
+    monkeypatch.setattr(swarm_mod.time, "sleep", sleep)
+    from types import SimpleNamespace
+
+    s = swarm_mod.Swarm.__new__(swarm_mod.Swarm)
+    s.node = SimpleNamespace(peer_id_str="me")
+    arrivals = {"a": 1.0, "b": 6.0}  # when each other peer's record shows
+    reads = []
+
+    def live_peers():
+        reads.append(clock[0])
+        return {p: {} for p, t in arrivals.items() if t <= clock[0]}
+
+    s.live_peers = live_peers
+    assert s.wait_for_peers(3, timeout=60) == 3
+    assert sleeps == [0.5, 1.0, 2.0, 2.0, 2.0] and reads[-1] == 7.5
+    sleeps.clear()
+    clock[0] = 0.0
+    arrivals = {}
+    assert s.wait_for_peers(3, timeout=3.0) == 1  # nobody came: gives up at the timeout, not after it
+    assert sleeps == [0.5, 1.0, 1.5] and clock[0] == 3.0

@@ -351,13 +351,18 @@ class Swarm:
         return self.matchmaker.live_of(self.node.get_subkeys(progress_key(self.run_id)))
 
     def wait_for_peers(self, n: int, timeout: float) -> int:
-        """Block until ``n`` peers (this one included) are live or ``timeout`` passes; returns the count."""
+        """Block until ``n`` peers (this one included) are live or ``timeout`` passes; returns the count.
+        The polls back off from 0.5 s to LOCAL_READ_PERIOD: each reads every live peer's record from every
+        node holding the key, and every peer of a swarm that starts together polls at once."""
         deadline = time.monotonic() + timeout
+        pause = 0.5
         while True:
             count = len(self.live_peers() | {self.peer_id: {}})
-            if count >= n or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if count >= n or now >= deadline:
                 return count
-            time.sleep(0.5)
+            time.sleep(min(pause, deadline - now))
+            pause = min(2 * pause, LOCAL_READ_PERIOD)
 
     def expected_group(self, sync_step: int) -> int:
         """Live peers (ourselves included) that will take part in the sync at inner step ``sync_step``:
