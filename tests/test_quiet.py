@@ -246,7 +246,9 @@ def test_a_waiting_formation_rereads_the_live_peers_less_often_while_nothing_cha
     peers = nodes[1:4]
     run = f"quiet{next(_runs)}"
     swarms = [Swarm(n, run, matchmaking_timeout=7, allreduce_timeout=5, progress_period=1.0) for n in peers]
-    me, due, joiner = swarms
+    # we have the smallest id, so we are the presumable leader and poll ourselves (a peer that asked a
+    # presumable leader reads nothing while it holds the request)
+    me, due, joiner = sorted(swarms, key=lambda s: s.peer_id)
     for s in (me, due):  # B is due at step 40 but never gets ready
         s.check_fingerprint("fp", {"a": 1})
         s.update_progress(step=30, next_sync=40, synced_step=0)
