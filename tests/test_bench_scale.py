@@ -47,4 +47,31 @@ def test_scale_benchmark_end_to_end(tmp_path):
     (row,) = json.loads((out / "results.json").read_text())["rows"]
     assert row["ok_syncs"] >= 2 and row["failed_syncs"] == 0 and row["group_sizes"] == [2]
     assert row["dht_bytes_per_sync"] > 0 and row["dht_bytes_per_sync_by_kind"]["progress"] > 0
+    # each peer wrote its ledger at its first sync: the traffic after it, and its reads by purpose
+    assert 0 < row["dht_bytes_per_sync_after_first"] and row["reads_per_sync_after_first"]
     assert row["connections_max"] >= 1 and (out / "scale.png").exists() and "| 2 |" in (out / "table.md").read_text()
+
+
+def test_summarize_leaves_each_peers_start_out_of_the_traffic_after_its_first_sync():
+    """The ledger a peer writes at its first sync is its start's: after-first figures are the summary's
+    less that one, per later ok sync; reads by purpose likewise (a purpose a peer never read counts 0)."""
+    first = {"find:progress": [4, 400, 3600], "find:ready": [2, 200, 300]}
+    final = {"find:progress": [10, 1000, 9000], "find:ready": [8, 800, 1200], "find:node": [3, 300, 300]}
+    a = [_sync(0, 1, "d1"), {"event": "dht_ledger", "dht_ledger": first,
+                             "dht_reads": {"progress:start": 3, "progress:formation": 1}},
+         _sync(1, 1, "e1"), _sync(0, 2, "d2"),
+         {"event": "summary", "dht_ledger": final,
+          "dht_reads": {"progress:start": 3, "progress:formation": 3, "ready:ready poll": 4}}]
+    b = [_sync(0, 1, "d1"), _sync(1, 1, "e1"), {"event": "summary", "dht_ledger": final}]  # no first-sync ledger
+    row = summarize(2, [a, b], {})
+    # a: progress 10,000 - 4,000 = 6,000 bytes, ready 2,000 - 500, node 600, over its 2 later syncs
+    assert row["dht_bytes_per_sync_after_first"] == round((6000 + 1500 + 600) / 2, 1)
+    later = row["dht_bytes_per_sync_after_first_by_kind"]
+    assert (later["progress"], later["ready"], later["node"]) == (3000.0, 750.0, 300.0)
+    assert row["reads_per_sync_after_first"] == {"progress:formation": 1.0, "progress:start": 0.0,
+                                                 "ready:ready poll": 2.0}
+    assert row["dht_bytes_per_sync"] == round((12600 / 3 + 12600 / 2) / 2, 1)  # the whole run, as before
+    table = format_table([row])
+    assert "| 4.0 KB | 3.0 KB / 0.0 KB / 0.8 KB / 0.0 KB / 0.3 KB |" in table
+    assert "| peers | progress:formation | progress:start | ready:ready poll |" in table
+    assert "| 2 | 1.00 | 0.00 | 2.00 |" in table

@@ -336,7 +336,7 @@ def _status_main(monkeypatch, capsys, peers: Dict[str, Dict[str, Any]], *flags: 
         def __init__(self, *args, **kwargs):
             pass
 
-        def get_subkeys(self, key):
+        def get_subkeys(self, key, why="other"):
             return peers
 
         def shutdown(self):

@@ -287,7 +287,7 @@ def _fake_matchmaker(records, announce=False, **kwargs):
 
     from p2pdiloco.swarm.matchmaking import Matchmaker
 
-    async def aget_subkeys(key):
+    async def aget_subkeys(key, why="other"):
         return dict(records.get(key, {}))
 
     async def astore(key, value, ttl, subkey):
@@ -524,7 +524,7 @@ def test_a_follower_asks_the_presumable_leader_at_once_instead_of_waiting_for_th
     mm = _fake_matchmaker(records, announce=True)
     get = mm.node.aget_subkeys
 
-    async def counted(key):
+    async def counted(key, why="other"):
         reads.append(key)
         return await get(key)
 
@@ -558,7 +558,7 @@ def test_a_join_request_counts_as_the_joiners_ready_record_and_the_leader_closes
     mm = _fake_matchmaker(records, announce=True)
     get = mm.node.aget_subkeys
 
-    async def counted(key):
+    async def counted(key, why="other"):
         reads.append(key)
         return await get(key)
 

@@ -39,7 +39,14 @@ def test_a_node_with_the_ledger_counts_its_rpcs_by_kind(monkeypatch):
         assert counted.store_near("led:progress", value, ttl=30) >= 2
         assert counted.read_near("led:progress")[counted.peer_id_str]["step"] == 7
         counted.store("led:mm:0:3", {"ready": True}, ttl=30, subkey=counted.peer_id_str)
-        assert counted.peer_id_str in counted.get_subkeys("led:mm:0:3")
+        assert counted.peer_id_str in counted.get_subkeys("led:mm:0:3", why="ready poll")
+        assert counted.peer_id_str in counted.get_subkeys("led:mm:0:3", why="ready poll")
+        counted.get_subkeys("led:progress", why="formation")
+        # the network reads by the callers' purposes (the read_near above came from the node's own storage
+        # or the network: only the latter counts, as "background")
+        reads = dict(counted.read_counts)
+        assert reads.pop("ready:ready poll") == 2 and reads.pop("progress:formation") == 1, reads
+        assert set(reads) <= {"progress:background"}, reads
         rows = counted.dht_ledger()
         # our store went to the two other full nodes, each carrying the 500-byte value and its signature
         calls, req, resp = rows["store:progress"]
@@ -48,6 +55,8 @@ def test_a_node_with_the_ledger_counts_its_rpcs_by_kind(monkeypatch):
         assert all(v[0] >= 1 and v[1] > 0 for v in rows.values()), rows
         monkeypatch.delenv(ledger.ENV)
         assert nodes[1].dht_ledger() == {}  # the ledger is off for it
+        nodes[1].get_subkeys("led:mm:0:3", why="ready poll")
+        assert not nodes[1].read_counts
     finally:
         for n in nodes:
             n.shutdown()

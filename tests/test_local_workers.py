@@ -469,7 +469,7 @@ def test_status_table_shows_local_workers(monkeypatch, capsys):
         def __init__(self, *args, **kwargs):
             pass
 
-        def get_subkeys(self, key):
+        def get_subkeys(self, key, why="other"):
             return records
 
         def shutdown(self):

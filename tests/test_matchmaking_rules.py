@@ -164,7 +164,7 @@ def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(
     reads: List[str] = []
     aget = mm.node.aget_subkeys
 
-    async def counting_aget(key):
+    async def counting_aget(key, why="other"):
         reads.append(key)
         return await aget(key)
 

@@ -297,7 +297,7 @@ def test_a_private_peer_never_leads_and_the_leader_names_the_public_owners(nodes
 def _fake(me, records, reach):
     from types import SimpleNamespace
 
-    async def aget_subkeys(key):
+    async def aget_subkeys(key, why="other"):
         return dict(records.get(key, {}))
 
     async def astore(key, value, ttl, subkey):

@@ -175,7 +175,7 @@ def test_waiting_for_peers_to_start_backs_off_its_reads(monkeypatch):
     arrivals = {"a": 1.0, "b": 6.0}  # when each other peer's record shows
     reads = []
 
-    def live_peers():
+    def live_peers(why="other"):
         reads.append(clock[0])
         return {p: {} for p, t in arrivals.items() if t <= clock[0]}
 

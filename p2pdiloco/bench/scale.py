@@ -9,6 +9,12 @@ outer steps, each keeping a ledger of its DHT calls (``P2PDILOCO_DHT_LEDGER=1``,
 
 * DHT bytes by record kind (``progress``, ``history``, ``ready``, ``group``, ``fingerprint``, ``node``
   for lookups), requests and responses together, protobuf sizes (without stream framing and TCP/IP);
+  over the whole run, and after each peer's first sync (the ledger it wrote then subtracted: joining,
+  waiting for ``min_peers_to_start`` peers and the first formation left out, so what a running swarm
+  costs per sync);
+* after the first sync, the network reads of records per sync by kind and purpose (``progress:formation``,
+  ``progress:background``, ``progress:catch-up``, ``ready:ready poll``, ...: the callers' tags,
+  :attr:`~p2pdiloco.swarm.node.SwarmNode.read_counts`);
 * all-reduce bytes sent (payload and framing: the sync events' ``sync_bytes_sent``);
 * group formation (``group_wait_seconds``) and sync seconds, medians;
 * the group sizes seen, and how many syncs failed or split (one (fragment, round) synced by groups
@@ -50,10 +56,21 @@ def _kind(row: str) -> str:
     return kind if kind in KINDS else ("node" if kind in ("-", "") else "generic")
 
 
+def _by_kind(ledger: Dict[str, Any]) -> Dict[str, float]:
+    """A ledger's request and response bytes by record kind."""
+    per_kind = {k: 0.0 for k in KINDS}
+    for row, (_, req, resp) in ledger.items():
+        per_kind[_kind(row)] += req + resp
+    return per_kind
+
+
 def summarize(n: int, runs: List[List[Dict[str, Any]]], connections: Dict[int, int]) -> Dict[str, Any]:
     """One row of the table from the N peers' metrics (``runs``: each peer's events)."""
     dht_kind: Dict[str, List[float]] = {k: [] for k in KINDS}
-    dht_total, ar_bytes, waits, secs, sizes = [], [], [], [], []
+    steady_kind: Dict[str, List[float]] = {k: [] for k in KINDS}
+    steady_reads: Dict[str, List[float]] = {}
+    dht_total, steady_total, ar_bytes, waits, secs, sizes = [], [], [], [], [], []
+    reporting_steady = 0
     ok = failed = 0
     digests: Dict[tuple, set] = {}
     for recs in runs:
@@ -73,12 +90,23 @@ def summarize(n: int, runs: List[List[Dict[str, Any]]], connections: Dict[int, i
         summary = next((r for r in recs if r.get("event") == "summary"), None)
         ledger = (summary or {}).get("dht_ledger")
         if good and isinstance(ledger, dict):
-            per_kind = {k: 0.0 for k in KINDS}
-            for row, (_, req, resp) in ledger.items():
-                per_kind[_kind(row)] += req + resp
+            per_kind = _by_kind(ledger)
             for k in KINDS:
                 dht_kind[k].append(per_kind[k] / len(good))
             dht_total.append(sum(per_kind.values()) / len(good))
+            # after the first sync: the summary's ledger less the one the peer wrote at its first sync
+            first = next((r for r in recs if r.get("event") == "dht_ledger"), None)
+            if first is not None and isinstance(first.get("dht_ledger"), dict) and len(good) > 1:
+                at_first = _by_kind(first["dht_ledger"])
+                later = {k: per_kind[k] - at_first[k] for k in KINDS}
+                for k in KINDS:
+                    steady_kind[k].append(later[k] / (len(good) - 1))
+                steady_total.append(sum(later.values()) / (len(good) - 1))
+                reads_end, reads_first = (summary or {}).get("dht_reads") or {}, first.get("dht_reads") or {}
+                for why in set(reads_end) | set(reads_first):
+                    steady_reads.setdefault(why, []).append(
+                        (reads_end.get(why, 0) - reads_first.get(why, 0)) / (len(good) - 1))
+                reporting_steady += 1
     mean = lambda xs: round(statistics.fmean(xs), 1) if xs else None  # noqa: E731
     median = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
     return {
@@ -86,6 +114,12 @@ def summarize(n: int, runs: List[List[Dict[str, Any]]], connections: Dict[int, i
         "ok_syncs": ok, "failed_syncs": failed, "split_rounds": sum(1 for d in digests.values() if len(d) > 1),
         "group_sizes": sorted({s for s in sizes if isinstance(s, int)}),
         "dht_bytes_per_sync": mean(dht_total), "dht_bytes_per_sync_by_kind": {k: mean(v) for k, v in dht_kind.items()},
+        # the same after each peer's first sync (its start left out), and the network reads per sync by
+        # record kind and purpose ("progress:formation", ...), means over the peers that reported both
+        "dht_bytes_per_sync_after_first": mean(steady_total),
+        "dht_bytes_per_sync_after_first_by_kind": {k: mean(v) for k, v in steady_kind.items()},
+        "reads_per_sync_after_first": {why: round(statistics.fmean(v + [0.0] * (reporting_steady - len(v))), 2)
+                                       for why, v in sorted(steady_reads.items())},
         "allreduce_bytes_per_sync": mean(ar_bytes),
         "group_formation_s_median": median(waits), "sync_s_median": median(secs),
         "connections_max": max(connections.values()) if connections else None,
@@ -168,15 +202,25 @@ def _kb(x: Optional[float]) -> str:
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
     lines = ["| peers | ok / failed / split syncs | group sizes | DHT per peer per sync | of which progress / history / "
-             "ready / group / node | all-reduce sent per sync | formation s (median) | sync s (median) | "
-             "connections per peer (max) |", "|---" * 9 + "|"]
+             "ready / group / node | after the first sync | of which progress / history / ready / group / node | "
+             "all-reduce sent per sync | formation s (median) | sync s (median) | connections per peer (max) |",
+             "|---" * 11 + "|"]
+    kinds = ("progress", "history", "ready", "group", "node")
     for r in rows:
-        k = r["dht_bytes_per_sync_by_kind"]
+        k, later = r["dht_bytes_per_sync_by_kind"], r.get("dht_bytes_per_sync_after_first_by_kind") or {}
         lines.append(f"| {r['peers']} | {r['ok_syncs']} / {r['failed_syncs']} / {r['split_rounds']} | "
                      f"{', '.join(map(str, r['group_sizes'])) or '-'} | {_kb(r['dht_bytes_per_sync'])} | "
-                     f"{' / '.join(_kb(k.get(x)) for x in ('progress', 'history', 'ready', 'group', 'node'))} | "
+                     f"{' / '.join(_kb(k.get(x)) for x in kinds)} | {_kb(r.get('dht_bytes_per_sync_after_first'))} | "
+                     f"{' / '.join(_kb(later.get(x)) for x in kinds)} | "
                      f"{_kb(r['allreduce_bytes_per_sync'])} | {r['group_formation_s_median']} | {r['sync_s_median']} | "
                      f"{r['connections_max'] if r['connections_max'] is not None else 'n/a'} |")
+    purposes = sorted({why for r in rows for why in r.get("reads_per_sync_after_first") or {}})
+    if purposes:
+        lines += ["", "Network reads of records per peer per sync after the first sync, by kind and purpose:", "",
+                  "| peers | " + " | ".join(purposes) + " |", "|---" * (len(purposes) + 1) + "|"]
+        for r in rows:
+            reads = r.get("reads_per_sync_after_first") or {}
+            lines.append(f"| {r['peers']} | " + " | ".join(f"{reads.get(w, 0.0):.2f}" for w in purposes) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -272,7 +272,7 @@ class Matchmaker(Leading, JoinRequests):
 
     async def _ready_read(self, key: str) -> Set[str]:
         """The (unbanned) peers with a ready record under ``key``; notes their reachability."""
-        return self._unbanned(self._note_reach(await self.node.aget_subkeys(key)))
+        return self._unbanned(self._note_reach(await self.node.aget_subkeys(key, why="ready poll")))
 
     def live_of(self, records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         """The live peers among a read of the progress records (no goodbye, not banned); every read
@@ -388,7 +388,7 @@ class Matchmaker(Leading, JoinRequests):
         me = self.node.peer_id_str
         t_enter = time.monotonic()
         live, groups = await asyncio.gather(self._live_peers(check=True) if sync_step is not None else _nothing(),
-                                            self.node.aget_subkeys(self._group_key(frag, round_)))
+                                            self.node.aget_subkeys(self._group_key(frag, round_), why="formation"))
         if sync_step is not None:
             self._check_not_behind(live, frag, round_, sync_step)
         self._raise_if_missed(groups, frag, round_, expected)
@@ -452,7 +452,7 @@ class Matchmaker(Leading, JoinRequests):
             reeval = a.sync_step is not None and time.monotonic() - a.last_eval >= a.reeval_gap
             reads = asyncio.ensure_future(asyncio.gather(
                 self._ready_read(a.key), self._live_peers(check=True) if reeval else _nothing(),
-                self.node.aget_subkeys(self._group_key(a.frag, a.round))))
+                self.node.aget_subkeys(self._group_key(a.frag, a.round), why="formation")))
             while not reads.done() and not (a.early is not None and a.early.done()):
                 a.ready |= self._unbanned(slot.arrivals)
                 if len(a.ready) >= a.expected:
@@ -641,7 +641,7 @@ class Matchmaker(Leading, JoinRequests):
         Over the network: right after a partition heals, our own storage can still lack the records
         of peers whose stores skipped us while we were cut off (their routing tables dropped us), and
         a view without them would stop us waiting for them."""
-        live = self.live_of(await self.node.aget_subkeys(progress_key(self.run_id)))
+        live = self.live_of(await self.node.aget_subkeys(progress_key(self.run_id), why="formation"))
         self._live_count = len(set(live) | {self.node.peer_id_str})
         if check and self.give_way is not None and (why := self.give_way(live)):
             raise RoundMissed(why)
@@ -676,7 +676,8 @@ class Matchmaker(Leading, JoinRequests):
     async def _check_not_missed(self, frag: int, round_: int, due: Optional[int] = None) -> None:
         """Raise RoundMissed when a group for this round already closed without us and counts as our
         round (:meth:`_authoritative`)."""
-        self._raise_if_missed(await self.node.aget_subkeys(self._group_key(frag, round_)), frag, round_, due)
+        self._raise_if_missed(await self.node.aget_subkeys(self._group_key(frag, round_), why="formation"), frag, round_,
+                              due)
 
     def _raise_if_missed(self, records: Dict[str, Dict[str, Any]], frag: int, round_: int,
                          due: Optional[int] = None) -> None:

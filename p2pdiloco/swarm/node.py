@@ -32,6 +32,7 @@ from ..ids import short_id
 from ..identity import (discard_ephemeral, ephemeral_identity, load_signing_key, note_helpers, prepare_identity,
                         release_identity)
 from . import ledger
+from .keys import kind_of
 from . import punch as punch_mod
 from . import relay as relay_mod
 from .lifeline import descendants, start_dht
@@ -288,6 +289,10 @@ class SwarmNode:
         parse_maddrs(host_maddrs, "--host-maddrs")
         parse_maddrs(announce_maddrs, "--announce-maddrs")
         self.identity_path = prepare_identity(identity_path) if identity_path else None
+        #: network reads of records by "<kind>:<why>" (the callers' purposes), counted with the DHT ledger on
+        self.read_counts: Counter = Counter()
+        self._count_reads = ledger.enabled()
+        self._reads_lock = threading.Lock()
         # the identity key also signs our DHT records (records.py); without a key file: an ephemeral key
         key_path = self.identity_path or ephemeral_identity()
         try:
@@ -497,12 +502,20 @@ class SwarmNode:
     async def astore(self, key: str, value: Dict[str, Any], ttl: float, subkey: Optional[str] = None) -> bool:
         return bool(await self.dht.store(**self._record(key, value, ttl, subkey), return_future=True))
 
-    def get_subkeys(self, key: str) -> Dict[str, Dict[str, Any]]:
-        """``{peer id: record}`` of every valid, owner-signed record under ``key`` (newest per owner)."""
+    def get_subkeys(self, key: str, why: str = "other") -> Dict[str, Dict[str, Any]]:
+        """``{peer id: record}`` of every valid, owner-signed record under ``key`` (newest per owner).
+        ``why``: the caller's purpose, for :attr:`read_counts`."""
+        self._note_read(key, why)
         return self.records.decode(key, self.dht.get(key, latest=True))
 
-    async def aget_subkeys(self, key: str) -> Dict[str, Dict[str, Any]]:
+    async def aget_subkeys(self, key: str, why: str = "other") -> Dict[str, Dict[str, Any]]:
+        self._note_read(key, why)
         return self.records.decode(key, await self.dht.get(key, latest=True, return_future=True))
+
+    def _note_read(self, key: str, why: str) -> None:
+        if self._count_reads:
+            with self._reads_lock:
+                self.read_counts[f"{kind_of(key)}:{why}"] += 1
 
     # ---- the background records' cheap path (see _store_near above) ---------------------------------
     async def astore_near(self, key: str, value: Dict[str, Any], ttl: float) -> int:
@@ -523,6 +536,7 @@ class SwarmNode:
         if not ours:
             if not network:
                 return None
+            self._note_read(key, "background")
             found = self.dht.get(key, latest=True, beam_size=READ_BEAM)
         return self.records.decode(key, found)
 

@@ -162,16 +162,16 @@ class Swarm:
             self.node.lookup_near(progress_key(self.run_id)).result(timeout=10)
         except Exception as e:
             logger.debug(f"lookup near the progress key failed: {e}")
-        claims = self.node.get_subkeys(key)
+        claims = self.node.get_subkeys(key, why="start")
         if not claims:
             self.node.store(key, mine, ttl=FINGERPRINT_TTL, subkey=self.peer_id)
             time.sleep(0.2)  # two first peers racing: read back what the other one published
-            claims = self.node.get_subkeys(key)
+            claims = self.node.get_subkeys(key, why="start")
         claims.pop(self.peer_id, None)
         self.run_existed = bool(claims)
         self._claimed_since = [v.get("since") for v in claims.values()]
         # whose claims count: peers that trained in the run first (records.run_fingerprint)
-        progress = self.node.get_subkeys(progress_key(self.run_id)) if claims else {}
+        progress = self.node.get_subkeys(progress_key(self.run_id), why="start") if claims else {}
         existing = run_fingerprint(claims, mine, progress)
         if existing.get("fp") != fp:
             theirs = existing.get("fields") if isinstance(existing.get("fields"), dict) else {}
@@ -347,8 +347,10 @@ class Swarm:
         with self._progress_lock:
             return self._view
 
-    def live_peers(self) -> Dict[str, Dict[str, Any]]:
-        return self.matchmaker.live_of(self.node.get_subkeys(progress_key(self.run_id)))
+    def live_peers(self, why: str = "other") -> Dict[str, Dict[str, Any]]:
+        """The live peers' progress records, read over the network now (``why``: the caller's purpose,
+        counted by :attr:`SwarmNode.read_counts`)."""
+        return self.matchmaker.live_of(self.node.get_subkeys(progress_key(self.run_id), why=why))
 
     def wait_for_peers(self, n: int, timeout: float) -> int:
         """Block until ``n`` peers (this one included) are live or ``timeout`` passes; returns the count.
@@ -357,7 +359,7 @@ class Swarm:
         deadline = time.monotonic() + timeout
         pause = 0.5
         while True:
-            count = len(self.live_peers() | {self.peer_id: {}})
+            count = len(self.live_peers(why="start") | {self.peer_id: {}})
             now = time.monotonic()
             if count >= n or now >= deadline:
                 return count
@@ -371,7 +373,7 @@ class Swarm:
         background reader's view when there is one: matchmaking re-reads the records itself.)"""
         peers = self.peers_view()
         if peers is None:
-            peers = self.live_peers()
+            peers = self.live_peers(why="formation")
         others = sum(1 for pid, v in peers.items()
                      if pid != self.peer_id and isinstance(v.get("next_sync"), int) and v["next_sync"] <= sync_step)
         return 1 + others

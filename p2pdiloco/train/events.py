@@ -117,6 +117,10 @@ class Events:
             self.syncs += 1
             swarm.follow_group(rep.fragment, rep.round)
             self.val = val_loss()
+            if self.syncs == 1 and (dht := self.node.dht_ledger()):
+                # the start's DHT traffic (joining, waiting for peers, the first formation): benchmarks
+                # subtract it from the summary's for the traffic per sync of a running swarm
+                self.metrics.write("dht_ledger", dht_ledger=dht, dht_reads=dict(self.node.read_counts))
         else:
             self.failed += 1
         self.metrics.write("sync", step=rep.step, fragment=rep.fragment, outer_step=rep.round + 1, ok=rep.ok,
@@ -165,6 +169,7 @@ class Events:
         dht = node.dht_ledger()
         if dht:
             summary["dht_ledger"] = dht
+            summary["dht_reads"] = dict(node.read_counts)
         self.metrics.write("summary", **summary)
         return summary
 

@@ -58,7 +58,7 @@ class Recovery:
         window = min(swarm.record_lifetime, swarm.progress_period + 5.0)
         deadline = time.time() + window
         while not self.catch_up(wait=0, joining=True):
-            peers = {pid: v for pid, v in swarm.live_peers().items() if pid != self.node.peer_id_str}
+            peers = {pid: v for pid, v in swarm.live_peers(why="start").items() if pid != self.node.peer_id_str}
             counted = swarm.voters(peers)  # claims of identities without a say delay nobody
             ahead = [v for pid, v in peers.items() if pid in counted
                      and isinstance(v.get("synced_step"), int) and v["synced_step"] > diloco.synced_step]
@@ -89,7 +89,7 @@ class Recovery:
         round that may have completed for the others: adopt their θ rather than build on a stale one."""
         cfg = self.cfg
         if any(r.missed for r in reports):
-            if self.rivals(self.swarm.live_peers()) is not None:
+            if self.rivals(self.swarm.live_peers(why="catch-up")) is not None:
                 logger.warning(f"[{self.me}] peers of another history outnumber ours; adopting their state")
                 self.adopt_rivals()
             elif not self.catch_up(wait=cfg.swarm.allreduce_timeout):
@@ -158,7 +158,7 @@ class Recovery:
 
     def adopt_rivals(self) -> bool:
         """Give way to the rival history: adopt its verified state, even if our step count is ahead."""
-        return self.catch_up(wait=0, min_step=-1, peers=lambda: self.rivals(self.swarm.live_peers()) or {})
+        return self.catch_up(wait=0, min_step=-1, peers=lambda: self.rivals(self.swarm.live_peers(why="catch-up")) or {})
 
     # ---- catching up -----------------------------------------------------------------------------------
     def catch_up(self, wait: float, min_step: Optional[int] = None, joining: bool = False, peers=None,
@@ -173,7 +173,7 @@ class Recovery:
         read: Peers = {}  # the records the target was picked from
 
         def source() -> Peers:
-            view = (peers or swarm.live_peers)()
+            view = peers() if peers else swarm.live_peers(why="start" if joining else "catch-up")
             read.clear()
             read.update(view)
             return view
