@@ -40,7 +40,7 @@ def test_summarize_counts_per_sync_by_kind_and_finds_splits():
 @pytest.mark.timeout(400)
 def test_scale_benchmark_end_to_end(tmp_path):
     out = tmp_path / "scale"
-    r = subprocess.run([sys.executable, "-m", "p2pdiloco.bench.scale", "--peers", "2", "--outer-steps", "1",
+    r = subprocess.run([sys.executable, "-m", "p2pdiloco.bench.scale", "--peers", "2", "--outer-steps", "2",
                         "--set", "inner.sync_every=20", "--out", str(out)], capture_output=True, text=True,
                        timeout=380, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -234,8 +234,11 @@ def _plot(rows: List[Dict[str, Any]], out: str) -> Optional[str]:
     ns = [r["peers"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     bottom = [0.0] * len(rows)
+    # the running swarm's traffic (each peer's start left out) where every row has it
+    after = all(r.get("dht_bytes_per_sync_after_first") is not None for r in rows)
+    field = "dht_bytes_per_sync_after_first_by_kind" if after else "dht_bytes_per_sync_by_kind"
     for kind in KINDS:
-        vals = [(r["dht_bytes_per_sync_by_kind"].get(kind) or 0) / 1000 for r in rows]
+        vals = [(r[field].get(kind) or 0) / 1000 for r in rows]
         if any(vals):
             a.bar([str(n) for n in ns], vals, bottom=bottom, label=kind)
             bottom = [x + y for x, y in zip(bottom, vals)]
@@ -243,7 +246,7 @@ def _plot(rows: List[Dict[str, Any]], out: str) -> Optional[str]:
            label="all-reduce sent")
     a.set_xlabel("peers")
     a.set_ylabel("KB per peer per fragment sync")
-    a.set_title("DHT bytes by record kind")
+    a.set_title("DHT bytes by record kind" + (", after each peer's first sync" if after else ""))
     a.legend(fontsize=8)
     b.plot(ns, [r["connections_max"] or 0 for r in rows], "o-", label="max")
     b.plot(ns, [r["connections_mean"] or 0 for r in rows], "s-", label="mean")
