@@ -188,3 +188,44 @@ def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(
     else:  # refused after a second: then it polls the ready and group records itself, and leads
         assert asked[0] == "a" and group.gid == "lead"
         assert reads[:2] == first and "t:mm:0:5" in reads[2:]
+
+
+def test_a_formation_cancelled_mid_poll_leaves_no_unretrieved_read():
+    """A peer shutting down cancels its formation while a poll's reads are in flight (then every task the
+    node still runs): nothing may end as an exception nobody retrieves (asyncio logs a traceback for it,
+    on the user's terminal as they stop)."""
+    import gc
+
+    records = {"t:progress": _due("me", "z")}  # we lead: we poll
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=30.0)
+    aget = mm.node.aget_subkeys
+    started = []
+
+    async def slow_aget(key, why="other"):
+        if key == "t:mm:0:5":
+            started.append(key)
+            await asyncio.sleep(60)  # a read that waits on an unresponsive node
+        return await aget(key)
+
+    mm.node.aget_subkeys = slow_aget
+    unretrieved = []
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, context: unretrieved.append(context.get("message")))
+        forming = asyncio.ensure_future(mm.form_group(0, 5, 2, sync_step=100))
+        while not started:
+            await asyncio.sleep(0.01)
+        forming.cancel()
+        await asyncio.gather(forming, return_exceptions=True)
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:  # as SwarmNode's shutdown cancels what is left
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+        await asyncio.sleep(0)
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    gc.collect()
+    assert started and not unretrieved, unretrieved

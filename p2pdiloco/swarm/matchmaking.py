@@ -453,11 +453,16 @@ class Matchmaker(Leading, JoinRequests):
             reads = asyncio.ensure_future(asyncio.gather(
                 self._ready_read(a.key), self._live_peers(check=True) if reeval else _nothing(),
                 self.node.aget_subkeys(self._group_key(a.frag, a.round), why="formation")))
-            while not reads.done() and not (a.early is not None and a.early.done()):
-                a.ready |= self._unbanned(slot.arrivals)
-                if len(a.ready) >= a.expected:
-                    break  # the peers we wait for asked us to lead: no need for the DHT to say so
-                await self._wait_for_news(None, slot, reads, a.early)
+            try:
+                while not reads.done() and not (a.early is not None and a.early.done()):
+                    a.ready |= self._unbanned(slot.arrivals)
+                    if len(a.ready) >= a.expected:
+                        break  # the peers we wait for asked us to lead: no need for the DHT to say so
+                    await self._wait_for_news(None, slot, reads, a.early)
+            except BaseException:  # cancelled (the peer stops): nobody awaits the reads any more
+                reads.cancel()
+                reads.add_done_callback(consume_outcome)
+                raise
             if not reads.done():
                 reads.cancel()
                 reads.add_done_callback(consume_outcome)
@@ -676,8 +681,8 @@ class Matchmaker(Leading, JoinRequests):
     async def _check_not_missed(self, frag: int, round_: int, due: Optional[int] = None) -> None:
         """Raise RoundMissed when a group for this round already closed without us and counts as our
         round (:meth:`_authoritative`)."""
-        self._raise_if_missed(await self.node.aget_subkeys(self._group_key(frag, round_), why="formation"), frag, round_,
-                              due)
+        records = await self.node.aget_subkeys(self._group_key(frag, round_), why="formation")
+        self._raise_if_missed(records, frag, round_, due)
 
     def _raise_if_missed(self, records: Dict[str, Dict[str, Any]], frag: int, round_: int,
                          due: Optional[int] = None) -> None:
