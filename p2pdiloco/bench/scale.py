@@ -70,7 +70,6 @@ def summarize(n: int, runs: List[List[Dict[str, Any]]], connections: Dict[int, i
     steady_kind: Dict[str, List[float]] = {k: [] for k in KINDS}
     steady_reads: Dict[str, List[float]] = {}
     dht_total, steady_total, ar_bytes, waits, secs, sizes = [], [], [], [], [], []
-    reporting_steady = 0
     ok = failed = 0
     digests: Dict[tuple, set] = {}
     for recs in runs:
@@ -106,7 +105,6 @@ def summarize(n: int, runs: List[List[Dict[str, Any]]], connections: Dict[int, i
                 for why in set(reads_end) | set(reads_first):
                     steady_reads.setdefault(why, []).append(
                         (reads_end.get(why, 0) - reads_first.get(why, 0)) / (len(good) - 1))
-                reporting_steady += 1
     mean = lambda xs: round(statistics.fmean(xs), 1) if xs else None  # noqa: E731
     median = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
     return {
@@ -118,7 +116,7 @@ def summarize(n: int, runs: List[List[Dict[str, Any]]], connections: Dict[int, i
         # record kind and purpose ("progress:formation", ...), means over the peers that reported both
         "dht_bytes_per_sync_after_first": mean(steady_total),
         "dht_bytes_per_sync_after_first_by_kind": {k: mean(v) for k, v in steady_kind.items()},
-        "reads_per_sync_after_first": {why: round(statistics.fmean(v + [0.0] * (reporting_steady - len(v))), 2)
+        "reads_per_sync_after_first": {why: round(statistics.fmean(v + [0.0] * (len(steady_total) - len(v))), 2)
                                        for why, v in sorted(steady_reads.items())},
         "allreduce_bytes_per_sync": mean(ar_bytes),
         "group_formation_s_median": median(waits), "sync_s_median": median(secs),

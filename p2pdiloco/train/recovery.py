@@ -158,7 +158,8 @@ class Recovery:
 
     def adopt_rivals(self) -> bool:
         """Give way to the rival history: adopt its verified state, even if our step count is ahead."""
-        return self.catch_up(wait=0, min_step=-1, peers=lambda: self.rivals(self.swarm.live_peers(why="catch-up")) or {})
+        return self.catch_up(wait=0, min_step=-1,
+                             peers=lambda: self.rivals(self.swarm.live_peers(why="catch-up")) or {})
 
     # ---- catching up -----------------------------------------------------------------------------------
     def catch_up(self, wait: float, min_step: Optional[int] = None, joining: bool = False, peers=None,
