@@ -88,7 +88,7 @@ def _run(row: Dict[str, Any]):
     asked: List[str] = []
     answers = row.get("answers", {})
 
-    async def join(leader, frag, round_, due=None, timeout=None):
+    async def join(leader, frag, round_, due=None, timeout=None, taken=None):
         asked.append(leader)
         what = answers.get(leader, "refuse")
         if isinstance(what, tuple):
@@ -171,9 +171,10 @@ def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(
     mm.node.aget_subkeys = counting_aget
     asked: List[str] = []
 
-    async def join(leader, frag, round_, due=None, timeout=None):
+    async def join(leader, frag, round_, due=None, timeout=None, taken=None):
         asked.append(leader)
         if len(asked) == 1:
+            taken.set()  # the leader's join handler has the request
             await asyncio.sleep(1.0)  # the leader waits for its round before it answers
         return (_group(("a", "me")), None) if answer == "group" else (None, None)
 
@@ -189,6 +190,48 @@ def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(
         assert asked[0] == "a" and group.gid == "lead"
         assert reads[:2] == first and "t:mm:0:5" in reads[2:]
 
+
+
+def test_a_follower_polls_while_the_dial_to_the_presumable_leader_is_still_tried():
+    """The presumable leader "a" left right after our read of the live peers (its goodbye shows a moment
+    later) and our dial to it fails only after the dial wait; meanwhile "b" leads and closes its group
+    after its join grace. A request the leader never took is no reason to stop reading: the follower
+    polls, sees a gone and b ready, and joins b before b closes (waiting on the dial instead, it asked b
+    only after b had closed: missed the round)."""
+    records = {"t:progress": _due("a", "b", "me"), "t:mm:0:5": {"b": {"t": 1.0}}}
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=5.0,
+                          reevaluate_period=0.1)
+    asked: List[str] = []
+    dial_to_a: List[str] = []
+
+    async def join(leader, frag, round_, due=None, timeout=None, taken=None):
+        asked.append(leader)
+        if leader == "a":
+            records["t:progress"]["a"]["gone"] = True  # its goodbye reaches the DHT
+            try:
+                await asyncio.sleep(3.0)  # the dial to a departed peer, retried for the dial wait
+            except asyncio.CancelledError:
+                dial_to_a.append("hung up while dialing")
+                raise
+            dial_to_a.append("failed")
+            return None, None
+        if asyncio.get_running_loop().time() - t0 > 1.0:  # b's grace is over: closed without us
+            raise RoundMissed("missed the group for fragment 0, round 5 (it closed before we joined)")
+        return _group(("b", "me")), None
+
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset()):
+        return _group(["me"], gid="lead")
+
+    mm._join, mm._lead = join, lead
+
+    async def main():
+        nonlocal t0
+        t0 = asyncio.get_running_loop().time()
+        return await mm.form_group(0, 5, 3, sync_step=100)
+
+    t0 = 0.0
+    group = asyncio.run(main())
+    assert (asked, group.members, dial_to_a) == (["a", "b"], ("b", "me"), ["hung up while dialing"])
 
 def test_a_formation_cancelled_mid_poll_leaves_no_unretrieved_read():
     """A peer shutting down cancels its formation while a poll's reads are in flight (then every task the

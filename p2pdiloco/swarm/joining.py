@@ -35,8 +35,10 @@ class JoinRequests:
     """The join protocol of :class:`~p2pdiloco.swarm.matchmaking.Matchmaker` (a base class of it)."""
 
     async def _join(self, leader: str, frag: int, round_: int, due: Optional[int] = None,
-                    timeout: Optional[float] = None) -> Tuple[Optional[Group], Optional[str]]:
-        """Ask ``leader`` to admit us. (group, None) when admitted, (None, hint) when refused."""
+                    timeout: Optional[float] = None,
+                    taken: Optional[asyncio.Event] = None) -> Tuple[Optional[Group], Optional[str]]:
+        """Ask ``leader`` to admit us. (group, None) when admitted, (None, hint) when refused. ``taken`` is
+        set once the request is on a stream the leader's join handler opened (it holds the request)."""
         me = self.node.peer_id_str
         traffic = self.node.traffic
         try:
@@ -53,6 +55,8 @@ class JoinRequests:
         try:
             await write_frame(writer, {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_,
                                        **self._my_reach_fields()}, traffic=traffic)
+            if taken is not None:
+                taken.set()
             reply, _ = await asyncio.wait_for(read_frame(reader, 0, traffic, leader),
                                               timeout=timeout or self.matchmaking_timeout + self.join_grace + 10)
             if reply.get("t") == "warm":  # the group is closing: warm our links first (matchmaking item 10)

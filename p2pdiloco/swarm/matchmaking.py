@@ -63,11 +63,14 @@
    peers due at this sync) to admit it as soon as it is ready, while it polls, and a leader counts
    such a request as that peer's ready record: usually the group closes without any peer waiting
    for another's record to reach the DHT. The request decides nothing: when the poll picks another
-   leader (or us), the peer hangs up first, and a joiner that hung up is never admitted. While the
-   presumable leader holds the request, the peer reads nothing more: the leader polls the round for
-   everyone who asked it and answers when its group closes, and each read would carry every ready or
-   progress record of the round (per follower and poll: the control traffic that grows with the
-   swarm). A refusal, or no answer by the peer's own deadline, sends it back to polling.
+   leader (or us), the peer hangs up first, and a joiner that hung up is never admitted. Once the
+   presumable leader holds the request (the stream open, the request written), the peer reads nothing
+   more: the leader polls the round for everyone who asked it and answers when its group closes, and
+   each read would carry every ready or progress record of the round (per follower and poll: the
+   control traffic that grows with the swarm). While the dial is still tried, the peer polls: a
+   presumable leader that left or crashed after our read fails the dial only after ``JOIN_DIAL_WAIT``,
+   and another peer may lead meanwhile. A refusal, a broken stream, or no answer by the peer's own
+   deadline sends it back to polling.
 10. Links are warmed before the round. When the leader closes a group it first sends
    every joiner the *proposed* members and owners (``warm``); each member, the leader too, opens a
    connection to every owner it will send parts to (:func:`~p2pdiloco.swarm.dialing.ensure_connected`:
@@ -116,6 +119,11 @@ POLL_MIN_S, POLL_MAX_S = 0.1, 0.8
 #: grows with the swarm), and those records change only when their peer syncs or re-publishes, which
 #: a reader sees within LOCAL_READ_PERIOD (2 s) anyway
 REEVAL_MAX_S = 2.0
+#: how long a follower waits for its early request to reach the presumable leader before it polls the
+#: round itself (seconds): a dial to a live peer takes a few round trips, and once the leader holds the
+#: request the follower reads nothing (item 9); a dial still tried after this (the leader left or
+#: crashed since our read, or its address is cold) must not keep us from seeing who leads instead
+EARLY_DIAL_S = 0.5
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +153,9 @@ class _Attempt:
     reeval_gap: float = 0.0                 # the pause to the next re-read of the live peers (the backoff)
     presumed: str = ""
     early: Optional[asyncio.Future] = None  # our request to the presumable leader, while it is open
+    taken: asyncio.Event = field(default_factory=asyncio.Event)  # the early request reached the leader
     quiet_polls: int = 0                    # polls in a row that found no new ready peer (the backoff)
+    dial_waited: bool = False               # we gave the early request EARLY_DIAL_S to reach the leader
 
     def __post_init__(self) -> None:
         self.ready.add(self.me)
@@ -353,9 +363,12 @@ class Matchmaker(Leading, JoinRequests):
         as many ready peers as expected (records or requests)     stop polling
         a live peer due now is not ready yet                      wait for it until its derived ETA, never
                                                                   past ``matchmaking_timeout``
-        the presumable leader (best rank of us and the peers      ask it to admit us at once and read nothing
-        due now) is another peer                                  more until it answers: its group is ours;
-                                                                  refused, or no answer by our deadline: poll
+        the presumable leader (best rank of us and the peers      ask it to admit us at once; once it took
+        due now) is another peer                                  the request read nothing more until it
+                                                                  answers: its group is ours; refused, or no
+                                                                  answer by our deadline: poll
+        the dial to the presumable leader is still tried          poll (after <= EARLY_DIAL_S): it may have
+        after EARLY_DIAL_S                                        left, and another peer lead
         alone while others are live, or partners of our last      look once more (after <= 1 s): behind?
         group cannot be seen at all                               missed? more ready records?
         candidates                                                ready peers, plus unseen due peers and
@@ -408,7 +421,7 @@ class Matchmaker(Leading, JoinRequests):
         if self._private(a.presumed):
             a.presumed = me  # no public peer due: nobody to ask (a private peer cannot be dialed)
         if a.presumed != me:
-            a.early = asyncio.ensure_future(self._join(a.presumed, frag, round_, expected))
+            a.early = asyncio.ensure_future(self._join(a.presumed, frag, round_, expected, taken=a.taken))
         return a
 
     def _evaluate(self, a: "_Attempt", read: Dict[str, Dict[str, Any]]) -> None:
@@ -433,11 +446,14 @@ class Matchmaker(Leading, JoinRequests):
         9). Returns the group when the presumable leader answered with one, else None."""
         slot = a.slot
         while True:
-            if a.early is not None and not a.early.done():
+            if a.early is not None and not a.early.done() and a.taken.is_set():
                 # The presumable leader holds our request: it polls the round for all of us and answers
                 # when its group closes (or refuses, and we poll on). Reading the round ourselves meanwhile
                 # would only end in waiting for that answer too, at the cost of every ready and progress
-                # record per read: the control traffic that grows with the swarm.
+                # record per read: the control traffic that grows with the swarm. Only a request the
+                # leader took counts: while the dial is still tried (a leader that left or crashed since
+                # our read fails only after JOIN_DIAL_WAIT) we poll, and see whoever leads instead.
+                # A leader that goes away after taking it breaks the stream, which answers at once.
                 now = time.monotonic()
                 a.ready |= self._unbanned(slot.arrivals)
                 if len(a.ready) >= a.expected or now >= a.deadline:
@@ -447,6 +463,15 @@ class Matchmaker(Leading, JoinRequests):
                     group = self._early_group(a)
                     if group is not None:
                         return group
+                continue
+            if a.early is not None and not a.early.done() and not a.dial_waited:
+                a.dial_waited = True  # once: then we poll while the dial is tried
+                taken = asyncio.ensure_future(a.taken.wait())
+                try:
+                    await self._wait_for_news(min(EARLY_DIAL_S, max(0.0, a.deadline - time.monotonic())),
+                                              slot, a.early, taken)
+                finally:
+                    taken.cancel()
                 continue
             # the three reads of one poll run side by side: each waits a round trip or more on a WAN
             reeval = a.sync_step is not None and time.monotonic() - a.last_eval >= a.reeval_gap
