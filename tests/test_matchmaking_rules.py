@@ -233,6 +233,37 @@ def test_a_follower_polls_while_the_dial_to_the_presumable_leader_is_still_tried
     group = asyncio.run(main())
     assert (asked, group.members, dial_to_a) == (["a", "b"], ("b", "me"), ["hung up while dialing"])
 
+
+def test_a_follower_found_behind_after_its_wait_withdraws_its_request():
+    """The presumable leader holds our request past our deadline; looking once more, we find the swarm
+    synced this step already (we are behind). The request must be withdrawn as we stop: a leader that
+    admitted us after we gave up would wait on a member that is not there."""
+    records = {"t:progress": _due("a", "b", "me")}
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=1.0)
+    request: List[str] = []
+
+    async def join(leader, frag, round_, due=None, timeout=None, taken=None):
+        taken.set()
+        # while we wait, the others sync step 100 without answering us
+        records["t:progress"] = {p: {"synced_step": 120, "digest": DIGEST, "next_sync": 140, "t": 1.0, "gid": "g"}
+                                 for p in ("a", "b")}
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            request.append("withdrawn")
+            raise
+        return None, None
+
+    mm._join = join
+
+    async def main():
+        with pytest.raises(RoundMissed, match="behind"):
+            await mm.form_group(0, 5, 3, sync_step=100)
+        await asyncio.sleep(0.1)  # a cancellation lands at once (the loop's own teardown comes later)
+        return list(request)
+
+    assert asyncio.run(main()) == ["withdrawn"]
+
 def test_a_formation_cancelled_mid_poll_leaves_no_unretrieved_read():
     """A peer shutting down cancels its formation while a poll's reads are in flight (then every task the
     node still runs): nothing may end as an exception nobody retrieves (asyncio logs a traceback for it,

@@ -386,12 +386,12 @@ class Matchmaker(Leading, JoinRequests):
         a = await self._enter(frag, round_, expected, sync_step)
         try:
             group = await self._poll(a)
-        except BaseException:
+            if group is not None:
+                return group
+            await self._last_look(a)
+        except BaseException:  # behind, missed, or stopped: the presumable leader must not admit us
             a.hang_up()
             raise
-        if group is not None:
-            return group
-        await self._last_look(a)
         return await self._choose_leader(a)
 
     async def _enter(self, frag: int, round_: int, expected: int, sync_step: Optional[int]) -> "_Attempt":
