@@ -1,0 +1,79 @@
+"""bench.scale_sim: the real matchmaking code on simulated transports, in virtual time."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+from p2pdiloco.bench import scale_sim
+from p2pdiloco.swarm import joining, matchmaking
+
+
+def test_virtual_time_jumps_to_the_next_timer_and_orders_timers():
+    loop = scale_sim.VirtualLoop()
+    seen = []
+
+    async def sleeper(d):
+        await asyncio.sleep(d)
+        seen.append((d, loop.time()))
+
+    async def main():
+        await asyncio.gather(sleeper(3600.0), sleeper(0.5), sleeper(60.0))
+
+    t0 = time.monotonic()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert time.monotonic() - t0 < 5  # an hour of virtual time, not of this machine's
+    assert [d for d, _ in seen] == [0.5, 60.0, 3600.0]
+    assert all(abs(t - d) < 1e-9 for d, t in seen)
+
+
+def test_a_swarm_without_churn_forms_one_group_of_everyone_and_the_modules_are_restored():
+    clock_before, dial_before = matchmaking.time, joining.open_stream
+    run = scale_sim.simulate(12, 2, verbose=False, churn=0.0, seed=3)
+    assert (matchmaking.time, joining.open_stream) == (clock_before, dial_before)
+    for r in run["rounds"]:
+        assert (r["groups"], r["in_main_group"], r["missed"], r["split"]) == (1, 12, 0, False)
+        # a butterfly group of all: every member talks to every other (the leader at least)
+        assert r["peers_talked"]["leader"] == 11
+        # every peer read the live peers once as its formation started (the O(N) read)
+        assert r["reads_per_peer"]["progress:formation"] >= 1.0
+        assert r["formation_bytes"]["leader"] > r["formation_bytes"]["median"] > 0
+
+
+def test_peers_leaving_mid_round_are_left_out_and_the_round_never_splits():
+    run = scale_sim.simulate(40, 2, verbose=False, churn=0.1, seed=1)
+    for r in run["rounds"]:
+        assert r["left"] == 4  # the fault fired: 10% of the live peers left during the round
+        assert not r["split"]
+        assert r["in_main_group"] + r["missed"] == r["peers"] - r["left"]
+        assert r["in_main_group"] >= r["peers"] - r["left"] - 2
+
+
+def test_a_read_counts_the_records_bytes_from_every_replica():
+    sim = scale_sim.Sim(3, replicas=5)
+    peers = list(sim.peers.values())
+    try:
+        size = sim.dht.store("sim:progress", peers[1].pid, {"step": 1}, ttl=10)
+        size += sim.dht.store("sim:progress", peers[2].pid, {"step": 2}, ttl=10)
+        got = sim.loop.run_until_complete(peers[0].node.aget_subkeys("sim:progress", why="formation"))
+    finally:
+        sim.loop.close()
+    assert set(got) == {peers[1].pid, peers[2].pid}
+    assert size > 2 * 100  # signed records: the owner key and the signature are most of a small one
+    assert peers[0].stats["dht_bytes"] == 5 * (size + 64)
+    assert peers[0].stats["read:progress:formation"] == 1
+
+
+def test_the_command_writes_its_table_results_and_plot(tmp_path, capsys):
+    out = str(tmp_path / "sim")
+    assert scale_sim.main(["--peers", "6,10", "--rounds", "1", "--churn", "0", "--out", out]) == 0
+    res = json.load(open(os.path.join(out, "results.json")))
+    assert [r["n"] for r in res["runs"]] == [6, 10]
+    assert os.path.getsize(os.path.join(out, "scale_sim.png")) > 0
+    assert "| 10 | 0 | 10 / 10 (0, 0)" in open(os.path.join(out, "table.md")).read()
+    assert scale_sim.main(["--peers", "1,x", "--out", out]) == 2
+    assert "--peers must be" in capsys.readouterr().err
