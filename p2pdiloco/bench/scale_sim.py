@@ -29,8 +29,9 @@ window or formation: half of them say goodbye (their record marked gone), half c
 stays until it expires, dials to them fail after the dial wait).
 
 Reported per N and round, per peer: DHT messages and bytes of the formation (reads by purpose,
-stores), of the background over the round, join-protocol frames and bytes, distinct peers talked to
-(connections), formation time in seconds and round trips; the leader's load beside the median peer's;
+stores), of the background over the round, join-protocol frames sent and bytes (sent and received),
+distinct peers talked to (connections), formation time, and how long the group took to close after its
+last member was ready (seconds and round trips); the leader's load beside the median peer's;
 and the outcome: groups formed, peers that missed the round, split rounds. Not simulated: the
 all-reduce itself (its bytes per peer do not grow with N: ``bench.scale``), state downloads, NAT.
 Results: ``<out>/results.json``, ``<out>/table.md``, ``<out>/scale_sim.png``.
@@ -193,14 +194,15 @@ class _Pipe:
     def write(self, data: bytes) -> None:
         if self.closed:
             return
-        self.src.count("join_bytes", len(data))
+        self.src.count("join_bytes", len(data))  # both ends, as a read counts the request and its answer
+        self.dst.count("join_bytes", len(data))
         self.sim.loop.call_at(self._at(), self._deliver, bytes(data))
 
     def _deliver(self, data: bytes) -> None:
         if not self.reader.at_eof() and not getattr(self.reader, "_eof", False):
             self.reader.feed_data(data)
 
-    async def drain(self) -> None:  # one per frame (write_frame drains once a frame)
+    async def drain(self) -> None:  # one per frame (write_frame drains once a frame): frames sent
         self.src.count("join_frames")
 
     def close(self) -> None:
@@ -410,13 +412,14 @@ class Sim:
             row.update(gid=group.gid, size=group.size, members=group.members)
         except (RoundMissed, MatchmakingFailed) as e:
             row.update(error=type(e).__name__, why=str(e)[:200])
+        out[peer.pid] = row
+        # the all-reduce (or, having missed the round, the catch-up), then our record says so at once, as
+        # the training loop publishes it after every sync. A leader's answers to its joiners and its group
+        # record go out meanwhile: the round's traffic is counted up to here.
+        await asyncio.sleep(self.sync_s)
         row["stats"] = dict(Counter(peer.stats) - before)
         row["talked"] = len(peer.talked)
         peer.talked |= talked_before
-        out[peer.pid] = row
-        # the all-reduce (or, having missed the round, the catch-up), then our record says so at once, as
-        # the training loop publishes it after every sync
-        await asyncio.sleep(self.sync_s)
         if peer.gone:
             return
         if group is not None:
@@ -437,7 +440,7 @@ class Sim:
                              "next_sync": h, "synced_step": 0, "lw": 1, "rate": 0.0, "reach": "public"}
             peer.publish()
             peer.stats.clear()  # the first publication is the start's, not a round's
-        background = [asyncio.ensure_future(self._background(p)) for p in self.peers.values()]
+        self._tasks = [asyncio.ensure_future(self._background(p)) for p in self.peers.values()]  # kept referenced
         results = []
         try:
             for r in range(rounds):
