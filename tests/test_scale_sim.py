@@ -77,3 +77,14 @@ def test_the_command_writes_its_table_results_and_plot(tmp_path, capsys):
     assert "| 10 | 0 | 10 / 10 (0, 0)" in open(os.path.join(out, "table.md")).read()
     assert scale_sim.main(["--peers", "1,x", "--out", out]) == 2
     assert "--peers must be" in capsys.readouterr().err
+
+
+def test_a_silent_identity_with_the_smallest_id_is_asked_and_every_honest_peer_still_ends_its_round():
+    """The hostile identity took the honest peers' requests (the attack fired) and answered none; every
+    honest peer still ends the round in a group or as missed, never stuck (how long it costs and how
+    the round splits is what the benchmark reports)."""
+    run = scale_sim.simulate(8, 1, verbose=False, churn=0.0, silent=1, seed=2)
+    (r,) = run["rounds"]
+    assert r["held"] >= 7  # every honest peer asked it at least once
+    assert r["peers"] == 8 and sum(r["group_sizes"]) + r["missed"] == 8
+    assert r["formation_seconds"]["median"] > 20  # the wait on its silence (a group of all takes ~6 s)

@@ -26,7 +26,10 @@ Each round: every peer trains for ``--train-s`` seconds times a random factor in
 of that round as the training loop would (``expected`` = the live peers it knows, ``sync_step``).
 With ``--churn`` that share of the peers leaves during the round at a random moment of its training
 window or formation: half of them say goodbye (their record marked gone), half crash (their record
-stays until it expires, dials to them fail after the dial wait).
+stays until it expires, dials to them fail after the dial wait). With ``--silent K``, K more identities
+are hostile: their ids are the smallest (a peer id is a key's hash, and anyone can grind keys for a
+small one), their records look like an honest peer's, they store a ready record every round, and
+their join handler takes every request and never answers; the figures are the honest peers'.
 
 Reported per N and round, per peer: DHT messages and bytes of the formation (reads by purpose,
 stores), of the background over the round, join-protocol frames sent and bytes (sent and received),
@@ -56,7 +59,7 @@ import msgpack
 
 from ..errors import MatchmakingFailed, RoundMissed
 from ..swarm import formation, joining, leading, matchmaking, standing
-from ..swarm.keys import kind_of, progress_key
+from ..swarm.keys import kind_of, progress_key, ready_key
 from ..swarm.matchmaking import Matchmaker
 from ..swarm.node import READ_BEAM
 
@@ -228,6 +231,12 @@ class _Pipe:
         return default
 
 
+async def _hold_silently(reader: asyncio.StreamReader) -> None:
+    """A hostile join handler: reads what comes and answers nothing, until the caller hangs up."""
+    while await reader.read(1 << 16):
+        pass
+
+
 class SimNode:
     """What a Matchmaker uses of :class:`~p2pdiloco.swarm.node.SwarmNode`, on the simulated DHT."""
 
@@ -263,8 +272,11 @@ class SimNode:
 
 
 class SimPeer:
-    def __init__(self, sim: "Sim", pid: str, speed: float) -> None:
+    def __init__(self, sim: "Sim", pid: str, speed: float, silent: bool = False) -> None:
         self.sim, self.pid, self.speed = sim, pid, speed
+        #: hostile: publishes records like an honest peer, says it is ready every round, takes join
+        #: requests and never answers them
+        self.silent = silent
         self.node = SimNode(sim, self, pid)
         self.mm = Matchmaker(self.node, RUN, matchmaking_timeout=sim.matchmaking_timeout)
         self.mm.record_lifetime = sim.record_lifetime
@@ -293,7 +305,7 @@ class Sim:
 
     def __init__(self, n: int, *, seed: int = 0, rtt: float = 0.05, dht_rtts: float = 2.0, replicas: int = 5,
                  train_s: float = 60.0, sync_s: float = 5.0, spread: float = 0.2, churn: float = 0.0,
-                 progress_period: float = 10.0, matchmaking_timeout: float = 30.0) -> None:
+                 progress_period: float = 10.0, matchmaking_timeout: float = 30.0, silent: int = 0) -> None:
         self.loop = VirtualLoop()
         self.clock = _Clock(self.loop)
         self.rng = random.Random(seed)
@@ -308,6 +320,10 @@ class Sim:
             pid = "Qm" + "".join(self.rng.choice("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
                                  for _ in range(44))
             self.peers[pid] = SimPeer(self, pid, speed=1.0 + self.rng.random() * spread)
+        # hostile identities with the smallest ids (an id is a key's hash: anyone can grind a small one)
+        for i in range(silent):
+            pid = "Qm1111" + f"{i:02d}" + "".join(self.rng.choice("ABCDEFGH") for _ in range(36))
+            self.peers[pid] = SimPeer(self, pid, speed=1.0, silent=True)
         # the progress key's nearest nodes read it from their own storage; the others over the network
         self.nearest = set(self.rng.sample(sorted(self.peers), min(replicas, n)))
 
@@ -330,7 +346,10 @@ class Sim:
         me.pipes.append(w_me)
         target.pipes.append(w_target)
         info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda pid=me.pid: pid))
-        task = asyncio.ensure_future(target.mm._handle_join(info, to_target, w_target))
+        if target.silent:
+            target.count("held")
+        task = asyncio.ensure_future(_hold_silently(to_target) if target.silent
+                                     else target.mm._handle_join(info, to_target, w_target))
         target.handlers.add(task)
         task.add_done_callback(target.handlers.discard)
         return None, to_me, w_me
@@ -390,6 +409,12 @@ class Sim:
         if peer.gone:
             return
         peer.progress["step"] = sync_step
+        if peer.silent:  # ready, as far as anyone can read
+            self.dht.store(ready_key(RUN, 0, round_), peer.pid, {"t": self.clock.time(), "reach": "public"},
+                           3 * self.matchmaking_timeout)
+            await asyncio.sleep(self.matchmaking_timeout + self.sync_s)
+            peer.progress.update(next_sync=sync_step + h)
+            return
         before = Counter(peer.stats)
         talked_before = set(peer.talked)
         peer.talked.clear()
@@ -444,7 +469,8 @@ class Sim:
         results = []
         try:
             for r in range(rounds):
-                live = [p for p in self.peers.values() if not p.gone]
+                everyone = [p for p in self.peers.values() if not p.gone]
+                live = [p for p in everyone if not p.silent]  # the honest peers: what is reported
                 leavers = set(self.rng.sample(live, int(round(self.churn * len(live)))))
                 bg_before = {p.pid: (p.stats["bg_msgs"], p.stats["bg_bytes"]) for p in live}
                 out: Dict[str, Any] = {}
@@ -452,12 +478,13 @@ class Sim:
                 window = self.train_s * (1 + self.spread) + 10.0
                 await asyncio.gather(*(self._peer_round(
                     p, r, (r + 1) * h, h, self.rng.random() * window if p in leavers else None,
-                    self.rng.random() < 0.5, out) for p in live))
+                    self.rng.random() < 0.5, out) for p in everyone))
                 for pid, row in out.items():
                     peer = self.peers[pid]
                     row["bg_msgs"] = peer.stats["bg_msgs"] - bg_before[pid][0]
                     row["bg_bytes"] = peer.stats["bg_bytes"] - bg_before[pid][1]
-                results.append({"round": r, "peers": len(live), "left": len(leavers),
+                held = sum(p.stats["held"] for p in everyone if p.silent)
+                results.append({"round": r, "peers": len(live), "left": len(leavers), "held": held,
                                 "seconds": self.loop.time() - t0, "rows": out})
                 progress(r, results[-1])
         finally:  # every task left (background, handlers, stores) ends before the loop closes
@@ -503,7 +530,7 @@ def summarize_round(res: Dict[str, Any], rtt: float) -> Dict[str, Any]:
     last_in = max((r["entered"] for r in main), default=0.0)
     closing = sorted(r["done"] - last_in for r in main)
     return {
-        "round": res["round"], "peers": res["peers"], "left": res["left"],
+        "round": res["round"], "peers": res["peers"], "left": res["left"], "held": res.get("held", 0),
         "groups": len(groups), "group_sizes": sorted(groups.values(), reverse=True),
         "in_main_group": main_size, "missed": len(rows) - len(ok),
         "split": sum(1 for size in groups.values() if size > 1) > 1,
@@ -596,6 +623,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--replicas", type=int, default=5, help="nodes a DHT read asks (and a store writes to)")
     ap.add_argument("--train-s", type=float, default=60.0, help="seconds of training between two syncs")
     ap.add_argument("--spread", type=float, default=0.2, help="peers are up to this much slower than the fastest")
+    ap.add_argument("--silent", type=int, default=0,
+                    help="hostile identities with the smallest ids: ready every round, holding join requests unanswered")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/scale_sim")
     args = ap.parse_args(argv)
@@ -611,7 +640,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for n in sizes:
         print(f"N={n}: {args.rounds} rounds, churn {args.churn:.0%}", flush=True)
         runs.append(simulate(n, args.rounds, seed=args.seed, rtt=args.rtt, dht_rtts=args.dht_rtts,
-                             replicas=args.replicas, train_s=args.train_s, spread=args.spread, churn=args.churn))
+                             replicas=args.replicas, train_s=args.train_s, spread=args.spread, churn=args.churn,
+                             silent=args.silent))
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"argv": sys.argv[1:], "runs": runs}, f, indent=1)
     table = format_table(runs)
