@@ -419,6 +419,7 @@ class Sim:
         talked_before = set(peer.talked)
         peer.talked.clear()
         t_enter = self.loop.time()
+        # whom to wait for, from the background view as Swarm.expected_group takes it (no read of its own)
         expected = 1 + len(formation.expected_peers(self.dht.read(progress_key(RUN))[0], peer.pid, sync_step))
         task = asyncio.ensure_future(peer.mm.form_group(0, round_, expected, sync_step=sync_step))
         watch = asyncio.ensure_future(self._until_gone(peer))
