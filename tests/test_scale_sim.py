@@ -70,9 +70,11 @@ def test_a_read_counts_the_records_bytes_from_every_replica():
 
 def test_the_command_writes_its_table_results_and_plot(tmp_path, capsys):
     out = str(tmp_path / "sim")
-    assert scale_sim.main(["--peers", "6,10", "--rounds", "1", "--churn", "0", "--out", out]) == 0
+    assert scale_sim.main(["--peers", "6,10", "--rounds", "1", "--churn", "0", "--sync-s", "2",
+                           "--matchmaking-timeout", "20", "--out", out]) == 0
     res = json.load(open(os.path.join(out, "results.json")))
     assert [r["n"] for r in res["runs"]] == [6, 10]
+    assert res["runs"][0]["settings"]["sync_s"] == 2 and res["runs"][0]["settings"]["matchmaking_timeout"] == 20
     assert os.path.getsize(os.path.join(out, "scale_sim.png")) > 0
     assert "| 10 | 0 | 10 / 10 (0, 0)" in open(os.path.join(out, "table.md")).read()
     assert scale_sim.main(["--peers", "1,x", "--out", out]) == 2

@@ -623,9 +623,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--dht-rtts", type=float, default=2.0, help="round trips of one DHT read or store")
     ap.add_argument("--replicas", type=int, default=5, help="nodes a DHT read asks (and a store writes to)")
     ap.add_argument("--train-s", type=float, default=60.0, help="seconds of training between two syncs")
+    ap.add_argument("--sync-s", type=float, default=5.0, help="seconds a sync takes once the group formed")
     ap.add_argument("--spread", type=float, default=0.2, help="peers are up to this much slower than the fastest")
+    ap.add_argument("--progress-period", type=float, default=10.0, help="swarm.progress_period, seconds")
+    ap.add_argument("--matchmaking-timeout", type=float, default=30.0, help="swarm.matchmaking_timeout, seconds")
     ap.add_argument("--silent", type=int, default=0,
-                    help="hostile identities with the smallest ids: ready every round, holding join requests unanswered")
+                    help="hostile identities with the smallest ids: ready every round, answering no join request")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/scale_sim")
     args = ap.parse_args(argv)
@@ -641,8 +644,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for n in sizes:
         print(f"N={n}: {args.rounds} rounds, churn {args.churn:.0%}", flush=True)
         runs.append(simulate(n, args.rounds, seed=args.seed, rtt=args.rtt, dht_rtts=args.dht_rtts,
-                             replicas=args.replicas, train_s=args.train_s, spread=args.spread, churn=args.churn,
-                             silent=args.silent))
+                             replicas=args.replicas, train_s=args.train_s, sync_s=args.sync_s, spread=args.spread,
+                             churn=args.churn, silent=args.silent, progress_period=args.progress_period,
+                             matchmaking_timeout=args.matchmaking_timeout))
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"argv": sys.argv[1:], "runs": runs}, f, indent=1)
     table = format_table(runs)
