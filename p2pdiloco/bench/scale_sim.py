@@ -68,6 +68,8 @@ __all__ = ["main", "simulate", "VirtualLoop", "format_table"]
 RUN = "sim"
 #: the bytes a record carries beyond its msgpack body: expiration and key framing in the DHT's protobuf
 ENVELOPE = 24
+#: the bytes of one DHT request and its answer's framing to and from one node, beyond the records
+REQUEST = 64
 
 
 class _VirtualSelector(selectors.DefaultSelector):
@@ -246,7 +248,7 @@ class SimNode:
         self.traffic = None
         self.reachability = "public"
         self.gate = SimpleNamespace(banned=lambda pid: False, note_bad=lambda *a, **k: None)
-        self.handler = None
+        self.handler = None  # the join handler: where the simulated streams to us are dispatched
 
     def add_handler(self, name: str, handler) -> None:
         self.handler = handler
@@ -257,7 +259,7 @@ class SimNode:
         records, size = sim.dht.read(key)
         self.peer.count(f"read:{kind_of(key)}:{why}")
         self.peer.count("dht_msgs", sim.replicas)
-        self.peer.count("dht_bytes", sim.replicas * (size + 64))
+        self.peer.count("dht_bytes", sim.replicas * (size + REQUEST))
         return records
 
     async def astore(self, key: str, value: Dict[str, Any], ttl: float, subkey: str) -> None:
@@ -268,7 +270,7 @@ class SimNode:
         size = sim.dht.store(key, subkey, value, ttl)
         self.peer.count(f"store:{kind_of(key)}")
         self.peer.count("dht_msgs", sim.replicas)
-        self.peer.count("dht_bytes", sim.replicas * (size + 64))
+        self.peer.count("dht_bytes", sim.replicas * (size + REQUEST))
 
 
 class SimPeer:
@@ -281,6 +283,7 @@ class SimPeer:
         self.mm = Matchmaker(self.node, RUN, matchmaking_timeout=sim.matchmaking_timeout)
         self.mm.record_lifetime = sim.record_lifetime
         self.gone = False
+        self.left = asyncio.Event()  # set with gone: a formation in progress stops at once
         self.stats: Counter = Counter()
         self.talked: Set[str] = set()  # peers we opened a stream or a connection to, or that did to us
         self.pipes: List[_Pipe] = []
@@ -297,7 +300,7 @@ class SimPeer:
         size = self.sim.dht.store(progress_key(RUN), self.pid, dict(self.progress, t=self.sim.clock.time()),
                                   self.sim.record_lifetime)
         self.count("bg_msgs", self.sim.replicas)
-        self.count("bg_bytes", self.sim.replicas * (size + 64))
+        self.count("bg_bytes", self.sim.replicas * (size + REQUEST))
 
 
 class Sim:
@@ -309,7 +312,7 @@ class Sim:
         self.loop = VirtualLoop()
         self.clock = _Clock(self.loop)
         self.rng = random.Random(seed)
-        self.n, self.rtt, self.dht_rtts, self.replicas = n, rtt, dht_rtts, replicas
+        self.rtt, self.dht_rtts, self.replicas = rtt, dht_rtts, replicas
         self.train_s, self.sync_s, self.spread, self.churn = train_s, sync_s, spread, churn
         self.progress_period, self.matchmaking_timeout = progress_period, matchmaking_timeout
         self.record_lifetime = 3 * progress_period + 5
@@ -349,7 +352,7 @@ class Sim:
         if target.silent:
             target.count("held")
         task = asyncio.ensure_future(_hold_silently(to_target) if target.silent
-                                     else target.mm._handle_join(info, to_target, w_target))
+                                     else target.node.handler(info, to_target, w_target))
         target.handlers.add(task)
         task.add_done_callback(target.handlers.discard)
         return None, to_me, w_me
@@ -373,6 +376,7 @@ class Sim:
         """``peer`` stops: its formation and handlers are cancelled, its streams break; with ``goodbye`` its
         record says so at once, else it stays until it expires (a crash)."""
         peer.gone = True
+        peer.left.set()
         if goodbye:
             self.dht.store(progress_key(RUN), peer.pid, {"gone": True, "t": self.clock.time()}, self.record_lifetime)
         for task in list(peer.handlers):
@@ -389,7 +393,7 @@ class Sim:
             if peer.pid not in self.nearest:
                 await asyncio.sleep(self.dht_rtts * self.rtt)
                 peer.count("bg_msgs", READ_BEAM)
-                peer.count("bg_bytes", READ_BEAM * (self.dht.total(progress_key(RUN)) + 64))
+                peer.count("bg_bytes", READ_BEAM * (self.dht.total(progress_key(RUN)) + REQUEST))
                 peer.count("read:progress:background")
             await asyncio.sleep(self.progress_period)
 
@@ -422,7 +426,7 @@ class Sim:
         # whom to wait for, from the background view as Swarm.expected_group takes it (no read of its own)
         expected = 1 + len(formation.expected_peers(self.dht.read(progress_key(RUN))[0], peer.pid, sync_step))
         task = asyncio.ensure_future(peer.mm.form_group(0, round_, expected, sync_step=sync_step))
-        watch = asyncio.ensure_future(self._until_gone(peer))
+        watch = asyncio.ensure_future(peer.left.wait())
         try:
             await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -454,10 +458,6 @@ class Sim:
             peer.progress.update(gid=group.gid)
         peer.progress.update(synced_step=sync_step, digest="d" * 16, next_sync=sync_step + h)
         peer.publish()
-
-    async def _until_gone(self, peer: SimPeer) -> None:
-        while not peer.gone:
-            await asyncio.sleep(0.05)
 
     async def _run(self, rounds: int, h: int, progress) -> List[Dict[str, Any]]:
         for peer in self.peers.values():
