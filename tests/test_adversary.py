@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List
 
 import pytest
 import torch
@@ -204,6 +204,59 @@ def test_a_failure_reason_with_record_syntax_leaves_the_members_records_readable
     for s in members:
         (reason,) = view[s.peer_id]["fw"]
         assert reason.startswith("owner aborted") and "[signature:" not in reason and "[owner:" not in reason
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("liars", [1, 2])
+def test_identities_with_the_smallest_ids_that_hold_join_requests_cost_seconds_not_a_split(nodes, liars):
+    """Leadership goes by id, and anyone can grind keys for a small one: here the identities with the
+    smallest ids of the pool are the attackers'. Their progress records are copies of an honest one (due
+    at the same sync, the same speed), they store a ready record for the round, and their join handler
+    takes every request and answers nothing. Three honest peers form the round's group: one group of
+    the three, the same on each, in far less than one request timeout (matchmaking_timeout + 13 s per
+    attacker, which each honest peer waited before a silent holder was dropped, each at its own
+    moment: the round then split)."""
+    from p2pdiloco.swarm.joining import SILENT_S
+    from p2pdiloco.swarm.keys import handler_name, progress_key, ready_key
+
+    run = f"adv{next(_runs)}"
+    pool = sorted(nodes[1:], key=lambda n: n.peer_id_str)
+    liar_nodes, honest_nodes = pool[:liars], pool[liars:liars + 3]
+    held: List[str] = []
+
+    async def hold(info, reader, writer):  # take the request; answer nothing until the joiner hangs up
+        held.append(info.peer_id.to_base58())
+        while await reader.read(1 << 16):
+            pass
+
+    for n in liar_nodes:
+        n.add_handler(handler_name(run, "join"), hold)
+    swarms = []
+    for n in honest_nodes:
+        s = Swarm(n, run, matchmaking_timeout=30, allreduce_timeout=5)
+        s.matchmaker.record_lifetime = 120.0  # nobody re-publishes in this test
+        s.update_progress(step=STEP + H - 1, synced_step=STEP, digest="0" * 16, round=STEP // H,
+                          next_sync=STEP + H, sps=1.0)
+        s.publish_progress(wait=True)
+        swarms.append(s)
+    honest_ids = tuple(sorted(n.peer_id_str for n in honest_nodes))
+    (template,) = [v for p, v in honest_nodes[0].get_subkeys(progress_key(run)).items() if p == honest_ids[0]]
+    for n in liar_nodes:
+        assert n.store(progress_key(run), dict(template, t=time.time()), ttl=120, subkey=n.peer_id_str)
+        assert n.store(ready_key(run, 0, 5), {"t": time.time(), "reach": "public"}, ttl=120, subkey=n.peer_id_str)
+    view = swarms[0].live_peers()
+    assert set(view) == {n.peer_id_str for n in liar_nodes} | set(honest_ids), view
+    assert min(view) == liar_nodes[0].peer_id_str  # an attacker is every honest peer's presumable leader
+
+    t0 = time.monotonic()
+    futs = [n.submit(s.matchmaker.form_group(0, 5, len(view), sync_step=STEP + H))
+            for n, s in zip(honest_nodes, swarms)]
+    groups = [f.result(150) for f in futs]
+    took = time.monotonic() - t0
+    assert set(held) == set(honest_ids)  # the attack fired: every honest peer's request was taken
+    assert all(g.members == honest_ids for g in groups) and len({g.gid for g in groups}) == 1, groups
+    print(f"\n{liars} attacker(s): the honest group formed in {took:.1f} s")
+    assert took < liars * SILENT_S + 20, took
 
 
 # ---- end to end: a training swarm under attack -----------------------------------------------------

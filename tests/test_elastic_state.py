@@ -417,7 +417,7 @@ def test_a_hint_to_a_leader_we_have_not_seen_ready_is_checked_in_the_dht_and_fol
     mm = _fake_matchmaker(records, announce=True)
     asked = []
 
-    async def join(leader, frag, round_, due=None, timeout=None, taken=None):
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
         asked.append(leader)
         if leader == "b":
             records["t:mm:0:5"]["a"] = {"t": 2.0}  # a's ready record lands after our poll
@@ -444,7 +444,7 @@ def test_partners_of_our_last_group_hidden_by_the_dht_are_asked_before_we_sync_a
     # a smaller partner: asked to lead before we lead alone
     mm, asked = matchmaker(), []
 
-    async def join(leader, frag, round_, due=None, timeout=None, taken=None):
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
         asked.append(leader)
         return Group(gid="g", members=("a", "me"), my_index=1, frag=frag, round=round_), None
 
@@ -456,7 +456,7 @@ def test_partners_of_our_last_group_hidden_by_the_dht_are_asked_before_we_sync_a
     # a larger partner: we lead and give it the join grace (it is in the unseen set we wait for)
     mm, waited = matchmaker(), []
 
-    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset()):
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset(), grace=None):
         waited.append(set(unseen))
         return Group(gid="g2", members=("me",), my_index=0, frag=frag, round=round_)
 
@@ -531,7 +531,7 @@ def test_a_follower_asks_the_presumable_leader_at_once_instead_of_waiting_for_th
     mm.node.aget_subkeys = counted
     asked = []
 
-    async def join(leader, frag, round_, due=None, timeout=None, taken=None):
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
         asked.append(leader)
         await asyncio.sleep(0.2)  # a round trip
         return Group(gid="g", members=("a", "me"), my_index=1, frag=frag, round=round_), None

@@ -88,7 +88,7 @@ def _run(row: Dict[str, Any]):
     asked: List[str] = []
     answers = row.get("answers", {})
 
-    async def join(leader, frag, round_, due=None, timeout=None, taken=None):
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
         asked.append(leader)
         what = answers.get(leader, "refuse")
         if isinstance(what, tuple):
@@ -97,7 +97,7 @@ def _run(row: Dict[str, Any]):
             return None, what[5:]
         return None, None
 
-    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset()):
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset(), grace=None):
         return _group(["me"], gid=f"lead: unseen {sorted(unseen)}")
 
     mm._join, mm._lead = join, lead
@@ -171,14 +171,14 @@ def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(
     mm.node.aget_subkeys = counting_aget
     asked: List[str] = []
 
-    async def join(leader, frag, round_, due=None, timeout=None, taken=None):
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
         asked.append(leader)
         if len(asked) == 1:
-            taken.set()  # the leader's join handler has the request
+            watch.taken.set()  # the leader's join handler has the request
             await asyncio.sleep(1.0)  # the leader waits for its round before it answers
         return (_group(("a", "me")), None) if answer == "group" else (None, None)
 
-    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset()):
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset(), grace=None):
         return _group(["me"], gid="lead")
 
     mm._join, mm._lead = join, lead
@@ -204,7 +204,7 @@ def test_a_follower_polls_while_the_dial_to_the_presumable_leader_is_still_tried
     asked: List[str] = []
     dial_to_a: List[str] = []
 
-    async def join(leader, frag, round_, due=None, timeout=None, taken=None):
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
         asked.append(leader)
         if leader == "a":
             records["t:progress"]["a"]["gone"] = True  # its goodbye reaches the DHT
@@ -219,7 +219,7 @@ def test_a_follower_polls_while_the_dial_to_the_presumable_leader_is_still_tried
             raise RoundMissed("missed the group for fragment 0, round 5 (it closed before we joined)")
         return _group(("b", "me")), None
 
-    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset()):
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset(), grace=None):
         return _group(["me"], gid="lead")
 
     mm._join, mm._lead = join, lead
@@ -242,8 +242,8 @@ def test_a_follower_found_behind_after_its_wait_withdraws_its_request():
     mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=1.0)
     request: List[str] = []
 
-    async def join(leader, frag, round_, due=None, timeout=None, taken=None):
-        taken.set()
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
+        watch.taken.set()
         # while we wait, the others sync step 100 without answering us
         records["t:progress"] = {p: {"synced_step": 120, "digest": DIGEST, "next_sync": 140, "t": 1.0, "gid": "g"}
                                  for p in ("a", "b")}
@@ -303,3 +303,235 @@ def test_a_formation_cancelled_mid_poll_leaves_no_unretrieved_read():
     asyncio.run(scenario())
     gc.collect()
     assert started and not unretrieved, unretrieved
+
+
+# ---- leaders that take requests and answer none (module docstring, item 11) -------------------------
+def _ready(*peers: str) -> Dict[str, Dict[str, Any]]:
+    return {p: {"t": 1.0, "reach": "public"} for p in peers}
+
+
+def _silent_then(answers: Dict[str, Any], asked: List[str], withdrawn: List[str]):
+    """A fake ``_join``: "a" takes the request and falls silent (the SILENT_S gap, shortened); "stall:X"
+    answers hold the request, talking, for 10 s; the others answer as ``answers`` says (a list: one per ask)."""
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
+        asked.append(leader)
+        what = answers[leader]
+        if isinstance(what, list):
+            what = what.pop(0) if len(what) > 1 else what[0]
+        if what in ("silent", "stall"):
+            watch.taken.set()
+            try:
+                await asyncio.sleep(0.05 if what == "silent" else 10.0)
+            except asyncio.CancelledError:
+                withdrawn.append(leader)
+                raise
+            watch.silent = what == "silent"
+            return None, None
+        if isinstance(what, tuple):
+            return _group(what), None
+        return None, what[5:]  # "hint:X"
+    return join
+
+
+def _lead_recorder(led: List[Dict[str, Any]]):
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset(), grace=None):
+        led.append({"grace": grace, "joiners": set(expected_joiners)})
+        return _group(["me"], gid="lead")
+    return lead
+
+
+def test_a_presumable_leader_that_falls_silent_is_dropped_and_the_next_one_asked():
+    """a (the best rank) takes our request and says nothing: we ask b, the next presumable leader, at
+    once, and never ask a again this round (asking it again as a candidate would cost another SILENT_S,
+    and the other honest peers have dropped it too)."""
+    records = {"t:progress": _due("a", "b", "me"), "t:mm:0:5": _ready("a", "b")}
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=3.0)
+    asked: List[str] = []
+    mm._join = _silent_then({"a": "silent", "b": ("b", "me")}, asked, [])
+    group = asyncio.run(mm.form_group(0, 5, 3, sync_step=100))
+    assert asked == ["a", "b"] and group.members == ("b", "me")
+
+
+def test_a_presumable_leader_that_holds_our_request_with_every_peer_ready_is_dropped_after_patience():
+    """a keeps our request (it talks: not silent) and proposes nothing, although every peer due is ready
+    by our read when our wait ends: an honest leader closes within its join grace of the last request.
+    After twice the join grace we hang up on a (withdrawn) and ask the next candidate, instead of
+    waiting for the request's own timeout."""
+    records = {"t:progress": _due("a", "b", "me"), "t:mm:0:5": _ready("a", "b")}
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=1.0)
+    asked: List[str] = []
+    withdrawn: List[str] = []
+    mm._join = _silent_then({"a": "stall", "b": ("b", "me")}, asked, withdrawn)
+    group = asyncio.run(mm.form_group(0, 5, 3, sync_step=100))
+    assert (asked, withdrawn, group.members) == (["a", "b"], ["a"], ("b", "me"))
+
+
+def test_a_candidate_that_still_follows_a_dropped_leader_is_asked_until_it_leads():
+    """b, like us, waits on the silent a; it answers "I follow a" until it drops a too, a little later
+    than we did. We keep asking b, more often than the three bounces a hint gets, and join its group:
+    leading a group of our own meanwhile would split the round."""
+    records = {"t:progress": _due("a", "b", "me"), "t:mm:0:5": _ready("a", "b")}
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=3.0)
+    asked: List[str] = []
+    led: List[Dict[str, Any]] = []
+    mm._join = _silent_then({"a": "silent", "b": ["hint:a"] * 6 + [("b", "me")]}, asked, [])
+    mm._lead = _lead_recorder(led)
+    group = asyncio.run(mm.form_group(0, 5, 3, sync_step=100))
+    assert group.members == ("b", "me") and not led
+    assert asked[0] == "a" and asked[1:] == ["b"] * 7
+
+
+@pytest.mark.parametrize("how", ["silent", "stall"])
+def test_leading_in_place_of_a_dropped_peer_admits_for_longer_and_never_waits_for_it(how):
+    """We are next after a, which left our request unanswered: the others drop a too, each after its own
+    wait, so we admit joiners for longer than the join grace (silent: one early dial and SILENT_S more;
+    stalled: up to matchmaking_timeout and the patience), and a is not among the joiners we wait for."""
+    from p2pdiloco.swarm.joining import SILENT_S
+    from p2pdiloco.swarm.matchmaking import EARLY_DIAL_S
+
+    records = {"t:progress": _due("a", "b", "me"), "t:mm:0:5": _ready("a", "b")}
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=1.0)
+    asked: List[str] = []
+    led: List[Dict[str, Any]] = []
+    mm._join = _silent_then({"a": how, "b": "refuse"}, asked, [])
+    mm._rank = lambda p: (0, {"a": "0", "me": "1", "b": "2"}[p])  # a, then us, then b
+    mm._lead = _lead_recorder(led)
+    asyncio.run(mm.form_group(0, 5, 3, sync_step=100))
+    (lead,) = led
+    assert asked == ["a"] and "a" not in lead["joiners"]
+    assert lead["grace"] == pytest.approx(0.1 + EARLY_DIAL_S + SILENT_S if how == "silent" else 1.0 + 0.2)
+
+
+def _frames(data: bytes) -> List[Dict[str, Any]]:
+    import msgpack
+
+    out, i = [], 0
+    while i < len(data):
+        n = int.from_bytes(data[i:i + 4], "big")
+        out.append(msgpack.unpackb(data[i + 4:i + 4 + n]))
+        i += 4 + n
+    return out
+
+
+def test_a_peer_holding_a_join_request_says_wait_until_it_answers(monkeypatch):
+    """The join handler holds an admitted joiner's request until its group closes: meanwhile it writes a
+    'wait' frame every WAIT_S, so the joiner can tell a leader still gathering from a silent one."""
+    from types import SimpleNamespace
+
+    from p2pdiloco.swarm import joining
+    from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, write_frame
+    from test_elastic_state import _Sink
+
+    monkeypatch.setattr(joining, "WAIT_S", 0.05)
+
+    async def scenario():
+        mm = _fake_matchmaker({})
+        slot = mm._slot(0, 5)
+        slot.leading = True
+        slot.decided.set()
+        request = _Sink()
+        await write_frame(request, {"t": "join", "v": PROTOCOL_VERSION, "frag": 0, "round": 5})
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes(request.data))
+        reply = _Sink()
+        handler = asyncio.ensure_future(mm._handle_join(SimpleNamespace(peer_id=SimpleNamespace(
+            to_base58=lambda: "j")), reader, reply))
+        await asyncio.sleep(0.4)  # held: the group has not closed
+        slot.joiners["j"].set_result(None)  # it closes without a group for j
+        await asyncio.wait_for(handler, timeout=2)
+        return _frames(bytes(reply.data))
+
+    frames = asyncio.run(scenario())
+    assert len(frames) >= 4 and all(f == {"t": "wait"} for f in frames[:-1])
+    assert frames[-1] == {"t": "refuse", "reason": "group too small"}
+
+
+def test_a_joiner_waits_on_a_talking_leader_and_drops_a_silent_one(monkeypatch):
+    """Our request's reader: 'wait' frames keep it waiting past SILENT_S until the group comes; a leader
+    that says nothing for SILENT_S ends the request unanswered, marked silent."""
+    import msgpack
+
+    from p2pdiloco.swarm import joining
+    from p2pdiloco.swarm.group import make_group_id
+    from test_elastic_state import _Sink
+
+    monkeypatch.setattr(joining, "SILENT_S", 0.2)
+    mm = _fake_matchmaker({})
+    gid = make_group_id("t", 0, 5, ["a", "me"], "")
+
+    def frame(header):
+        body = msgpack.packb(header)
+        return len(body).to_bytes(4, "big") + body
+
+    async def scenario(talking: bool):
+        reader = asyncio.StreamReader()
+
+        async def leader():
+            for _ in range(8):  # 0.8 s: four times SILENT_S
+                await asyncio.sleep(0.1)
+                if talking:
+                    reader.feed_data(frame({"t": "wait"}))
+            reader.feed_data(frame({"t": "group", "gid": gid, "members": ["a", "me"], "base": ""}))
+
+        async def open_stream(node, peer, handler, deadline, stats=None):
+            return None, reader, _Sink()
+
+        monkeypatch.setattr(joining, "open_stream", open_stream)
+        feeding = asyncio.ensure_future(leader())
+        watch = joining.JoinWatch()
+        result = await mm._join("a", 0, 5, watch=watch)
+        feeding.cancel()
+        return result, watch
+
+    (group, _), watch = asyncio.run(scenario(True))
+    assert group is not None and group.members == ("a", "me") and not watch.silent
+    result, watch = asyncio.run(scenario(False))
+    assert result == (None, None) and watch.silent
+
+
+def test_a_follower_whose_request_the_presumable_leader_holds_sends_askers_there_at_once():
+    """z did not see the new peer a yet and asks us (the smallest id it knows); we already asked a (the
+    smallest id: our presumable leader), which holds our request until its group closes. z is sent to a
+    at once ("not leader", hint a): held until a's group closed, z would miss the round (a closes after
+    its join grace)."""
+    from types import SimpleNamespace
+
+    from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, read_frame, write_frame
+    from test_elastic_state import _Sink
+
+    records = {"t:progress": _due("a", "me", "z"), "t:mm:0:5": _ready("a", "z")}
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=3.0)
+
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
+        watch.taken.set()
+        await asyncio.sleep(1.5)  # a gathers its group
+        return _group(("a", "me", "z")), None
+
+    mm._join = join
+
+    async def scenario():
+        forming = asyncio.ensure_future(mm.form_group(0, 5, 3, sync_step=100))
+        await asyncio.sleep(0.2)  # we hold j's answer: deferring
+        request = _Sink()
+        await write_frame(request, {"t": "join", "v": PROTOCOL_VERSION, "frag": 0, "round": 5})
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes(request.data))
+        reply = _Sink()
+        asked = asyncio.get_running_loop().time()
+        handler = asyncio.ensure_future(mm._handle_join(SimpleNamespace(peer_id=SimpleNamespace(
+            to_base58=lambda: "z")), reader, reply))
+        while not reply.data and asyncio.get_running_loop().time() - asked < 3:
+            await asyncio.sleep(0.01)
+        answered, formed_by_then = asyncio.get_running_loop().time() - asked, forming.done()
+        reader.feed_eof()  # z read the answer and hangs up
+        await asyncio.wait_for(handler, timeout=5)
+        answer = asyncio.StreamReader()
+        answer.feed_data(bytes(reply.data))
+        answer.feed_eof()
+        frame = (await read_frame(answer, 0, None, "me"))[0]
+        return frame, answered, formed_by_then, await forming
+
+    frame, answered, formed_by_then, group = asyncio.run(scenario())
+    assert frame == {"t": "refuse", "reason": "not leader", "hint": "a"}
+    assert not formed_by_then and answered < 1.0  # while a still gathers: z can still join it
+    assert group.members == ("a", "me", "z")

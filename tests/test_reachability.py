@@ -315,7 +315,7 @@ def test_a_follower_asks_the_public_peer_not_the_smaller_private_one():
     mm = _fake("me", records, "public")
     asked = []
 
-    async def join(leader, frag, round_, due=None, timeout=None, taken=None):
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
         asked.append(leader)
         return Group(gid="g", members=("a", "b", "me"), my_index=2, frag=frag, round=round_, owners=("b", "me")), None
 
@@ -332,7 +332,7 @@ def test_private_peers_without_a_public_one_fail_at_once_with_one_clear_message(
 
     asked = []
 
-    async def join(leader, frag, round_, due=None, timeout=None, taken=None):  # a could not be dialed anyway
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):  # a could not be dialed anyway
         asked.append(leader)
         return None, None
 

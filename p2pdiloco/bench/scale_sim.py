@@ -29,7 +29,9 @@ window or formation: half of them say goodbye (their record marked gone), half c
 stays until it expires, dials to them fail after the dial wait). With ``--silent K``, K more identities
 are hostile: their ids are the smallest (a peer id is a key's hash, and anyone can grind keys for a
 small one), their records look like an honest peer's, they store a ready record every round, and
-their join handler takes every request and never answers; the figures are the honest peers'.
+their join handler takes every request and never answers; ``--stalling K`` adds K more that say
+``wait`` to every request they hold (as an honest leader still gathering does) and never propose a
+group. The figures are the honest peers'.
 
 Reported per N and round, per peer: DHT messages and bytes of the formation (reads by purpose,
 stores), of the background over the round, join-protocol frames sent and bytes (sent and received),
@@ -62,6 +64,7 @@ from ..swarm import formation, joining, leading, matchmaking, standing
 from ..swarm.keys import kind_of, progress_key, ready_key
 from ..swarm.matchmaking import Matchmaker
 from ..swarm.node import READ_BEAM
+from ..swarm.protocol import write_frame
 
 __all__ = ["main", "simulate", "VirtualLoop", "format_table"]
 
@@ -233,10 +236,21 @@ class _Pipe:
         return default
 
 
-async def _hold_silently(reader: asyncio.StreamReader) -> None:
-    """A hostile join handler: reads what comes and answers nothing, until the caller hangs up."""
-    while await reader.read(1 << 16):
-        pass
+async def _hold(reader: asyncio.StreamReader, writer: "_Pipe", talks: bool) -> None:
+    """A hostile join handler: reads what comes and answers nothing, until the caller hangs up; with
+    ``talks``, it says ``wait`` every WAIT_S meanwhile, as an honest leader still gathering would."""
+    async def talk() -> None:
+        while True:
+            await asyncio.sleep(joining.WAIT_S)
+            await write_frame(writer, {"t": "wait"})
+
+    talking = asyncio.ensure_future(talk()) if talks else None
+    try:
+        while await reader.read(1 << 16):
+            pass
+    finally:
+        if talking is not None:
+            talking.cancel()
 
 
 class SimNode:
@@ -274,11 +288,11 @@ class SimNode:
 
 
 class SimPeer:
-    def __init__(self, sim: "Sim", pid: str, speed: float, silent: bool = False) -> None:
+    def __init__(self, sim: "Sim", pid: str, speed: float, hostile: str = "") -> None:
         self.sim, self.pid, self.speed = sim, pid, speed
-        #: hostile: publishes records like an honest peer, says it is ready every round, takes join
-        #: requests and never answers them
-        self.silent = silent
+        #: "silent" or "stalling": publishes records like an honest peer, says it is ready every round,
+        #: takes join requests and never answers them ("stalling": saying "wait" meanwhile)
+        self.hostile = hostile
         self.node = SimNode(sim, self, pid)
         self.mm = Matchmaker(self.node, RUN, matchmaking_timeout=sim.matchmaking_timeout)
         self.mm.record_lifetime = sim.record_lifetime
@@ -308,7 +322,8 @@ class Sim:
 
     def __init__(self, n: int, *, seed: int = 0, rtt: float = 0.05, dht_rtts: float = 2.0, replicas: int = 5,
                  train_s: float = 60.0, sync_s: float = 5.0, spread: float = 0.2, churn: float = 0.0,
-                 progress_period: float = 10.0, matchmaking_timeout: float = 30.0, silent: int = 0) -> None:
+                 progress_period: float = 10.0, matchmaking_timeout: float = 30.0, silent: int = 0,
+                 stalling: int = 0) -> None:
         self.loop = VirtualLoop()
         self.clock = _Clock(self.loop)
         self.rng = random.Random(seed)
@@ -324,9 +339,9 @@ class Sim:
                                  for _ in range(44))
             self.peers[pid] = SimPeer(self, pid, speed=1.0 + self.rng.random() * spread)
         # hostile identities with the smallest ids (an id is a key's hash: anyone can grind a small one)
-        for i in range(silent):
+        for i in range(silent + stalling):
             pid = "Qm1111" + f"{i:02d}" + "".join(self.rng.choice("ABCDEFGH") for _ in range(36))
-            self.peers[pid] = SimPeer(self, pid, speed=1.0, silent=True)
+            self.peers[pid] = SimPeer(self, pid, speed=1.0, hostile="silent" if i < silent else "stalling")
         # the progress key's nearest nodes read it from their own storage; the others over the network
         self.nearest = set(self.rng.sample(sorted(self.peers), min(replicas, n)))
 
@@ -349,9 +364,9 @@ class Sim:
         me.pipes.append(w_me)
         target.pipes.append(w_target)
         info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda pid=me.pid: pid))
-        if target.silent:
+        if target.hostile:
             target.count("held")
-        task = asyncio.ensure_future(_hold_silently(to_target) if target.silent
+        task = asyncio.ensure_future(_hold(to_target, w_target, target.hostile == "stalling") if target.hostile
                                      else target.node.handler(info, to_target, w_target))
         target.handlers.add(task)
         task.add_done_callback(target.handlers.discard)
@@ -413,7 +428,7 @@ class Sim:
         if peer.gone:
             return
         peer.progress["step"] = sync_step
-        if peer.silent:  # ready, as far as anyone can read
+        if peer.hostile:  # ready, as far as anyone can read
             self.dht.store(ready_key(RUN, 0, round_), peer.pid, {"t": self.clock.time(), "reach": "public"},
                            3 * self.matchmaking_timeout)
             await asyncio.sleep(self.matchmaking_timeout + self.sync_s)
@@ -471,7 +486,7 @@ class Sim:
         try:
             for r in range(rounds):
                 everyone = [p for p in self.peers.values() if not p.gone]
-                live = [p for p in everyone if not p.silent]  # the honest peers: what is reported
+                live = [p for p in everyone if not p.hostile]  # the honest peers: what is reported
                 leavers = set(self.rng.sample(live, int(round(self.churn * len(live)))))
                 bg_before = {p.pid: (p.stats["bg_msgs"], p.stats["bg_bytes"]) for p in live}
                 out: Dict[str, Any] = {}
@@ -484,7 +499,7 @@ class Sim:
                     peer = self.peers[pid]
                     row["bg_msgs"] = peer.stats["bg_msgs"] - bg_before[pid][0]
                     row["bg_bytes"] = peer.stats["bg_bytes"] - bg_before[pid][1]
-                held = sum(p.stats["held"] for p in everyone if p.silent)
+                held = sum(p.stats["held"] for p in everyone if p.hostile)
                 results.append({"round": r, "peers": len(live), "left": len(leavers), "held": held,
                                 "seconds": self.loop.time() - t0, "rows": out})
                 progress(r, results[-1])
@@ -629,6 +644,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--matchmaking-timeout", type=float, default=30.0, help="swarm.matchmaking_timeout, seconds")
     ap.add_argument("--silent", type=int, default=0,
                     help="hostile identities with the smallest ids: ready every round, answering no join request")
+    ap.add_argument("--stalling", type=int, default=0,
+                    help="more such identities, which say 'wait' to the requests they hold (as an honest leader does)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/scale_sim")
     args = ap.parse_args(argv)
@@ -645,7 +662,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"N={n}: {args.rounds} rounds, churn {args.churn:.0%}", flush=True)
         runs.append(simulate(n, args.rounds, seed=args.seed, rtt=args.rtt, dht_rtts=args.dht_rtts,
                              replicas=args.replicas, train_s=args.train_s, sync_s=args.sync_s, spread=args.spread,
-                             churn=args.churn, silent=args.silent, progress_period=args.progress_period,
+                             churn=args.churn, silent=args.silent, stalling=args.stalling,
+                             progress_period=args.progress_period,
                              matchmaking_timeout=args.matchmaking_timeout))
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"argv": sys.argv[1:], "runs": runs}, f, indent=1)

@@ -3,15 +3,21 @@
 ``join`` handler that serves such requests (it counts a request as the sender's ready record and
 answers once this peer's slot for the round decided: the group, or a refusal naming whom we follow).
 
-Messages (msgpack headers, :mod:`.protocol`): ``join`` {frag, round, reach[, via]} → zero or one
-``warm`` {members[, owners]} ← answered by ``warmed`` {unreachable} → then ``group`` {gid, members,
-base[, owners]} or ``refuse`` {reason[, hint | size, base | why]} ←.
+Messages (msgpack headers, :mod:`.protocol`): ``join`` {frag, round, reach[, via]} → ``wait`` {} ←
+every ``WAIT_S`` while the request is held → zero or one ``warm`` {members[, owners]} ← answered by
+``warmed`` {unreachable} → then ``group`` {gid, members, base[, owners]} or ``refuse`` {reason[, hint |
+size, base | why]} ←.
+
+A peer that takes a request and then says nothing for ``SILENT_S`` is gone or hostile: an identity with
+the best rank that takes every request and answers none would otherwise hold every honest peer of the
+round until its own timeout, and they would give up on it at different moments and split the round.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
 
 from ..errors import MatchmakingFailed, RoundMissed, WireError
@@ -22,23 +28,54 @@ from .leading import LeftOut, Proposal, RoundSlot
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
                        refuse_bad_request, write_frame)
 
-__all__ = ["JoinRequests", "JOIN_DIAL_WAIT"]
+__all__ = ["JoinRequests", "JoinWatch", "JOIN_DIAL_WAIT", "WAIT_S", "SILENT_S"]
 
 logger = logging.getLogger(__name__)
 
 #: how long a join request waits out a failed first dial to a leader that is live by its records
 #: (seconds): a cold address or libp2p's dial backoff (dialing.py) must not split a round in two
 JOIN_DIAL_WAIT = 3.0
+#: how often a peer holding a join request says so (seconds): its ``wait`` frames
+WAIT_S = 2.0
+#: how long a joiner waits for the next frame from a peer that took its request (seconds): three missed
+#: ``wait`` frames; then the request ends unanswered and the holder counts as silent
+SILENT_S = 3 * WAIT_S
+
+
+@dataclass
+class JoinWatch:
+    """What a joiner learns of its request while it is out (:meth:`JoinRequests._join`)."""
+
+    taken: asyncio.Event = field(default_factory=asyncio.Event)     # on a stream the leader's handler opened
+    proposed: asyncio.Event = field(default_factory=asyncio.Event)  # the leader proposed a group with us
+    silent: bool = False  # the holder said nothing for SILENT_S: the request ended unanswered
+    broken: bool = False  # the holder's stream broke before it answered (it left, crashed, or hung up on us)
+    unreached: bool = False  # the dial failed for JOIN_DIAL_WAIT: the request never reached it
+
+    @property
+    def unanswered(self) -> bool:
+        """The leader took the request and will not answer it: not asked again this round."""
+        return self.silent or self.broken
 
 
 class JoinRequests:
     """The join protocol of :class:`~p2pdiloco.swarm.matchmaking.Matchmaker` (a base class of it)."""
 
+    @property
+    def _request_timeout(self) -> float:
+        """How long a join request waits for the leader's first answer: past the longest an honest leader
+        waits for ready peers (``matchmaking_timeout``) and admits joiners (``join_grace``)."""
+        return self.matchmaking_timeout + self.join_grace + 10
+
     async def _join(self, leader: str, frag: int, round_: int, due: Optional[int] = None,
                     timeout: Optional[float] = None,
-                    taken: Optional[asyncio.Event] = None) -> Tuple[Optional[Group], Optional[str]]:
-        """Ask ``leader`` to admit us. (group, None) when admitted, (None, hint) when refused. ``taken`` is
-        set once the request is on a stream the leader's join handler opened (it holds the request)."""
+                    watch: Optional[JoinWatch] = None) -> Tuple[Optional[Group], Optional[str]]:
+        """Ask ``leader`` to admit us. (group, None) when admitted, (None, hint) when refused; (None, None)
+        when unreachable, silent for SILENT_S, or no answer within ``timeout`` (default: the request
+        timeout). ``watch`` follows the request: taken by the leader's handler, a group proposed with us
+        (the link check runs: from then on hanging up leaves us out of it, and its own timeouts bound
+        the wait), the holder silent."""
+        watch = watch if watch is not None else JoinWatch()
         me = self.node.peer_id_str
         traffic = self.node.traffic
         try:
@@ -48,6 +85,7 @@ class JoinRequests:
             _, reader, writer = await asyncio.wait_for(
                 open_stream(self.node, leader, self.handler_name, deadline), timeout=JOIN_DIAL_WAIT + 10)
         except Exception as e:
+            watch.unreached = True
             logger.info(f"[{self.node.short_id}] leader {short_id(leader)} unreachable ({type(e).__name__}: "
                         f"{dial_reason(e)[:200]}); trying the next")
             return None, None
@@ -55,12 +93,11 @@ class JoinRequests:
         try:
             await write_frame(writer, {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_,
                                        **self._my_reach_fields()}, traffic=traffic)
-            if taken is not None:
-                taken.set()
-            reply, _ = await asyncio.wait_for(read_frame(reader, 0, traffic, leader),
-                                              timeout=timeout or self.matchmaking_timeout + self.join_grace + 10)
+            watch.taken.set()
+            reply = await self._first_reply(reader, leader, timeout or self._request_timeout, watch)
             if reply.get("t") == "warm":  # the group is closing: warm our links first (matchmaking item 10)
                 proposed = True
+                watch.proposed.set()
                 reply = await self._answer_warm(reader, writer, reply, leader)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, WireError) as e:
             if proposed:
@@ -70,7 +107,13 @@ class JoinRequests:
                 raise MatchmakingFailed(f"leader {short_id(leader)} of fragment {frag} round {round_} vanished after "
                                         f"proposing a group with us ({type(e).__name__}); the round may have "
                                         "closed with us in it, so it fails here") from None
-            logger.info(f"[{self.node.short_id}] join with {short_id(leader)} failed ({type(e).__name__}); trying the next")
+            watch.broken = watch.taken.is_set() and isinstance(e, (asyncio.IncompleteReadError, ConnectionError))
+            if watch.silent:
+                logger.info(f"[{self.node.short_id}] {short_id(leader)} took our join request for fragment {frag} "
+                            f"round {round_} and said nothing for {SILENT_S:.0f}s; trying the next")
+            else:
+                logger.info(f"[{self.node.short_id}] join with {short_id(leader)} failed ({type(e).__name__}); "
+                            "trying the next")
             return None, None
         finally:
             writer.close()
@@ -99,6 +142,24 @@ class JoinRequests:
             raise RoundMissed(f"missed the group for fragment {frag}, round {round_} (it closed before we joined)")
         hint = reply.get("hint")
         return None, hint if isinstance(hint, str) else None
+
+    async def _first_reply(self, reader: asyncio.StreamReader, leader: str, timeout: float,
+                           watch: JoinWatch) -> Dict[str, Any]:
+        """The leader's first frame other than ``wait``, within ``timeout`` seconds; a gap of SILENT_S
+        between two frames marks the holder silent (asyncio.TimeoutError either way)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            left = end - loop.time()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            try:
+                reply, _ = await asyncio.wait_for(read_frame(reader, 0, self.node.traffic, leader), min(left, SILENT_S))
+            except asyncio.TimeoutError:
+                watch.silent = left > SILENT_S
+                raise
+            if reply.get("t") != "wait":
+                return reply
 
     async def _handle_join(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A peer asks us to admit it to the group of (fragment, round): the ``join`` handler."""
@@ -131,6 +192,7 @@ class JoinRequests:
         passed, or it chose another leader): such a peer is never admitted, as the group would wait on
         a peer that is not in it."""
         hung_up = asyncio.ensure_future(reader.read(1))
+        keepalive = asyncio.ensure_future(self._say_wait(writer))  # until we answer: we hold the request
         try:
             slot = self._slots.get((frag, round_))
             deadline = time.monotonic() + self.matchmaking_timeout
@@ -168,6 +230,8 @@ class JoinRequests:
             # StreamReader serves one waiter at a time, and Python >= 3.12's wait_for reads in the calling
             # task at once, without the scheduling step that used to let the cancellation land first.
             await asyncio.gather(hung_up, return_exceptions=True)
+            keepalive.cancel()  # every frame from here on is an answer, written by one task
+            await asyncio.gather(keepalive, return_exceptions=True)
         if not fut.done():
             if slot.joiners.get(sender) is fut:
                 del slot.joiners[sender]
@@ -179,6 +243,15 @@ class JoinRequests:
         if isinstance(answer, Proposal):  # closing: the link check first (matchmaking item 10)
             answer = await self._warm_exchange(reader, writer, sender, answer)
         return self._final_reply(answer, slot)
+
+    async def _say_wait(self, writer: asyncio.StreamWriter) -> None:
+        """Tell a joiner every WAIT_S that we still hold its request (it takes silence for a peer gone)."""
+        try:
+            while True:
+                await asyncio.sleep(WAIT_S)
+                await write_frame(writer, {"t": "wait"}, traffic=self.node.traffic)
+        except (OSError, RuntimeError):
+            return  # the joiner hung up: the admission sees it
 
     @staticmethod
     def _refusal(slot: RoundSlot) -> Optional[Dict[str, Any]]:

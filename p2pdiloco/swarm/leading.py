@@ -72,13 +72,14 @@ class Leading:
 
     async def _lead(self, slot: RoundSlot, frag: int, round_: int, expected_joiners: Set[str],
                     unseen: Set[str] = frozenset(), due: Optional[int] = None,
-                    skip: Set[str] = frozenset()) -> Union[Group, str]:
-        """Lead the round: admit joiners (:meth:`_admit`), then close the group (:meth:`_close`).
-        Returns the group, or the id of a better-ranked ready peer we stepped down for (our joiners
-        are sent there)."""
+                    skip: Set[str] = frozenset(), grace: Optional[float] = None) -> Union[Group, str]:
+        """Lead the round: admit joiners (:meth:`_admit`, for up to ``grace`` seconds, the join grace by
+        default), then close the group (:meth:`_close`). Returns the group, or the id of a better-ranked
+        ready peer we stepped down for (our joiners are sent there)."""
         slot.leading = True
         slot.decided.set()
-        better = await self._admit(slot, frag, round_, expected_joiners, unseen, skip)
+        better = await self._admit(slot, frag, round_, expected_joiners, unseen, skip,
+                                   self.join_grace if grace is None else grace)
         if better is not None:
             slot.leading, slot.leader = False, better
             _answer_joiners(slot, better)  # -> "not leader", hint: the real leader
@@ -89,14 +90,16 @@ class Leading:
         return await self._close(slot, frag, round_, expected_joiners, unseen, due)
 
     async def _admit(self, slot: RoundSlot, frag: int, round_: int, expected_joiners: Set[str], unseen: Set[str],
-                     skip: Set[str]) -> Optional[str]:
-        """Admit joiners for up to ``join_grace`` seconds: everyone we saw ready, plus the live peers due
+                     skip: Set[str], grace: float) -> Optional[str]:
+        """Admit joiners for up to ``grace`` seconds: everyone we saw ready, plus the live peers due
         at this sync whose ready record we did not see (DHT views differ: a record we missed must not
-        split the round into two groups). Ready records are re-read meanwhile (``expected_joiners``
-        grows with them); a ready peer of better rank than ours not in ``skip`` means we are not the
-        leader after all: its id is returned before anything is closed. None: close now."""
+        split the round into two groups). Ready records are re-read during the first ``join_grace``
+        seconds (``expected_joiners`` grows with them); a ready peer of better rank than ours not in
+        ``skip`` means we are not the leader after all: its id is returned before anything is closed.
+        None: close now."""
         me = self.node.peer_id_str
-        grace_end = time.monotonic() + self.join_grace
+        grace_end = time.monotonic() + grace
+        reads_end = time.monotonic() + self.join_grace
         key = self._key(frag, round_)
         while not (expected_joiners | unseen) <= set(slot.joiners) and time.monotonic() < grace_end:
             slot.joined_event.clear()
@@ -106,11 +109,14 @@ class Leading:
                 pass
             if (expected_joiners | unseen) <= set(slot.joiners):
                 break  # everyone we wait for is here: close now, the check below is for peers we did not see
+            if time.monotonic() >= reads_end:
+                continue  # a longer grace only waits for the peers we know of (see Matchmaker._lead_turn)
             seen = await self._ready_read(key) - {me}
             better = sorted((p for p in seen - expected_joiners
                              if self._rank(p) < self._rank(me) and p not in slot.joiners and p not in skip),
                             key=self._rank)
-            expected_joiners |= seen
+            # a longer grace (a fallback after a silent leader) waits only for peers that may still come
+            expected_joiners |= seen - skip if grace > self.join_grace else seen
             if better:
                 return better[0]
         return None

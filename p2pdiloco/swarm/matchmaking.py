@@ -65,12 +65,14 @@
    for another's record to reach the DHT. The request decides nothing: when the poll picks another
    leader (or us), the peer hangs up first, and a joiner that hung up is never admitted. Once the
    presumable leader holds the request (the stream open, the request written), the peer reads nothing
-   more: the leader polls the round for everyone who asked it and answers when its group closes, and
+   more (a peer asking it to lead meanwhile is sent to that leader: "not leader", hint): the leader
+   polls the round for everyone who asked it and answers when its group closes, and
    each read would carry every ready or progress record of the round (per follower and poll: the
    control traffic that grows with the swarm). While the dial is still tried, the peer polls: a
    presumable leader that left or crashed after our read fails the dial only after ``JOIN_DIAL_WAIT``,
-   and another peer may lead meanwhile. A refusal, a broken stream, or no answer by the peer's own
-   deadline sends it back to polling.
+   and another peer may lead meanwhile. A refusal, or no answer by the peer's own deadline, sends it
+   back to polling; a presumable leader that cannot be reached, breaks the stream or falls silent
+   (item 11) is replaced at once by the next one (the best rank among the others due).
 10. Links are warmed before the round. When the leader closes a group it first sends
    every joiner the *proposed* members and owners (``warm``); each member, the leader too, opens a
    connection to every owner it will send parts to (:func:`~p2pdiloco.swarm.dialing.ensure_connected`:
@@ -86,6 +88,18 @@
    :class:`RoundMissed` (it catches up like any peer that missed a round). A joiner that lies
    about its links can get itself, or one peer it names, left out of that round: no worse than a
    member that stalls.
+11. Leaders that take requests and answer none. Leadership goes by id, and anyone can grind keys for
+   a small one: a hostile identity with honest-looking records, ready every round, can be every
+   round's presumable leader. A peer holding a join request therefore says so (``wait``, every
+   ``WAIT_S``) until it answers; a holder silent for ``SILENT_S`` (or whose stream breaks) is *dropped*
+   for the round: not presumed, not asked again. A holder that keeps talking and proposes nothing is
+   dropped when every peer due is ready and ``_patience`` (twice the join grace, the longest an honest
+   leader admits joiners) has passed since our own wait ended (*stalled*). Every honest peer drops
+   such an identity, at different moments: so a peer that leads in place of a better-ranked dropped
+   one admits joiners longer (``_fallback_grace``), a candidate that answers "I follow <a peer we
+   dropped>" is asked again (``HINT_RETRY_S``) rather than bounced past, and a leader's re-reads never
+   add the dropped peers to the joiners it waits for. The round takes SILENT_S longer per such
+   identity ahead of the first honest peer, in one group.
 """
 from __future__ import annotations
 
@@ -100,7 +114,7 @@ from ..ids import short_id, short_ids
 from . import formation
 from .formation import expected_peers
 from .group import Group, tier_of
-from .joining import JoinRequests
+from .joining import SILENT_S, JoinRequests, JoinWatch
 from .keys import group_key, handler_name, progress_key, ready_key
 from .leading import Leading, RoundSlot, consume_outcome
 from .reachability import REACHABILITY
@@ -124,6 +138,9 @@ REEVAL_MAX_S = 2.0
 #: request the follower reads nothing (item 9); a dial still tried after this (the leader left or
 #: crashed since our read, or its address is cold) must not keep us from seeing who leads instead
 EARLY_DIAL_S = 0.5
+#: how soon a candidate that still waits on a leader we dropped is asked again (seconds): well within
+#: its join grace once it leads
+HINT_RETRY_S = 0.3
 
 logger = logging.getLogger(__name__)
 
@@ -153,9 +170,17 @@ class _Attempt:
     reeval_gap: float = 0.0                 # the pause to the next re-read of the live peers (the backoff)
     presumed: str = ""
     early: Optional[asyncio.Future] = None  # our request to the presumable leader, while it is open
-    taken: asyncio.Event = field(default_factory=asyncio.Event)  # the early request reached the leader
+    watch: JoinWatch = field(default_factory=JoinWatch)  # the early request: taken, proposed, silent
     quiet_polls: int = 0                    # polls in a row that found no new ready peer (the backoff)
     dial_waited: bool = False               # we gave the early request EARLY_DIAL_S to reach the leader
+    silent: Set[str] = field(default_factory=set)   # took our request, then fell silent or went away
+    stalled: Set[str] = field(default_factory=set)  # held it, every peer due ready, proposed nothing in time
+    unreached: Set[str] = field(default_factory=set)  # presumable leaders our early request could not reach
+
+    @property
+    def dropped(self) -> Set[str]:
+        """The peers not asked again this round: they took our request and left it unanswered."""
+        return self.silent | self.stalled
 
     def __post_init__(self) -> None:
         self.ready.add(self.me)
@@ -365,8 +390,10 @@ class Matchmaker(Leading, JoinRequests):
                                                                   past ``matchmaking_timeout``
         the presumable leader (best rank of us and the peers      ask it to admit us at once; once it took
         due now) is another peer                                  the request read nothing more until it
-                                                                  answers: its group is ours; refused, or no
-                                                                  answer by our deadline: poll
+                                                                  answers (peers asking us meanwhile get
+                                                                  its id as hint): its group is ours;
+                                                                  refused, or no answer by our deadline:
+                                                                  poll
         the dial to the presumable leader is still tried          poll (after <= EARLY_DIAL_S): it may have
         after EARLY_DIAL_S                                        left, and another peer lead
         alone while others are live, or partners of our last      look once more (after <= 1 s): behind?
@@ -381,6 +408,16 @@ class Matchmaker(Leading, JoinRequests):
                                                                   ready records when we have not seen it);
                                                                   a candidate bounces at most 3 times
         a candidate refuses without a hint, or is unreachable     the next candidate
+        the presumable leader breaks the stream or says nothing   dropped for the round (never presumed or
+        for SILENT_S after taking our request                     asked again); ask the next presumable one
+        the presumable leader cannot be reached                   ask the next presumable one (it stays a
+                                                                  candidate)
+        every peer due is ready, our wait is over, and the        dropped (stalled) after _patience; the
+        presumable leader holding our request proposed nothing    next candidate
+        a candidate's hint names a peer we dropped                ask it again shortly, however often,
+                                                                  until our hard deadline + 2 _patience
+        we lead in place of a better-ranked dropped peer          admit for _fallback_grace, not the join
+                                                                  grace; never wait for dropped peers
         ========================================================  ===========================================
         """
         a = await self._enter(frag, round_, expected, sync_step)
@@ -414,15 +451,29 @@ class Matchmaker(Leading, JoinRequests):
                                           ttl=self.matchmaking_timeout * 3, subkey=me), "ready record")
         if sync_step is not None:
             self._evaluate(a, live)  # read just now
-        # Nothing is decided by the early request: when the poll picks another leader, we hang up and the
-        # presumable one does not admit us.
-        a.presumed = (min(self._unbanned(expected_peers(live, me, sync_step)) | {me}, key=self._rank)
-                      if sync_step is not None else me)
+        if sync_step is not None:
+            self._ask_presumed(a)
+        return a
+
+    def _ask_presumed(self, a: "_Attempt", delay: float = 0.0) -> None:
+        """Ask the presumable leader to admit us (item 9): the best rank among us and the live peers due
+        now (the last read), not counting peers that fell silent on our request this round. Nothing is
+        decided by this early request: when the poll picks another leader, we hang up and the presumable
+        one does not admit us. ``delay``: seconds before the request goes out."""
+        me = a.me
+        due = self._unbanned(expected_peers(a.peers, me, a.sync_step)) - a.dropped - a.unreached
+        a.presumed = min(due | {me}, key=self._rank)
         if self._private(a.presumed):
             a.presumed = me  # no public peer due: nobody to ask (a private peer cannot be dialed)
         if a.presumed != me:
-            a.early = asyncio.ensure_future(self._join(a.presumed, frag, round_, expected, taken=a.taken))
-        return a
+            a.watch, a.dial_waited = JoinWatch(), False
+            a.early = asyncio.ensure_future(self._join_after(delay, a.presumed, a.frag, a.round, a.expected, a.watch))
+
+    async def _join_after(self, delay: float, leader: str, frag: int, round_: int, due: Optional[int],
+                          watch: JoinWatch) -> Tuple[Optional[Group], Optional[str]]:
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return await self._join(leader, frag, round_, due, watch=watch)
 
     def _evaluate(self, a: "_Attempt", read: Dict[str, Dict[str, Any]]) -> None:
         """A fresh read of the live peers: whom we wait for, how many, and until when (item 5). The next
@@ -446,7 +497,8 @@ class Matchmaker(Leading, JoinRequests):
         9). Returns the group when the presumable leader answered with one, else None."""
         slot = a.slot
         while True:
-            if a.early is not None and not a.early.done() and a.taken.is_set():
+            at_deadline = False  # this read ends a deferral at our deadline: it re-reads the live peers too
+            if a.early is not None and not a.early.done() and a.watch.taken.is_set():
                 # The presumable leader holds our request: it polls the round for all of us and answers
                 # when its group closes (or refuses, and we poll on). Reading the round ourselves meanwhile
                 # would only end in waiting for that answer too, at the cost of every ready and progress
@@ -454,19 +506,31 @@ class Matchmaker(Leading, JoinRequests):
                 # leader took counts: while the dial is still tried (a leader that left or crashed since
                 # our read fails only after JOIN_DIAL_WAIT) we poll, and see whoever leads instead.
                 # A leader that goes away after taking it breaks the stream, which answers at once.
+                # A leader silent for SILENT_S ends the request (joining.py): we poll again, and do not
+                # ask it again (_choose_leader). Meanwhile we follow it: a peer that asks us to admit it
+                # is sent there ("not leader", hint), not held until that leader's group has closed.
+                if not slot.decided.is_set():
+                    slot.leader = a.presumed
+                    slot.decided.set()
                 now = time.monotonic()
                 a.ready |= self._unbanned(slot.arrivals)
-                if len(a.ready) >= a.expected or now >= a.deadline:
+                if len(a.ready) >= a.expected:
                     return None
-                await self._wait_for_news(a.deadline - now, slot, a.early)
-                if a.early.done():
-                    group = self._early_group(a)
-                    if group is not None:
-                        return group
-                continue
+                if now < a.deadline:
+                    await self._wait_for_news(a.deadline - now, slot, a.early)
+                    if a.early.done():
+                        group = self._early_group(a)
+                        if group is not None:
+                            return group
+                    continue
+                # Our deadline came and the leader still holds the request: one read of the round (below)
+                # before we choose. A fresher progress record can move the deadline (the leader reads it
+                # too), and the read says whether every peer due is ready: then an honest leader closes
+                # within its join grace, and one that does not is given up on (_ask)
+                at_deadline = True
             if a.early is not None and not a.early.done() and not a.dial_waited:
                 a.dial_waited = True  # once: then we poll while the dial is tried
-                taken = asyncio.ensure_future(a.taken.wait())
+                taken = asyncio.ensure_future(a.watch.taken.wait())
                 try:
                     await self._wait_for_news(min(EARLY_DIAL_S, max(0.0, a.deadline - time.monotonic())),
                                               slot, a.early, taken)
@@ -474,7 +538,7 @@ class Matchmaker(Leading, JoinRequests):
                     taken.cancel()
                 continue
             # the three reads of one poll run side by side: each waits a round trip or more on a WAN
-            reeval = a.sync_step is not None and time.monotonic() - a.last_eval >= a.reeval_gap
+            reeval = a.sync_step is not None and (at_deadline or time.monotonic() - a.last_eval >= a.reeval_gap)
             reads = asyncio.ensure_future(asyncio.gather(
                 self._ready_read(a.key), self._live_peers(check=True) if reeval else _nothing(),
                 self.node.aget_subkeys(self._group_key(a.frag, a.round), why="formation")))
@@ -517,8 +581,18 @@ class Matchmaker(Leading, JoinRequests):
         """The presumable leader's answer to our early request: its group (ours now), or None when it
         refused (it follows another peer, or is not the leader). A RoundMissed (closed without us) ends
         matchmaking here."""
-        group, _ = a.early.result()
+        group, hint = a.early.result()
         a.early = None
+        if group is None and not a.slot.leading:
+            a.slot.leader = None  # we no longer follow it (the deferral in _poll did)
+            a.slot.decided.clear()
+        if a.watch.unanswered or a.watch.unreached:  # it fell silent, went away or was never reached:
+            (a.silent if a.watch.unanswered else a.unreached).add(a.presumed)  # ask the next one
+            self._ask_presumed(a)
+        elif group is None and hint in a.dropped and time.monotonic() < a.deadline:
+            # it still follows a peer we dropped: it drops that one too, within its own SILENT_S, and then
+            # leads or follows the next; ask it again shortly rather than poll the round meanwhile
+            self._ask_presumed(a, delay=HINT_RETRY_S)
         if group is None:
             return None
         a.slot.leader, a.slot.final = a.presumed, group
@@ -549,8 +623,11 @@ class Matchmaker(Leading, JoinRequests):
                          f"{short_ids(a.ready)}, waiting for {short_ids(a.waiting_for)}, live {short_ids(a.peers)}, "
                          f"absent partners {short_ids(a.absent)}, expected {a.expected}")
         unseen = (a.waiting_for | a.absent) - a.ready
-        candidates = formation.candidates(a.ready, unseen, me, self._rank, self._tier)
-        tried: Set[str] = set()
+        # a peer that took our request and left it unanswered is not asked again this round
+        candidates = [c for c in formation.candidates(a.ready, unseen, me, self._rank, self._tier)
+                      if c not in a.dropped]
+        tried: Set[str] = set(a.dropped)
+        dropped: Set[str] = set(a.dropped)  # candidates that gave us no answer (unreachable, silent) or a refusal
         bounced: Dict[str, int] = {}  # candidate -> how often it answered "not leader" (with a hint)
         try:
             while candidates:
@@ -571,7 +648,18 @@ class Matchmaker(Leading, JoinRequests):
                     return self._remember(group, a.t_enter)
                 slot.leader = None
                 slot.decided.clear()
-                if not hint or bounced.get(leader, 0) >= 3:
+                if not hint:
+                    candidates.remove(leader)
+                    dropped.add(leader)
+                    continue
+                if hint in dropped and time.monotonic() < a.hard_deadline + 2 * self._patience:
+                    # It still waits on a leader we dropped. Its wait is bounded as ours was, and then it
+                    # leads or asks the next candidate, as we do: ask it again shortly, however often it
+                    # takes (not a bounce). Peers drop a silent leader at different moments, and those that
+                    # drop it first must not lead groups of their own meanwhile: that splits the round.
+                    await asyncio.sleep(HINT_RETRY_S)
+                    continue
+                if bounced.get(leader, 0) >= 3:
                     candidates.remove(leader)
                     continue
                 # It follows another peer for now. It stays a candidate: when that peer does not answer
@@ -594,7 +682,8 @@ class Matchmaker(Leading, JoinRequests):
     async def _lead_turn(self, a: "_Attempt", candidates: Sequence[str], unseen: Set[str],
                          tried: Set[str]) -> Union[Group, str]:
         """Our turn to lead: refused when we are private and the others are too; else lead (the group,
-        or the better-ranked ready peer we stepped down for)."""
+        or the better-ranked ready peer we stepped down for). In place of better-ranked peers that left
+        our request unanswered, the ready peers we saw are waited for longer (:meth:`_fallback_grace`)."""
         me, frag, round_ = a.me, a.frag, a.round
         if self._private(me) and len(a.ready | set(candidates)) > 1:
             others = sorted(short_id(p) for p in (a.ready | set(candidates)) - {me})
@@ -605,9 +694,24 @@ class Matchmaker(Leading, JoinRequests):
                 f"({', '.join(others)}); a group needs a peer others can reach to lead it and reduce its shards. "
                 "Use a bootstrap that relays (the default) or run at least one peer with an open port "
                 "(see bootstrap/README.md)")
+        grace = self._fallback_grace(a)
         led = await self._lead(a.slot, frag, round_, (set(candidates) & a.ready) - {me},
-                               set() if self._private(me) else unseen, a.expected, skip=tried)
+                               set() if self._private(me) else unseen, a.expected, skip=tried, grace=grace)
         return self._remember(led, a.t_enter) if isinstance(led, Group) else led
+
+    def _fallback_grace(self, a: "_Attempt") -> Optional[float]:
+        """How long we admit joiners when we lead in place of better-ranked peers that left our request
+        unanswered (None: the join grace). The others drop such a peer too, each after its own wait:
+        closing after the join grace would leave them out, and they would form a second group. A silent
+        one is dropped SILENT_S after the request reached it (they were ready before we led: within one
+        early dial and SILENT_S, and then they ask us at once); a stalled one only after each peer's own
+        deadline and patience (never past its hard deadline: within matchmaking_timeout + patience)."""
+        better = {p for p in a.dropped if self._rank(p) < self._rank(a.me)}
+        if better & a.stalled:
+            return self.matchmaking_timeout + self._patience
+        if better:
+            return self.join_grace + EARLY_DIAL_S + SILENT_S
+        return None
 
     async def _ask(self, a: "_Attempt", leader: str) -> Tuple[Optional[Group], Optional[str]]:
         """Ask ``leader`` to admit us: (its group, None) or (None, its hint). An unseen candidate gets a
@@ -615,13 +719,34 @@ class Matchmaker(Leading, JoinRequests):
         slot = a.slot
         slot.leader = leader
         slot.decided.set()
-        bound = None if leader in a.ready else 2 * self.join_grace
+        # An unseen candidate gets twice the join grace. The presumable leader, once every peer due is
+        # ready, gets _patience to propose (a proposal ends it: the link check has its own timeouts): an
+        # honest one closes within its join grace of the last request. Not after we dropped a better-ranked
+        # peer: the one we ask then may lead in its place, admitting for longer (_fallback_grace). Any
+        # other ready candidate gets as long as the request allows: it may wait for peers we gave up on
+        # (its view of their progress is its own)
+        early = a.early is not None and leader == a.presumed
+        if leader not in a.ready:
+            bound: Optional[float] = 2 * self.join_grace
+        else:
+            bound = self._patience if early and len(a.ready) >= a.expected and not a.dropped else None
         try:
-            if a.early is not None and leader == a.presumed:  # we asked it already: wait for that answer
-                group, hint = await self._answer(a.early, bound)
+            if early:  # we asked it already: wait for that answer
+                answer = await self._answer(a.early, bound, a.watch.proposed)
+                if answer is None:
+                    a.stalled.add(leader)
+                    logger.info(f"[{self.node.short_id}] {short_id(leader)} holds our request for fragment "
+                                f"{a.frag} round {a.round} and proposed no group {bound:.1f}s after our wait ended; "
+                                "trying the next candidate")
+                group, hint = answer or (None, None)
+                if a.watch.unanswered:
+                    a.silent.add(leader)
             else:
                 a.hang_up()  # it must not admit us while we join another leader
-                group, hint = await self._join(leader, a.frag, a.round, a.expected, timeout=bound)
+                watch = JoinWatch()
+                group, hint = await self._join(leader, a.frag, a.round, a.expected, timeout=bound, watch=watch)
+                if watch.unanswered:
+                    a.silent.add(leader)
             a.early = None
         except MatchmakingFailed:
             slot.closed = True
@@ -642,16 +767,25 @@ class Matchmaker(Leading, JoinRequests):
         finally:
             arrived.cancel()
 
+    @property
+    def _patience(self) -> float:
+        """How long a leader may take to propose a group once our own wait is over and it should close
+        (module docstring, item 11): twice the join grace, the longest an honest leader admits joiners."""
+        return 2 * self.join_grace
+
     @staticmethod
-    async def _answer(early: asyncio.Future, timeout: Optional[float]) -> Tuple[Optional[Group], Optional[str]]:
+    async def _answer(early: asyncio.Future, timeout: Optional[float],
+                      proposed: asyncio.Event) -> Optional[Tuple[Optional[Group], Optional[str]]]:
         """The answer to a join request already on its way, waited for at most ``timeout`` seconds more
-        (None: as long as the request itself allows)."""
+        unless the leader proposed a group with us meanwhile (``timeout`` None: as long as the request
+        allows). None: no answer in time (we hung up)."""
         if timeout is None:
             return await early
-        try:
-            return await asyncio.wait_for(early, timeout)  # cancels the request on timeout: we hang up
-        except asyncio.TimeoutError:
-            return None, None
+        await asyncio.wait({early}, timeout=timeout)
+        if early.done() or proposed.is_set():  # closing with us in it: the link check's timeouts bound it
+            return await early
+        early.cancel()  # we hang up: the leader does not admit us any more
+        return None
 
     def _remember(self, group: Group, t_enter: float) -> Group:
         if logger.isEnabledFor(logging.DEBUG):

@@ -15,6 +15,9 @@ Handlers (the name is prefixed with the run id, so several runs can share one DH
            request  {t: "join", v, frag, round, reach}                 reach: public | private | relayed
                                                                         (the joiner's own word; private
                                                                         peers are never dialed)
+           reply    {t: "wait"}                                        every 2 s while the request is held
+                                                                        (a holder silent for 6 s is
+                                                                        dropped for the round)
            reply    {t: "warm", members, owners?}                      the group is closing with these
                                                                         members: connect to the owners
                                                                         you send parts to, then answer
@@ -109,7 +112,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: bumped whenever a message changes incompatibly
-PROTOCOL_VERSION = 8  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover;
+PROTOCOL_VERSION = 9  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover;
 #                      4: reachability: join requests say whether the joiner can be dialed, groups name their shard owners;
 #                      5: a closing group is proposed ('warm') and its members report unreachable owners ('warmed');
 #                      6: parts and results travel in chunks ('c' frames; 'again'; the 'avg' reply is a trailer)
@@ -117,6 +120,8 @@ PROTOCOL_VERSION = 8  # 2: group ids chain the base group (matchmaking.py); 3: '
 #                         the run fingerprint carries this version, so a mixed swarm is refused at join, not split
 #                      8: the state digest covers each fragment's outer step count (p2pdiloco/digest.py): version 7
 #                         peers would compute other digests for the same state
+#                      9: a peer holding a join request sends 'wait' frames; version 8 joiners would read the
+#                         first one as a refusal
 #: largest accepted header (a group of thousands of peer ids fits easily)
 MAX_HEADER = 256 * 1024
 #: a handler waits this long for a request header before dropping the stream (seconds)
