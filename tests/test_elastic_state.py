@@ -280,6 +280,28 @@ class _Sink:
         pass
 
 
+async def _ask_to_join(mm, sender: str, lead: bool = False):
+    """``sender`` asks ``mm`` to admit it to the group of (fragment 0, round 5), through ``mm``'s join
+    handler (``lead``: ``mm`` leads that round). Returns the handler's task, the request's reader
+    (``feed_eof``: the sender hangs up) and the sink of ``mm``'s reply frames."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, write_frame
+
+    if lead:
+        slot = mm._slot(0, 5)
+        slot.leading = True
+        slot.decided.set()
+    request = _Sink()
+    await write_frame(request, {"t": "join", "v": PROTOCOL_VERSION, "frag": 0, "round": 5})
+    reader = asyncio.StreamReader()
+    reader.feed_data(bytes(request.data))
+    reply = _Sink()
+    info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: sender))
+    return asyncio.ensure_future(mm._handle_join(info, reader, reply)), reader, reply
+
+
 def _fake_matchmaker(records, announce=False, **kwargs):
     """A Matchmaker of peer "me" on a DHT held in ``records`` (key -> subkey -> value). Without
     ``announce`` a store fails the test (the peer must not announce itself); with it, it is kept."""
@@ -478,22 +500,11 @@ def test_a_joiner_that_hangs_up_before_the_group_closes_is_not_admitted():
     not in it (tests/test_elastic_faults.py straggler test). A joiner whose stream closes before the
     group closes is dropped from the joiners."""
     import asyncio
-    from types import SimpleNamespace
-
-    from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, write_frame
 
     async def scenario():
         mm = _fake_matchmaker({})
         slot = mm._slot(0, 5)
-        slot.leading = True
-        slot.decided.set()
-        request = _Sink()
-        await write_frame(request, {"t": "join", "v": PROTOCOL_VERSION, "frag": 0, "round": 5})
-        reader = asyncio.StreamReader()
-        reader.feed_data(bytes(request.data))
-        info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "j"))
-        reply = _Sink()
-        handler = asyncio.ensure_future(mm._handle_join(info, reader, reply))
+        handler, reader, reply = await _ask_to_join(mm, "j", lead=True)
         for _ in range(100):  # the join request is read and j is admitted as a joiner
             await asyncio.sleep(0.01)
             if "j" in slot.joiners:

@@ -416,26 +416,15 @@ def _frames(data: bytes) -> List[Dict[str, Any]]:
 def test_a_peer_holding_a_join_request_says_wait_until_it_answers(monkeypatch):
     """The join handler holds an admitted joiner's request until its group closes: meanwhile it writes a
     'wait' frame every WAIT_S, so the joiner can tell a leader still gathering from a silent one."""
-    from types import SimpleNamespace
-
     from p2pdiloco.swarm import joining
-    from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, write_frame
-    from test_elastic_state import _Sink
+    from test_elastic_state import _ask_to_join
 
     monkeypatch.setattr(joining, "WAIT_S", 0.05)
 
     async def scenario():
         mm = _fake_matchmaker({})
         slot = mm._slot(0, 5)
-        slot.leading = True
-        slot.decided.set()
-        request = _Sink()
-        await write_frame(request, {"t": "join", "v": PROTOCOL_VERSION, "frag": 0, "round": 5})
-        reader = asyncio.StreamReader()
-        reader.feed_data(bytes(request.data))
-        reply = _Sink()
-        handler = asyncio.ensure_future(mm._handle_join(SimpleNamespace(peer_id=SimpleNamespace(
-            to_base58=lambda: "j")), reader, reply))
+        handler, _, reply = await _ask_to_join(mm, "j", lead=True)
         await asyncio.sleep(0.4)  # held: the group has not closed
         slot.joiners["j"].set_result(None)  # it closes without a group for j
         await asyncio.wait_for(handler, timeout=2)
@@ -494,10 +483,8 @@ def test_a_follower_whose_request_the_presumable_leader_holds_sends_askers_there
     smallest id: our presumable leader), which holds our request until its group closes. z is sent to a
     at once ("not leader", hint a): held until a's group closed, z would miss the round (a closes after
     its join grace)."""
-    from types import SimpleNamespace
-
-    from p2pdiloco.swarm.protocol import PROTOCOL_VERSION, read_frame, write_frame
-    from test_elastic_state import _Sink
+    from p2pdiloco.swarm.protocol import read_frame
+    from test_elastic_state import _ask_to_join
 
     records = {"t:progress": _due("a", "me", "z"), "t:mm:0:5": _ready("a", "z")}
     mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=3.0)
@@ -511,15 +498,9 @@ def test_a_follower_whose_request_the_presumable_leader_holds_sends_askers_there
 
     async def scenario():
         forming = asyncio.ensure_future(mm.form_group(0, 5, 3, sync_step=100))
-        await asyncio.sleep(0.2)  # we hold j's answer: deferring
-        request = _Sink()
-        await write_frame(request, {"t": "join", "v": PROTOCOL_VERSION, "frag": 0, "round": 5})
-        reader = asyncio.StreamReader()
-        reader.feed_data(bytes(request.data))
-        reply = _Sink()
+        await asyncio.sleep(0.2)  # our request to a is out: we defer to it
         asked = asyncio.get_running_loop().time()
-        handler = asyncio.ensure_future(mm._handle_join(SimpleNamespace(peer_id=SimpleNamespace(
-            to_base58=lambda: "z")), reader, reply))
+        handler, reader, reply = await _ask_to_join(mm, "z")
         while not reply.data and asyncio.get_running_loop().time() - asked < 3:
             await asyncio.sleep(0.01)
         answered, formed_by_then = asyncio.get_running_loop().time() - asked, forming.done()
