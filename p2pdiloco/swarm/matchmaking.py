@@ -95,11 +95,12 @@
    for the round: not presumed, not asked again. A holder that keeps talking and proposes nothing is
    dropped when every peer due is ready and ``_patience`` (twice the join grace, the longest an honest
    leader admits joiners) has passed since our own wait ended (*stalled*). Every honest peer drops
-   such an identity, at different moments: so a peer that leads in place of a better-ranked dropped
-   one admits joiners longer (``_fallback_grace``), a candidate that answers "I follow <a peer we
-   dropped>" is asked again (``HINT_RETRY_S``) rather than bounced past, and a leader's re-reads never
-   add the dropped peers to the joiners it waits for. The round takes SILENT_S longer per such
-   identity ahead of the first honest peer, in one group.
+   a silent or stalled identity, at different moments (a broken stream breaks for all at once): so a
+   peer that leads in place of a better-ranked one admits joiners longer (``_fallback_grace``), a
+   candidate that answers "I follow <such a peer>" is asked again (``HINT_RETRY_S``) for as long as it
+   takes that candidate to drop it too, rather than bounced past, and a leader's re-reads never add
+   dropped peers to the joiners it waits for. The round takes SILENT_S longer per silent identity
+   ahead of the first honest peer, in one group.
 """
 from __future__ import annotations
 
@@ -173,13 +174,20 @@ class _Attempt:
     watch: JoinWatch = field(default_factory=JoinWatch)  # the early request: taken, proposed, silent
     quiet_polls: int = 0                    # polls in a row that found no new ready peer (the backoff)
     dial_waited: bool = False               # we gave the early request EARLY_DIAL_S to reach the leader
-    silent: Set[str] = field(default_factory=set)   # took our request, then fell silent or went away
+    silent: Set[str] = field(default_factory=set)   # took our request, then said nothing for SILENT_S
     stalled: Set[str] = field(default_factory=set)  # held it, every peer due ready, proposed nothing in time
+    gone: Set[str] = field(default_factory=set)     # took it, then its stream broke (it left or crashed)
     unreached: Set[str] = field(default_factory=set)  # presumable leaders our early request could not reach
 
     @property
     def dropped(self) -> Set[str]:
         """The peers not asked again this round: they took our request and left it unanswered."""
+        return self.silent | self.stalled | self.gone
+
+    @property
+    def holding_out(self) -> Set[str]:
+        """Dropped peers that others may still wait on (silent or stalled: each peer drops them after its
+        own wait; a broken stream breaks for everyone at once)."""
         return self.silent | self.stalled
 
     def __post_init__(self) -> None:
@@ -414,10 +422,10 @@ class Matchmaker(Leading, JoinRequests):
                                                                   candidate)
         every peer due is ready, our wait is over, and the        dropped (stalled) after _patience; the
         presumable leader holding our request proposed nothing    next candidate
-        a candidate's hint names a peer we dropped                ask it again shortly, however often,
-                                                                  until our hard deadline + 2 _patience
-        we lead in place of a better-ranked dropped peer          admit for _fallback_grace, not the join
-                                                                  grace; never wait for dropped peers
+        a candidate's hint names a peer we dropped as silent or   ask it again shortly, however often, for
+        stalled                                                   as long as that peer takes to drop it too
+        we lead in place of a better-ranked silent or stalled     admit for _fallback_grace, not the join
+        peer                                                      grace; never wait for dropped peers
         ========================================================  ===========================================
         """
         a = await self._enter(frag, round_, expected, sync_step)
@@ -499,35 +507,16 @@ class Matchmaker(Leading, JoinRequests):
         while True:
             at_deadline = False  # this read ends a deferral at our deadline: it re-reads the live peers too
             if a.early is not None and not a.early.done() and a.watch.taken.is_set():
-                # The presumable leader holds our request: it polls the round for all of us and answers
-                # when its group closes (or refuses, and we poll on). Reading the round ourselves meanwhile
-                # would only end in waiting for that answer too, at the cost of every ready and progress
-                # record per read: the control traffic that grows with the swarm. Only a request the
-                # leader took counts: while the dial is still tried (a leader that left or crashed since
-                # our read fails only after JOIN_DIAL_WAIT) we poll, and see whoever leads instead.
-                # A leader that goes away after taking it breaks the stream, which answers at once.
-                # A leader silent for SILENT_S ends the request (joining.py): we poll again, and do not
-                # ask it again (_choose_leader). Meanwhile we follow it: a peer that asks us to admit it
-                # is sent there ("not leader", hint), not held until that leader's group has closed.
-                if not slot.decided.is_set():
-                    slot.leader = a.presumed
-                    slot.decided.set()
-                now = time.monotonic()
-                a.ready |= self._unbanned(slot.arrivals)
-                if len(a.ready) >= a.expected:
+                step = await self._defer(a)
+                if step == "ready":
                     return None
-                if now < a.deadline:
-                    await self._wait_for_news(a.deadline - now, slot, a.early)
-                    if a.early.done():
-                        group = self._early_group(a)
-                        if group is not None:
-                            return group
+                if step == "answered":
+                    group = self._early_group(a)
+                    if group is not None:
+                        return group
+                if step != "deadline":
                     continue
-                # Our deadline came and the leader still holds the request: one read of the round (below)
-                # before we choose. A fresher progress record can move the deadline (the leader reads it
-                # too), and the read says whether every peer due is ready: then an honest leader closes
-                # within its join grace, and one that does not is given up on (_ask)
-                at_deadline = True
+                at_deadline = True  # one read of the round (below), the live peers too, before we choose
             if a.early is not None and not a.early.done() and not a.dial_waited:
                 a.dial_waited = True  # once: then we poll while the dial is tried
                 taken = asyncio.ensure_future(a.watch.taken.wait())
@@ -577,6 +566,36 @@ class Matchmaker(Leading, JoinRequests):
             await self._wait_for_news(min(POLL_MAX_S, POLL_MIN_S * 2 ** min(a.quiet_polls, 8),
                                           max(0.02, a.deadline - now)), slot, a.early)
 
+    async def _defer(self, a: "_Attempt") -> str:
+        """Wait while the presumable leader holds our request (item 9): "ready" (as many peers ready as
+        expected: the poll is over), "answered" (the request is done), "news" (look again) or
+        "deadline" (our deadline came with the request still held).
+
+        The leader polls the round for all of us and answers when its group closes (or refuses, and we
+        poll on). Reading the round ourselves meanwhile would only end in waiting for that answer too,
+        at the cost of every ready and progress record per read: the control traffic that grows with
+        the swarm. Only a request the leader took counts: while the dial is still tried (a leader that
+        left or crashed since our read fails only after JOIN_DIAL_WAIT) we poll, and see whoever leads
+        instead. A leader that goes away after taking it breaks the stream, which answers at once; one
+        silent for SILENT_S ends the request (joining.py), and is not asked again (_choose_leader).
+        Meanwhile we follow it: a peer that asks us to admit it is sent there ("not leader", hint), not
+        held until that leader's group has closed. At our deadline the caller reads the round once: a
+        fresher progress record can move the deadline (the leader reads it too), and the read says
+        whether every peer due is ready: then an honest leader closes within its join grace, and one
+        that does not is given up on (_ask)."""
+        slot = a.slot
+        if not slot.decided.is_set():
+            slot.leader = a.presumed
+            slot.decided.set()
+        now = time.monotonic()
+        a.ready |= self._unbanned(slot.arrivals)
+        if len(a.ready) >= a.expected:
+            return "ready"
+        if now >= a.deadline:
+            return "deadline"
+        await self._wait_for_news(a.deadline - now, slot, a.early)
+        return "answered" if a.early.done() else "news"
+
     def _early_group(self, a: "_Attempt") -> Optional[Group]:
         """The presumable leader's answer to our early request: its group (ours now), or None when it
         refused (it follows another peer, or is not the leader). A RoundMissed (closed without us) ends
@@ -587,9 +606,9 @@ class Matchmaker(Leading, JoinRequests):
             a.slot.leader = None  # we no longer follow it (the deferral in _poll did)
             a.slot.decided.clear()
         if a.watch.unanswered or a.watch.unreached:  # it fell silent, went away or was never reached:
-            (a.silent if a.watch.unanswered else a.unreached).add(a.presumed)  # ask the next one
+            self._note_unanswered(a, a.presumed, a.watch)  # ask the next one
             self._ask_presumed(a)
-        elif group is None and hint in a.dropped and time.monotonic() < a.deadline:
+        elif group is None and hint in a.holding_out and time.monotonic() < a.deadline:
             # it still follows a peer we dropped: it drops that one too, within its own SILENT_S, and then
             # leads or follows the next; ask it again shortly rather than poll the round meanwhile
             self._ask_presumed(a, delay=HINT_RETRY_S)
@@ -628,6 +647,7 @@ class Matchmaker(Leading, JoinRequests):
                       if c not in a.dropped]
         tried: Set[str] = set(a.dropped)
         dropped: Set[str] = set(a.dropped)  # candidates that gave us no answer (unreachable, silent) or a refusal
+        retry_until: Dict[str, float] = {}  # dropped peer -> until when a candidate that follows it is asked again
         bounced: Dict[str, int] = {}  # candidate -> how often it answered "not leader" (with a hint)
         try:
             while candidates:
@@ -652,7 +672,8 @@ class Matchmaker(Leading, JoinRequests):
                     candidates.remove(leader)
                     dropped.add(leader)
                     continue
-                if hint in dropped and time.monotonic() < a.hard_deadline + 2 * self._patience:
+                until = retry_until.setdefault(hint, self._retry_until(a, hint)) if hint in a.holding_out else 0.0
+                if time.monotonic() < until:
                     # It still waits on a leader we dropped. Its wait is bounded as ours was, and then it
                     # leads or asks the next candidate, as we do: ask it again shortly, however often it
                     # takes (not a bounce). Peers drop a silent leader at different moments, and those that
@@ -706,12 +727,31 @@ class Matchmaker(Leading, JoinRequests):
         one is dropped SILENT_S after the request reached it (they were ready before we led: within one
         early dial and SILENT_S, and then they ask us at once); a stalled one only after each peer's own
         deadline and patience (never past its hard deadline: within matchmaking_timeout + patience)."""
-        better = {p for p in a.dropped if self._rank(p) < self._rank(a.me)}
+        better = {p for p in a.holding_out if self._rank(p) < self._rank(a.me)}
         if better & a.stalled:
             return self.matchmaking_timeout + self._patience
         if better:
             return self.join_grace + EARLY_DIAL_S + SILENT_S
         return None
+
+    def _retry_until(self, a: "_Attempt", dropped: str) -> float:
+        """Until when a candidate that still follows ``dropped`` is asked again (from now). The candidate
+        was ready before now, so it entered the round before now: it drops a silent peer within one
+        early dial and SILENT_S and then leads within its join grace; a stalled one by its own hard
+        deadline (within matchmaking_timeout from now) and patience."""
+        if dropped in a.stalled:
+            return time.monotonic() + self.matchmaking_timeout + self._patience
+        return time.monotonic() + EARLY_DIAL_S + SILENT_S + self.join_grace
+
+    @staticmethod
+    def _note_unanswered(a: "_Attempt", peer: str, watch: JoinWatch) -> None:
+        """``peer`` took our request and will not answer it (``watch``): dropped for the round."""
+        if watch.silent:
+            a.silent.add(peer)
+        elif watch.broken:
+            a.gone.add(peer)
+        elif watch.unreached:
+            a.unreached.add(peer)
 
     async def _ask(self, a: "_Attempt", leader: str) -> Tuple[Optional[Group], Optional[str]]:
         """Ask ``leader`` to admit us: (its group, None) or (None, its hint). An unseen candidate gets a
@@ -739,14 +779,13 @@ class Matchmaker(Leading, JoinRequests):
                                 f"{a.frag} round {a.round} and proposed no group {bound:.1f}s after our wait ended; "
                                 "trying the next candidate")
                 group, hint = answer or (None, None)
-                if a.watch.unanswered:
-                    a.silent.add(leader)
+                self._note_unanswered(a, leader, a.watch)
             else:
                 a.hang_up()  # it must not admit us while we join another leader
                 watch = JoinWatch()
                 group, hint = await self._join(leader, a.frag, a.round, a.expected, timeout=bound, watch=watch)
-                if watch.unanswered:
-                    a.silent.add(leader)
+                if watch.unanswered:  # (unreachable: the next candidate, as before)
+                    self._note_unanswered(a, leader, watch)
             a.early = None
         except MatchmakingFailed:
             slot.closed = True
