@@ -55,7 +55,7 @@ import sys
 import time as _real_time
 from collections import Counter
 from types import SimpleNamespace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Awaitable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import msgpack
 
@@ -64,7 +64,6 @@ from ..swarm import formation, joining, leading, matchmaking, standing
 from ..swarm.keys import kind_of, progress_key, ready_key
 from ..swarm.matchmaking import Matchmaker
 from ..swarm.node import READ_BEAM
-from ..swarm.protocol import write_frame
 
 __all__ = ["main", "simulate", "VirtualLoop", "format_table"]
 
@@ -236,15 +235,10 @@ class _Pipe:
         return default
 
 
-async def _hold(reader: asyncio.StreamReader, writer: "_Pipe", talks: bool) -> None:
-    """A hostile join handler: reads what comes and answers nothing, until the caller hangs up; with
-    ``talks``, it says ``wait`` every WAIT_S meanwhile, as an honest leader still gathering would."""
-    async def talk() -> None:
-        while True:
-            await asyncio.sleep(joining.WAIT_S)
-            await write_frame(writer, {"t": "wait"})
-
-    talking = asyncio.ensure_future(talk()) if talks else None
+async def _hold(reader: asyncio.StreamReader, talk: Optional[Awaitable[None]] = None) -> None:
+    """A hostile join handler: reads what comes and answers nothing, until the caller hangs up; ``talk``
+    (the honest handler's keep-alive) runs meanwhile, as an honest leader still gathering would."""
+    talking = asyncio.ensure_future(talk) if talk is not None else None
     try:
         while await reader.read(1 << 16):
             pass
@@ -366,8 +360,11 @@ class Sim:
         info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda pid=me.pid: pid))
         if target.hostile:
             target.count("held")
-        task = asyncio.ensure_future(_hold(to_target, w_target, target.hostile == "stalling") if target.hostile
-                                     else target.node.handler(info, to_target, w_target))
+        if target.hostile:
+            talk = target.mm._say_wait(w_target) if target.hostile == "stalling" else None
+            task = asyncio.ensure_future(_hold(to_target, talk))
+        else:
+            task = asyncio.ensure_future(target.node.handler(info, to_target, w_target))
         target.handlers.add(task)
         task.add_done_callback(target.handlers.discard)
         return None, to_me, w_me

@@ -646,7 +646,6 @@ class Matchmaker(Leading, JoinRequests):
         candidates = [c for c in formation.candidates(a.ready, unseen, me, self._rank, self._tier)
                       if c not in a.dropped]
         tried: Set[str] = set(a.dropped)
-        dropped: Set[str] = set(a.dropped)  # candidates that gave us no answer (unreachable, silent) or a refusal
         retry_until: Dict[str, float] = {}  # dropped peer -> until when a candidate that follows it is asked again
         bounced: Dict[str, int] = {}  # candidate -> how often it answered "not leader" (with a hint)
         try:
@@ -670,7 +669,6 @@ class Matchmaker(Leading, JoinRequests):
                 slot.decided.clear()
                 if not hint:
                     candidates.remove(leader)
-                    dropped.add(leader)
                     continue
                 until = retry_until.setdefault(hint, self._retry_until(a, hint)) if hint in a.holding_out else 0.0
                 if time.monotonic() < until:
