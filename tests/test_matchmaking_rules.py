@@ -435,6 +435,41 @@ def test_a_peer_holding_a_join_request_says_wait_until_it_answers(monkeypatch):
     assert frames[-1] == {"t": "refuse", "reason": "group too small"}
 
 
+def test_a_join_request_for_a_round_of_a_history_we_left_waits_for_that_round_in_ours():
+    """A peer that ran ahead alone (the far side of a partition) and then adopted the swarm's state
+    enters the same round numbers again. A join request for such a round is held until we enter it in
+    the adopted history and answered by that formation, never with the closed group of the one we left
+    (the joiner would form a group without us while we lead one without it: a split round)."""
+    from p2pdiloco.swarm.group import Group
+    from test_elastic_state import _ask_to_join
+
+    async def scenario():
+        mm = _fake_matchmaker({})
+        ran_alone = mm._slot(0, 5)  # the round as we ran it alone: led and closed, a group of one
+        ran_alone.leading, ran_alone.closed, ran_alone.base = True, True, "g-alone"
+        ran_alone.final = Group(gid="g5", members=("me",), my_index=0, frag=0, round=5)
+        ran_alone.decided.set()
+        mm.adopt_lineage(["g-swarm"])  # we caught up with the swarm at an earlier round
+        handler, reader, reply = await _ask_to_join(mm, "j")
+        await asyncio.sleep(0.3)
+        held = _frames(bytes(reply.data))
+        slot = mm._slot(0, 5)  # we enter round 5 again, and lead it
+        slot.leading = True
+        slot.decided.set()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if "j" in slot.joiners:
+                break
+        admitted = "j" in slot.joiners
+        reader.feed_eof()
+        await asyncio.wait_for(handler, timeout=2)
+        return ran_alone, slot, held, admitted
+
+    ran_alone, slot, held, admitted = asyncio.run(scenario())
+    assert slot is not ran_alone and not held, held  # no "closed" refusal from the round we ran alone
+    assert admitted  # the request waited for our entry and joined the group we lead now
+
+
 def test_a_joiner_waits_on_a_talking_leader_and_drops_a_silent_one(monkeypatch):
     """Our request's reader: 'wait' frames keep it waiting past SILENT_S until the group comes; a leader
     that says nothing for SILENT_S ends the request unanswered, marked silent."""

@@ -194,11 +194,11 @@ class JoinRequests:
         hung_up = asyncio.ensure_future(reader.read(1))
         keepalive = asyncio.ensure_future(self._say_wait(writer))  # until we answer: we hold the request
         try:
-            slot = self._slots.get((frag, round_))
+            slot = self._current_slot(frag, round_)
             deadline = time.monotonic() + self.matchmaking_timeout
             while slot is None and not hung_up.done() and time.monotonic() < deadline:
                 await asyncio.wait({hung_up}, timeout=0.05)  # we may be about to enter this round
-                slot = self._slots.get((frag, round_))
+                slot = self._current_slot(frag, round_)
             if hung_up.done():
                 if slot is not None:
                     slot.arrivals.discard(sender)

@@ -36,6 +36,7 @@ class RoundSlot:
     closed: bool = False
     arrivals: Set[str] = field(default_factory=set)  # peers that asked us to admit them: ready, they say
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    history: int = 0                       # the Matchmaker's history count when this slot was opened
 
 
 @dataclass

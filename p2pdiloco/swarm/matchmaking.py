@@ -42,6 +42,9 @@
    have none, at least half of the live peers. The ``closed`` refusal carries size and base.
    While waiting for a group, a peer that sees a rival history outnumbering its own (the caller's
    :attr:`Matchmaker.give_way` hook) stops at once: it is to adopt that state, not sync this round.
+   A peer that adopted another history enters round numbers it already ran: what it decided for those
+   rounds (closed groups of the history it left) no longer answers join requests; they wait for it to
+   enter the round again.
 7. DHT views differ (a record not yet replicated, a node that just died). So a leader also waits
    (``join_grace``) for the peers due now whose ready record it did not see, a peer first asks
    such unseen peers with a smaller id (briefly) before it leads itself, and a peer about to
@@ -243,6 +246,9 @@ class Matchmaker(Leading, JoinRequests):
         self.partners = Partners()
         self._seen: Dict[str, float] = {}  # peer -> when its record was last in a read (monotonic)
         self._lineage = Lineage()  # our history: the groups we synced in, adopted or formed
+        #: how many times we adopted another history (caught up): round numbers restart from the adopted
+        #: state, so a slot opened before that belongs to a round of the history we left
+        self._histories = 0
         self._tasks: Set[asyncio.Task] = set()  # DHT stores running in the background
         self._reach: Dict[str, str] = {}  # peer -> reachability, from its records and join requests
         #: set by the training loop: given the live peers' records, a reason to stop matchmaking and adopt
@@ -258,6 +264,7 @@ class Matchmaker(Leading, JoinRequests):
     def adopt_lineage(self, gids: Iterable[str]) -> None:
         """We caught up with other peers' state: their groups are our history now."""
         self._lineage.adopt(gids)
+        self._histories += 1  # called from the training thread: the loop reads it, nobody else writes it
 
     def lineage(self, last: Optional[int] = None) -> Set[str]:
         """Our history's group ids (:meth:`.standing.Lineage.ids`)."""
@@ -368,9 +375,21 @@ class Matchmaker(Leading, JoinRequests):
         return group_key(self.run_id, frag, round_)
 
     def _slot(self, frag: int, round_: int) -> RoundSlot:
+        """Our slot for (frag, round_) as we enter that round: a fresh one unless this history opened it."""
         for key in [k for k in self._slots if k[1] < round_ - 2]:
             del self._slots[key]  # forget rounds long gone
-        return self._slots.setdefault((frag, round_), RoundSlot())
+        slot = self._current_slot(frag, round_)
+        if slot is None:
+            slot = self._slots[(frag, round_)] = RoundSlot(history=self._histories)
+        return slot
+
+    def _current_slot(self, frag: int, round_: int) -> Optional[RoundSlot]:
+        """Our slot for (frag, round_) in our current history, None before we enter that round. A peer
+        that ran ahead alone and then adopted the swarm's state enters the same round numbers again: the
+        slots of the rounds it ran alone hold groups of the history it left (closed, another base), and a
+        joiner refused with those would form a group without us while we lead one without it."""
+        slot = self._slots.get((frag, round_))
+        return slot if slot is not None and slot.history == self._histories else None
 
     # ---- one formation: form_group and its steps ---------------------------------------------------
 
@@ -426,6 +445,8 @@ class Matchmaker(Leading, JoinRequests):
         stalled                                                   as long as that peer takes to drop it too
         we lead in place of a better-ranked silent or stalled     admit for _fallback_grace, not the join
         peer                                                      grace; never wait for dropped peers
+        a join request for a round we ran before we adopted       held until we enter that round again; our
+        another history                                           formation then answers it
         ========================================================  ===========================================
         """
         a = await self._enter(frag, round_, expected, sync_step)
