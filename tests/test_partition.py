@@ -24,6 +24,21 @@ H = 30  # outer steps of ~3 s
 _missing = [tool for tool in ("ip", "tc") if subprocess.run(["which", tool], capture_output=True).returncode]
 
 
+def _rounds_since(dirs, since: float) -> str:
+    """Each peer's syncs and catch-ups after ``since``, one line per peer: what a failure shows."""
+    lines = []
+    for name, d in dirs.items():
+        steps = [f"{r['step']}:{'catch_up' if r['event'] == 'catch_up' else (r['group_size'] if r['ok'] else 'failed')}"
+                 f":{r.get('digest', '')[:6]}" for r in read_events(d) if r.get("event") in ("sync", "catch_up")
+                 and r["time"] > since]
+        lines.append(f"{name} (step:group size:digest) " + " ".join(steps))
+    for name, d in dirs.items():  # and what its matchmaking said (its stderr sits beside its run dir)
+        said = [line for line in (d.parent / f"{name}.err").read_text().splitlines()
+                if "p2pdiloco.swarm." in line or "train.recovery" in line]
+        lines += [f"{name}: {line[:240]}" for line in said[-12:]]
+    return "\n".join(lines)
+
+
 def _new_identity(path) -> str:
     """A new identity key file at ``path``; returns its peer id (libp2p's identity multihash of the
     Ed25519 public key, base58)."""
@@ -114,6 +129,6 @@ def test_partition_then_heal_converges(tmp_path):
     since = max(r["time"] for r in caught if r["time"] < together)
     after = {n: {r["step"]: r["digest"] for r in ok_syncs(d) if r["time"] > since} for n, d in dirs.items()}
     shared = sorted(set(after["a"]) & set(after["b"]) & set(after["c"]))
-    assert len(shared) >= 2 and all(len({after[n][s] for n in "abc"}) == 1 for s in shared), after
+    assert len(shared) >= 2 and all(len({after[n][s] for n in "abc"}) == 1 for s in shared), _rounds_since(dirs, since)
     print(f"partition: converged {len(rounds)} outer step(s) after healing, "
           f"{took:.1f} s after the link came back (partition {t_heal - t_part:.1f} s)")
