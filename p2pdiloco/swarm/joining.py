@@ -141,7 +141,12 @@ class JoinRequests:
         if reason == "closed":
             raise RoundMissed(f"missed the group for fragment {frag}, round {round_} (it closed before we joined)")
         hint = reply.get("hint")
-        return None, hint if isinstance(hint, str) else None
+        if not isinstance(hint, str):
+            # the caller drops this candidate for the round (and never steps down for it when leading)
+            logger.info(f"[{self.node.short_id}] {short_id(leader)} refused our join request for fragment {frag} "
+                        f"round {round_} ({str(reason)[:40]}); trying the next")
+            return None, None
+        return None, hint
 
     async def _first_reply(self, reader: asyncio.StreamReader, leader: str, timeout: float,
                            watch: JoinWatch) -> Dict[str, Any]:
