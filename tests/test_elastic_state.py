@@ -302,6 +302,17 @@ async def _ask_to_join(mm, sender: str, lead: bool = False):
     return asyncio.ensure_future(mm._handle_join(info, reader, reply)), reader, reply
 
 
+async def _admitted(slot, sender: str) -> bool:
+    """Whether the join handler admits ``sender`` to ``slot``'s joiners within a second."""
+    import asyncio
+
+    for _ in range(100):
+        if sender in slot.joiners:
+            return True
+        await asyncio.sleep(0.01)
+    return sender in slot.joiners
+
+
 def _fake_matchmaker(records, announce=False, **kwargs):
     """A Matchmaker of peer "me" on a DHT held in ``records`` (key -> subkey -> value). Without
     ``announce`` a store fails the test (the peer must not announce itself); with it, it is kept."""
@@ -505,11 +516,7 @@ def test_a_joiner_that_hangs_up_before_the_group_closes_is_not_admitted():
         mm = _fake_matchmaker({})
         slot = mm._slot(0, 5)
         handler, reader, reply = await _ask_to_join(mm, "j", lead=True)
-        for _ in range(100):  # the join request is read and j is admitted as a joiner
-            await asyncio.sleep(0.01)
-            if "j" in slot.joiners:
-                break
-        assert "j" in slot.joiners, bytes(reply.data)
+        assert await _admitted(slot, "j"), bytes(reply.data)  # the join request is read, j admitted
         reader.feed_eof()  # j hangs up
         await asyncio.wait_for(handler, timeout=2)
         return slot

@@ -441,7 +441,7 @@ def test_a_join_request_for_a_round_of_a_history_we_left_waits_for_that_round_in
     the adopted history and answered by that formation, never with the closed group of the one we left
     (the joiner would form a group without us while we lead one without it: a split round)."""
     from p2pdiloco.swarm.group import Group
-    from test_elastic_state import _ask_to_join
+    from test_elastic_state import _admitted, _ask_to_join
 
     async def scenario():
         mm = _fake_matchmaker({})
@@ -456,11 +456,7 @@ def test_a_join_request_for_a_round_of_a_history_we_left_waits_for_that_round_in
         slot = mm._slot(0, 5)  # we enter round 5 again, and lead it
         slot.leading = True
         slot.decided.set()
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if "j" in slot.joiners:
-                break
-        admitted = "j" in slot.joiners
+        admitted = await _admitted(slot, "j")
         reader.feed_eof()
         await asyncio.wait_for(handler, timeout=2)
         return ran_alone, slot, held, admitted
