@@ -5,7 +5,9 @@
 # hivemind's p2p daemon, then runs python -m p2pdiloco.bench.gpu with its results under $OUT/gpu and
 # this script's log as $OUT/device_run.log and the peers' logs as $OUT/work-logs.tgz. Extra arguments go to the benchmark (e.g. --parts ...).
 # With --tests first, it runs the CUDA tests (pytest -m gpu tests/test_gpu.py; further arguments to pytest) instead,
-# within P2PDILOCO_TESTS_TIMEOUT seconds (480). Both in one call (the machine stays warm 30 s only):
+# within P2PDILOCO_TESTS_TIMEOUT seconds (480). With --quality first, it runs bench.compression_quality on the GPU
+# (its arguments follow; --jobs runs settings side by side, --time-limit stops them in time), results under
+# $OUT/quality. Both in one call (the machine stays warm 30 s only):
 #   bash bench/device_run.sh --parts prep,throughput,exactness && OUT=$OUT/tests bash bench/device_run.sh --tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +38,15 @@ PY
     command -v $t >/dev/null || { [ -x .whl/iproute2/bin/$t ] && export PATH=$PATH:$PWD/.whl/iproute2/bin; break; }
   done
   echo "ip: $(command -v ip || echo missing) ($(ip -V 2>&1 | head -1)), tc: $(command -v tc || echo missing)"
+  if [ "${1:-}" = "--quality" ]; then  # bench.compression_quality on the GPU instead (its arguments follow)
+    shift
+    mkdir -p "$OUT/quality"
+    PYTHONUNBUFFERED=1 timeout 560 python3 -m p2pdiloco.bench.compression_quality --work /tmp/quality-work \
+      --json "$OUT/quality/quality.json" --plot "$OUT/quality/quality.png" "$@"
+    echo "== exit $? at $(date -u +%FT%TZ)"
+    (cd /tmp/quality-work 2>/dev/null && tar czf "$OUT/quality/logs.tgz" .) && ls -la "$OUT/quality"
+    exit 0
+  fi
   if [ "${1:-}" = "--tests" ]; then  # the CUDA tests (tests/test_gpu.py) instead of the benchmark
     shift
     PYTHONUNBUFFERED=1 timeout "${P2PDILOCO_TESTS_TIMEOUT:-480}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py --durations=0 "$@"

@@ -28,13 +28,14 @@ import json
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..compression import Codec, get_codec
 from ..compression.robust import weighted_mean
 from ..config import RunConfig, load_config
+from ..errors import ConfigError
 from ..data import BatchStream, evaluate, load_corpus
 from ..train.inner import inner_optimizer, inner_step
 from ..diloco.outer import OuterState
@@ -135,13 +136,16 @@ class _Butterfly:
         return allreduce
 
 
-def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False) -> Dict[str, object]:
-    """One setting: returns ``{"val_loss": [start, after round 1, ...], "bytes_per_sync": [...], ...}``."""
+def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False,
+                on_round: Optional[Callable[[Dict[str, object]], None]] = None) -> Dict[str, object]:
+    """One setting: returns ``{"val_loss": [start, after round 1, ...], "bytes_per_sync": [...], ...}``;
+    ``on_round`` gets the same dictionary for the rounds done so far after each round."""
     torch.manual_seed(cfg.train.seed)
     corpus = load_corpus(cfg.data)
+    device = cfg.train.resolved_device()  # the inner phase and the evaluation; θ, Δ and the codecs stay on the CPU
     models, opts, streams = [], [], []
     for m in range(peers):
-        model = seeded_model(cfg.model, cfg.train.seed)  # the same θ everywhere, as in the swarm
+        model = seeded_model(cfg.model, cfg.train.seed).to(device)  # the same θ everywhere, as in the swarm
         models.append(model)
         opts.append(inner_optimizer(cfg, model.parameters()))
         streams.append(BatchStream(corpus.train, shard=m, num_shards=peers, batch_size=cfg.inner.batch_size,
@@ -155,7 +159,7 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False)
     def val() -> float:
         outer.copy_to(params[0])
         return evaluate(models[0], corpus.val, batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
-                        max_batches=cfg.train.eval_batches, device="cpu")
+                        max_batches=cfg.train.eval_batches, device=device)
 
     losses, sent, ranks, touched_share = [val()], [], [], []
     touched: Optional[torch.Tensor] = None  # coordinates the applied update has changed at least once
@@ -166,7 +170,7 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False)
         for model, opt, stream in zip(models, opts, streams):
             model.train()
             for k in range(cfg.inner.sync_every):
-                inner_step(cfg, model, opt, stream, step + k)
+                inner_step(cfg, model, opt, stream, step + k, device)
         step += cfg.inner.sync_every
         deltas = [outer.pseudo_gradient(ps) for ps in params]
         bf = _Butterfly(peers, [1.0] * peers, codec)
@@ -196,12 +200,21 @@ def run_setting(cfg: RunConfig, peers: int, rounds: int, progress: bool = False)
         info = reducers[0].info()
         if "ranks" in info:
             ranks.append(sum(info["ranks"]) / max(1, len(info["ranks"])))
-    numel = sum(p.numel() for p in params[0])
+        if on_round is not None:
+            on_round(_result(losses, sent, ranks, touched_share, params[0], peers, t0, device))
+    return _result(losses, sent, ranks, touched_share, params[0], peers, t0, device)
+
+
+def _result(losses, sent, ranks, touched_share, params, peers: int, t0: float, device: str) -> Dict[str, object]:
+    """The rounds so far as the bench reports them; the bytes ratio is over the mean bytes per sync
+    (an adaptive rank changes them from round to round)."""
+    numel = sum(p.numel() for p in params)
     fp32_bytes = int(2 * (peers - 1) / peers * 4 * numel)  # PlainReducer with fp32: one all-reduce of Δ
-    return {"val_loss": [round(v, 4) for v in losses], "bytes_per_sync": sent,
-            "fp32_bytes_per_sync": fp32_bytes, "x_fewer_than_fp32": round(fp32_bytes / max(1, sent[-1]), 1) if sent else None,
-            "mean_rank": [round(r, 2) for r in ranks], "touched": touched_share,
-            "seconds": round(time.perf_counter() - t0, 1)}
+    mean_sent = sum(sent) / len(sent) if sent else 0
+    return {"val_loss": [round(v, 4) for v in losses], "bytes_per_sync": list(sent),
+            "fp32_bytes_per_sync": fp32_bytes, "x_fewer_than_fp32": round(fp32_bytes / max(1, mean_sent), 1) if sent else None,
+            "mean_rank": [round(r, 2) for r in ranks], "touched": list(touched_share),
+            "seconds": round(time.perf_counter() - t0, 1), "device": device}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -212,11 +225,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--settings", default="fp32,e3m0,e3m0-ef,e3m0-lowrank,e3m0-lowrank-ef", help=f"any of {', '.join(SETTINGS)}")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=KEY=VALUE;KEY=VALUE...",
-                    help="an ad-hoc setting: its name, '=', then ';'-separated --set overrides (repeatable); "
-                         "run it by listing NAME in --settings")
-    ap.add_argument("--json", default=None, help="write every setting's results here (rewritten after each)")
+                    help="an ad-hoc setting: its name, '=', then ';'-separated --set overrides, where an item without "
+                         "'=' names a setting whose overrides it includes (repeatable); run it by listing NAME in --settings")
+    ap.add_argument("--json", default=None, help="write every setting's results here (rewritten after each round)")
     ap.add_argument("--seed", type=int, default=0,
                     help="train.seed and data.seed of every setting (model init, batch order; --set overrides it)")
+    ap.add_argument("--seeds", default=None, metavar="S,S,...",
+                    help="run every setting once per seed instead (results named NAME/sS, each compared with fp32/sS)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs (setting, seed) at once, each in its own process with its log under --work")
+    ap.add_argument("--time-limit", type=float, default=0.0, metavar="SECONDS",
+                    help="with --jobs: stop the runs still going after this long and report the rounds they finished")
+    ap.add_argument("--work", default=None, help="with --jobs: each run's log and JSON go here (default: a temporary folder)")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="draw validation loss against rounds, one line per setting (rewritten after each)")
     ap.add_argument("--replot", default=None, metavar="JSON",
@@ -229,37 +249,143 @@ def main(argv: Optional[List[str]] = None) -> int:
             saved = json.load(f)
         plot_losses(saved["results"], args.plot, _plot_title(saved))
         return 0
+    if args.jobs < 1 or args.time_limit < 0:
+        ap.error("--jobs must be at least 1 and --time-limit at least 0")
+    if args.time_limit and args.jobs == 1:
+        ap.error("--time-limit needs --jobs (a run is stopped by stopping its process)")
     torch.set_num_threads(1)
     settings = dict(SETTINGS)
     for d in args.define:
         name, _, rest = d.partition("=")
         if not name or not rest:
             ap.error(f"--define {d!r}: expected NAME=KEY=VALUE;KEY=VALUE...")
-        settings[name] = tuple(x for x in rest.split(";") if x)
+        items: List[str] = []
+        for x in (x for x in rest.split(";") if x):
+            if "=" in x:
+                items.append(x)
+            elif x in settings:  # a setting's name: its overrides, then the keys after it
+                items.extend(settings[x])
+            else:
+                ap.error(f"--define {name}: {x!r} is neither KEY=VALUE nor a setting defined before it")
+        settings[name] = tuple(items)
     names = [s for s in args.settings.split(",") if s]
     unknown = [n for n in names if n not in settings]
     if unknown:
         ap.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(settings)} or --define them")
-    results: Dict[str, Dict[str, object]] = {}
-    for name in names:
-        seeds = (f"train.seed={args.seed}", f"data.seed={args.seed}")
-        cfg = load_config(args.config, [*_BLOCKING, *seeds, *args.set, *settings[name]])
-        print(f"{name}: {' '.join(settings[name])}", file=sys.stderr, flush=True)
-        results[name] = r = run_setting(cfg, args.peers, args.rounds, progress=True)
-        r["overrides"] = list(settings[name])
-        print(f"{name:<22} val_loss {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.4f}  "
-              f"bytes/sync/peer {r['bytes_per_sync'][-1]:>10,} ({r['x_fewer_than_fp32']}x fewer than fp32)  "
-              f"({r['seconds']} s)  losses {r['val_loss']}  mean rank {r['mean_rank'][-1:] }  "
-              f"coordinates touched {100 * r['touched'][-1] if r['touched'] else 0:.1f}%", flush=True)
-        saved = {"argv": argv if argv is not None else sys.argv[1:], "config": args.config, "set": args.set,
-                 "peers": args.peers, "rounds": args.rounds, "seed": args.seed, "results": results}
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(saved, f, indent=2)
-        if args.plot:
-            plot_losses(results, args.plot, _plot_title(saved))
-    print(format_table(results))
-    return 0
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x] if args.seeds is not None else [args.seed]
+    except ValueError:
+        ap.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
+    if not seeds:
+        ap.error("--seeds lists no seed")
+    for name in names:  # every setting's config is checked before anything runs
+        try:
+            _config(args, settings, name, seeds[0])
+        except ConfigError as e:
+            ap.error(f"setting {name}: {e}")
+    runs = [(n, seed, n if len(seeds) == 1 else f"{n}/s{seed}") for seed in seeds for n in names]
+    saved = {"argv": argv if argv is not None else sys.argv[1:], "config": args.config, "set": args.set,
+             "peers": args.peers, "rounds": args.rounds, "seed": seeds[0], "seeds": seeds, "results": {}}
+    if args.jobs > 1:
+        ok = _run_parallel(args, settings, runs, saved)
+    else:
+        ok = True
+        for name, seed, key in runs:
+            _run_here(args, settings, name, seed, key, saved)
+    print(format_table(saved["results"]))
+    return 0 if ok else 1
+
+
+def _save(args, saved: Dict[str, object]) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(saved, f, indent=2)
+    if args.plot and saved["results"]:
+        plot_losses(saved["results"], args.plot, _plot_title(saved))
+
+
+def _config(args, settings, name: str, seed: int) -> RunConfig:
+    return load_config(args.config, [*_BLOCKING, f"train.seed={seed}", f"data.seed={seed}", *args.set, *settings[name]])
+
+
+def _run_here(args, settings, name: str, seed: int, key: str, saved: Dict[str, object]) -> None:
+    """One run in this process; the JSON is rewritten after every round (a stopped run keeps its rounds)."""
+    cfg = _config(args, settings, name, seed)
+    print(f"{key}: {' '.join(settings[name])}", file=sys.stderr, flush=True)
+    tags = {"setting": name, "seed": seed, "overrides": list(settings[name])}
+
+    def keep(r: Dict[str, object], complete: bool) -> None:
+        saved["results"][key] = {**r, **tags, "complete": complete}
+        _save(args, saved)
+
+    r = run_setting(cfg, args.peers, args.rounds, progress=True, on_round=lambda part: keep(part, False))
+    keep(r, True)
+    print(f"{key:<22} val_loss {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.4f}  "
+          f"bytes/sync/peer {r['bytes_per_sync'][-1]:>10,} ({r['x_fewer_than_fp32']}x fewer than fp32)  "
+          f"({r['seconds']} s)  losses {r['val_loss']}  mean rank {r['mean_rank'][-1:] }  "
+          f"coordinates touched {100 * r['touched'][-1] if r['touched'] else 0:.1f}%", flush=True)
+
+
+def _run_parallel(args, settings, runs, saved: Dict[str, object]) -> bool:
+    """Each run in its own process (``--jobs`` at once), the same command with one setting and one seed;
+    runs still going at ``--time-limit`` are stopped and keep the rounds they finished. False when a run
+    failed (not counting the ones stopped)."""
+    import os
+    import subprocess
+    import tempfile
+
+    work = args.work or tempfile.mkdtemp(prefix="compression-quality-")
+    os.makedirs(work, exist_ok=True)
+    common = ["--peers", str(args.peers), "--rounds", str(args.rounds)] + (["--config", args.config] if args.config else [])
+    for x in args.set:
+        common += ["--set", x]
+    pending, live, failed, stopped = list(runs), {}, [], []
+    t0 = last = time.monotonic()
+    print(f"{len(runs)} runs, {args.jobs} at once; logs in {work}", file=sys.stderr, flush=True)
+    while pending or live:
+        while pending and len(live) < args.jobs:
+            name, seed, key = pending.pop(0)
+            stem = os.path.join(work, key.replace("/", "_"))
+            cmd = [sys.executable, "-m", "p2pdiloco.bench.compression_quality", *common, "--seed", str(seed),
+                   "--settings", name, "--define", f"{name}={';'.join(settings[name])}", "--json", stem + ".json"]
+            with open(stem + ".log", "w") as log:
+                live[key] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), name, seed, stem)
+        time.sleep(1.0)
+        for key in [k for k, v in live.items() if v[0].poll() is not None]:
+            proc, name, seed, stem = live.pop(key)
+            if proc.returncode != 0:
+                failed.append(key)
+                print(f"{key} failed (exit {proc.returncode}); its log: {stem}.log", file=sys.stderr, flush=True)
+            _collect(key, name, seed, stem, saved)
+        if args.time_limit and time.monotonic() - t0 > args.time_limit:
+            for key, (proc, name, seed, stem) in live.items():
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                stopped.append(key)
+                _collect(key, name, seed, stem, saved)
+            stopped += [f"{key} (not started)" for _, _, key in pending]
+            live, pending = {}, []
+        if time.monotonic() - last > 30:
+            last = time.monotonic()
+            print(f"[{time.monotonic() - t0:.0f} s] {len(runs) - len(pending) - len(live)} of {len(runs)} runs ended, "
+                  f"{len(live)} running", file=sys.stderr, flush=True)
+    if stopped:
+        print(f"stopped at the time limit: {', '.join(stopped)} (their rounds so far are kept)", file=sys.stderr, flush=True)
+    _save(args, saved)
+    return not failed
+
+
+def _collect(key: str, name: str, seed: int, stem: str, saved: Dict[str, object]) -> None:
+    try:
+        with open(stem + ".json") as f:
+            r = json.load(f)["results"][name]
+    except (OSError, ValueError, KeyError):
+        return  # no round finished
+    saved["results"][key] = {**r, "setting": name, "seed": seed}
 
 
 def _plot_title(saved: Dict[str, object]) -> str:
@@ -275,13 +401,15 @@ def plot_losses(results: Dict[str, Dict[str, object]], path: str, title: str = "
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    base = results.get("fp32")
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, r in results.items():
         losses = r["val_loss"]
         label = name
-        if base and name != "fp32":
-            label += f" ({100 * (losses[-1] / base['val_loss'][-1] - 1):+.1f}%)"
+        base = _baseline(results, r, "fp32")
+        if base is not None and base is not r:
+            n = min(len(losses), len(base["val_loss"])) - 1
+            label += f" ({100 * (losses[n] / base['val_loss'][n] - 1):+.1f}%" + (f" at round {n})" if n < len(losses) - 1
+                                                                                  or n < len(base["val_loss"]) - 1 else ")")
         if r.get("x_fewer_than_fp32"):
             label += f", {r['x_fewer_than_fp32']}x fewer bytes"
         ax.plot(range(len(losses)), losses, label=label, lw=1.3)
@@ -299,16 +427,36 @@ def plot_losses(results: Dict[str, Dict[str, object]], path: str, title: str = "
     plt.close(fig)
 
 
+def _baseline(results: Dict[str, Dict[str, object]], r: Dict[str, object], setting: str) -> Optional[Dict[str, object]]:
+    """The run of ``setting`` with ``r``'s seed (results of one seed are keyed by the setting's name alone)."""
+    for key, other in results.items():
+        if other.get("setting", key) == setting and other.get("seed") == r.get("seed"):
+            return other
+    return None
+
+
 def format_table(results: Dict[str, Dict[str, object]]) -> str:
-    """Final loss per setting, relative to ``fp32`` and ``e3m0`` where they ran, and bytes vs fp32."""
-    base, e3 = results.get("fp32"), results.get("e3m0")
-    head = f"\n{'setting':<22} {'final val':>9} {'vs fp32':>8} {'vs e3m0':>8} {'bytes/sync/peer':>16} {'x fewer':>8}"
-    lines = [head]
+    """Final loss per setting, relative to ``fp32`` and ``e3m0`` of the same seed where they ran (at the
+    last round both finished: ``round``), and bytes vs fp32 (the mean over the rounds)."""
+    head = (f"\n{'setting':<24} {'round':>5} {'val loss':>9} {'vs fp32':>8} {'vs e3m0':>8} {'bytes/sync/peer':>16} "
+            f"{'x fewer':>8}")
+    lines, early = [head], []
     for name, r in results.items():
-        final = r["val_loss"][-1]
-        rel = lambda b: f"{100 * (final / b['val_loss'][-1] - 1):>+7.2f}%" if b else f"{'-':>8}"  # noqa: E731
-        lines.append(f"{name:<22} {final:>9.4f} {rel(base)} {rel(e3)} {r['bytes_per_sync'][-1]:>16,} "
-                     f"{r['x_fewer_than_fp32']:>8}")
+        losses = r["val_loss"]
+
+        def rel(setting: str) -> str:
+            b = _baseline(results, r, setting)
+            if b is None:
+                return f"{'-':>8}"
+            n = min(len(losses), len(b["val_loss"])) - 1
+            early.append(n < len(losses) - 1)
+            return f"{100 * (losses[n] / b['val_loss'][n] - 1):>+7.2f}%" + ("*" if early[-1] else "")
+
+        sent = r.get("bytes_per_sync") or [0]
+        lines.append(f"{name:<24} {len(losses) - 1:>5} {losses[-1]:>9.4f} {rel('fp32')} {rel('e3m0')} "
+                     f"{int(sum(sent) / len(sent)):>16,} {r.get('x_fewer_than_fp32')!s:>8}")
+    if any(early):
+        lines.append("* compared at the baseline's last round, before this run's")
     return "\n".join(lines)
 
 
