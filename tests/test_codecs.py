@@ -15,7 +15,9 @@ from p2pdiloco.errors import WireError
 pytestmark = pytest.mark.timeout(60)
 
 QUANT4 = ["e3m0", "nf4", "fp4"]
-ALL = ["fp32", "fp16"] + QUANT4
+#: absmax-per-64 codecs: the 4-bit ones and the 2-bit q2
+BLOCKWISE = QUANT4 + ["q2"]
+ALL = ["fp32", "fp16"] + BLOCKWISE
 SIZES = [1, 2, 5, 63, 64, 65, 127, 128, 1001, 4099]
 
 
@@ -42,7 +44,7 @@ def _block_absmax(x: torch.Tensor) -> torch.Tensor:
 
 def test_registry_ids_are_stable():
     assert {n: c.codec_id for n, c in CODECS.items()} == {"fp32": 0, "fp16": 1, "e3m0": 2, "nf4": 3, "fp4": 4,
-                                                          "sparse": 8}
+                                                          "q2": 5, "sparse": 8}
     assert codec_by_id(2) is get_codec("e3m0")
 
 
@@ -75,11 +77,11 @@ def test_roundtrip_within_bound(name, kind):
         ratio = ((y - x).abs() / _block_absmax(x)).max().item()
         worst = max(worst, ratio)
         assert ratio <= c.relative_error_bound
-    if name in QUANT4 and kind == "gauss":
+    if name in BLOCKWISE and kind == "gauss":
         assert worst > 0.5 * c.relative_error_bound  # the bound is not vacuous
 
 
-@pytest.mark.parametrize("name", QUANT4)
+@pytest.mark.parametrize("name", BLOCKWISE)
 def test_bound_is_attained_near_widest_gap(name):
     """Values just past the midpoint of the widest gap err by about the bound."""
     c = get_codec(name)
@@ -92,6 +94,30 @@ def test_bound_is_attained_near_widest_gap(name):
     y = c.roundtrip(x)
     err = (y - x).abs().max().item()
     assert bound - 1e-5 <= err <= bound
+
+
+def test_q2_layout_size_and_codebook():
+    """q2: fp32 scales, then four 2-bit codes per byte, first value in the highest bits; the codebook's
+    inner magnitude 1/4 has a lower error than 1/3 or a ternary -1, 0, 1 on Gaussian blocks."""
+    c = get_codec("q2")
+    for n in [0] + SIZES:
+        assert c.encoded_size(n) == 4 * math.ceil(n / 64) + math.ceil(n / 4)
+        assert len(c.encode(torch.randn(n))) == c.encoded_size(n)
+    # scale 2.0; -2 -> code 0, -0.6 -> -1/4 (code 1), 0.6 -> 1/4 (code 2), 2 -> code 3; 1.3 -> 1 (code 3,
+    # past the midpoint 0.625 of 1/4 and 1), then three padding codes (1)
+    data = c.encode(torch.tensor([-2.0, -0.6, 0.6, 2.0, 1.3]))
+    assert data[:4] == torch.tensor([2.0]).numpy().tobytes() and data[4:] == bytes([0b00011011, 0b11010101])
+    assert c.decode(data, 5).tolist() == [-2.0, -0.5, 0.5, 2.0, 2.0]
+    x = torch.randn(2000, 64, generator=torch.Generator().manual_seed(3))
+    xn = x / x.abs().amax(1, keepdim=True)
+
+    def mse(book):
+        book = torch.tensor(book)
+        return (book[(xn[..., None] - book).abs().argmin(-1)] - xn).pow(2).mean().item()
+
+    ours = (c.roundtrip(x.reshape(-1)).view(2000, 64) / x.abs().amax(1, keepdim=True) - xn).pow(2).mean().item()
+    assert ours == pytest.approx(mse([-1, -0.25, 0.25, 1]), rel=1e-4)
+    assert ours < mse([-1, -1 / 3, 1 / 3, 1]) and ours < mse([-1, -0.2, 0.2, 1]) and ours < 0.5 * mse([-1, 0, 1])
 
 
 def test_e3m0_grid_and_value_domain_rounding():
@@ -113,7 +139,7 @@ def test_e3m0_grid_and_value_domain_rounding():
     assert (err_log / scale).max() > 0.28  # 1 - sqrt(1/2) = 0.293
 
 
-@pytest.mark.parametrize("name", QUANT4)
+@pytest.mark.parametrize("name", BLOCKWISE)
 def test_zeros_and_partial_blocks(name):
     c = get_codec(name)
     for n in [1, 7, 64, 130]:
@@ -137,7 +163,7 @@ def test_decode_rejects_wrong_length(name):
         c.decode(data, 100)
 
 
-@pytest.mark.parametrize("name", QUANT4)
+@pytest.mark.parametrize("name", BLOCKWISE)
 def test_decode_rejects_bad_scales(name):
     c = get_codec(name)
     data = bytearray(c.encode(torch.ones(64)))
@@ -152,7 +178,7 @@ def test_decode_rejects_bad_scales(name):
         c.decode(bytes(data), 64)
 
 
-@pytest.mark.parametrize("name", QUANT4)
+@pytest.mark.parametrize("name", BLOCKWISE)
 def test_encode_rejects_non_finite(name):
     with pytest.raises(ValueError):
         get_codec(name).encode(torch.tensor([1.0, float("nan")]))
@@ -174,7 +200,7 @@ def test_deterministic_and_thread_independent(name):
     assert torch.equal(c.decode(data, x.numel()), c.decode(bytes(data), x.numel()))
 
 
-@pytest.mark.parametrize("name", QUANT4)
+@pytest.mark.parametrize("name", BLOCKWISE)
 def test_owner_reduce_three_peers(name):
     """Owner decodes each peer's part, means in fp32, encodes once; everyone decodes the same bytes.
 
