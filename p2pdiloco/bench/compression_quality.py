@@ -20,6 +20,12 @@ and ``--set``-style overrides of ``[compression]`` (see :data:`SETTINGS`, or ``-
 table at the end gives each final loss relative to ``fp32`` and ``e3m0`` (where they ran) and the
 bytes relative to an fp32 all-reduce of the same model. Progress (one line per round) goes to stderr.
 The bench pins ``streaming.fragments=1`` (blocking DiLoCo over the whole model).
+
+The inner steps and evaluations run on ``train.device`` (``auto``: a CUDA GPU where there is one).
+``--seeds 0,1`` runs every setting once per seed (named ``NAME/s0``, ``NAME/s1``, each compared with
+fp32 of its seed); ``--jobs N`` runs N of them at once, each in its own process with its log under
+``--work``, and ``--time-limit S`` stops the ones still going after S seconds, keeping the rounds
+they finished (compared at the last round both they and their baseline reached).
 """
 from __future__ import annotations
 
