@@ -418,6 +418,45 @@ def test_quality_bench_settings_and_table():
     assert "+2.00%" in row and "+0.99%" in row and "32.0" in row
 
 
+def test_quality_bench_compares_each_seed_with_its_own_fp32_at_a_common_round():
+    from p2pdiloco.bench import compression_quality as cq
+
+    run = lambda setting, seed, losses: {"setting": setting, "seed": seed, "val_loss": losses,  # noqa: E731
+                                         "bytes_per_sync": [100] * (len(losses) - 1), "x_fewer_than_fp32": 8.0}
+    table = cq.format_table({"fp32/s0": run("fp32", 0, [5.0, 4.0, 3.0]), "fp32/s1": run("fp32", 1, [5.0, 2.0, 1.0]),
+                             "x/s0": run("x", 0, [5.0, 4.4]), "x/s1": run("x", 1, [5.0, 2.0, 1.1])})
+    rows = {line.split()[0]: line for line in table.splitlines()[2:] if line.strip()}
+    assert "+10.00%" in rows["x/s0"] and rows["x/s0"].split()[1] == "1"  # stopped after round 1: fp32's round 1
+    assert "+10.00%" in rows["x/s1"] and "compared at" not in table  # seed 1 against fp32/s1, not fp32/s0
+    with pytest.raises(SystemExit):
+        cq.main(["--time-limit", "5", "--settings", "fp32"])  # stopping a run needs its own process (--jobs)
+    with pytest.raises(SystemExit):
+        cq.main(["--config", "tests/tiny-diloco.toml", "--define", "bad=fp32;compression.codec=nope",
+                 "--settings", "bad"])
+
+
+@pytest.mark.timeout(240)
+def test_quality_bench_runs_side_by_side_and_keeps_the_rounds_of_runs_stopped_in_time(tmp_path):
+    """--jobs 2 --time-limit: both seeds run in their own processes; at the limit they are stopped and
+    the JSON holds the rounds each finished (rewritten every round), marked incomplete."""
+    import json
+
+    from p2pdiloco.bench import compression_quality as cq
+
+    out = tmp_path / "q.json"
+    assert cq.main(["--config", "tests/tiny-diloco.toml", "--peers", "2", "--rounds", "100000", "--set",
+                    "inner.sync_every=5", "--set", "train.eval_batches=1", "--set", "data.max_bytes=200000",
+                    "--settings", "fp32", "--seeds", "0,1", "--jobs", "2", "--time-limit", "40",
+                    "--work", str(tmp_path / "work"), "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"fp32/s0", "fp32/s1"}
+    for key, r in results.items():
+        assert r["complete"] is False and 1 <= len(r["val_loss"]) - 1 < 100000, key  # stopped, rounds kept
+    assert results["fp32/s0"]["val_loss"][1] != results["fp32/s1"]["val_loss"][1]  # two seeds, two runs
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["fp32_s0.json", "fp32_s0.log", "fp32_s1.json",
+                                                                     "fp32_s1.log"]
+
+
 # ---- factor layout on the wire ------------------------------------------------------------------
 def _column_errors(f, layout, codec):
     from p2pdiloco.compression.lowrank import pack_factor, unpack_factor

@@ -218,7 +218,8 @@ def _result(losses, sent, ranks, touched_share, params, peers: int, t0: float, d
     fp32_bytes = int(2 * (peers - 1) / peers * 4 * numel)  # PlainReducer with fp32: one all-reduce of Δ
     mean_sent = sum(sent) / len(sent) if sent else 0
     return {"val_loss": [round(v, 4) for v in losses], "bytes_per_sync": list(sent),
-            "fp32_bytes_per_sync": fp32_bytes, "x_fewer_than_fp32": round(fp32_bytes / max(1, mean_sent), 1) if sent else None,
+            "fp32_bytes_per_sync": fp32_bytes,
+            "x_fewer_than_fp32": round(fp32_bytes / max(1, mean_sent), 1) if sent else None,
             "mean_rank": [round(r, 2) for r in ranks], "touched": list(touched_share),
             "seconds": round(time.perf_counter() - t0, 1), "device": device}
 
@@ -232,7 +233,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--settings", default="fp32,e3m0,e3m0-ef,e3m0-lowrank,e3m0-lowrank-ef", help=f"any of {', '.join(SETTINGS)}")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=KEY=VALUE;KEY=VALUE...",
                     help="an ad-hoc setting: its name, '=', then ';'-separated --set overrides, where an item without "
-                         "'=' names a setting whose overrides it includes (repeatable); run it by listing NAME in --settings")
+                         "'=' names a setting whose overrides it includes (repeatable); run it by listing NAME in "
+                         "--settings")
     ap.add_argument("--json", default=None, help="write every setting's results here (rewritten after each round)")
     ap.add_argument("--seed", type=int, default=0,
                     help="train.seed and data.seed of every setting (model init, batch order; --set overrides it)")
@@ -242,7 +244,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="runs (setting, seed) at once, each in its own process with its log under --work")
     ap.add_argument("--time-limit", type=float, default=0.0, metavar="SECONDS",
                     help="with --jobs: stop the runs still going after this long and report the rounds they finished")
-    ap.add_argument("--work", default=None, help="with --jobs: each run's log and JSON go here (default: a temporary folder)")
+    ap.add_argument("--work", default=None,
+                    help="with --jobs: each run's log and JSON go here (default: a temporary folder)")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="draw validation loss against rounds, one line per setting (rewritten after each)")
     ap.add_argument("--replot", default=None, metavar="JSON",
@@ -342,7 +345,8 @@ def _run_parallel(args, settings, runs, saved: Dict[str, object]) -> bool:
 
     work = args.work or tempfile.mkdtemp(prefix="compression-quality-")
     os.makedirs(work, exist_ok=True)
-    common = ["--peers", str(args.peers), "--rounds", str(args.rounds)] + (["--config", args.config] if args.config else [])
+    common = ["--peers", str(args.peers), "--rounds", str(args.rounds)]
+    common += ["--config", args.config] if args.config else []
     for x in args.set:
         common += ["--set", x]
     pending, live, failed, stopped = list(runs), {}, [], []
@@ -380,7 +384,8 @@ def _run_parallel(args, settings, runs, saved: Dict[str, object]) -> bool:
             print(f"[{time.monotonic() - t0:.0f} s] {len(runs) - len(pending) - len(live)} of {len(runs)} runs ended, "
                   f"{len(live)} running", file=sys.stderr, flush=True)
     if stopped:
-        print(f"stopped at the time limit: {', '.join(stopped)} (their rounds so far are kept)", file=sys.stderr, flush=True)
+        print(f"stopped at the time limit: {', '.join(stopped)} (their rounds so far are kept)", file=sys.stderr,
+              flush=True)
     _save(args, saved)
     return not failed
 
@@ -414,8 +419,8 @@ def plot_losses(results: Dict[str, Dict[str, object]], path: str, title: str = "
         base = _baseline(results, r, "fp32")
         if base is not None and base is not r:
             n = min(len(losses), len(base["val_loss"])) - 1
-            label += f" ({100 * (losses[n] / base['val_loss'][n] - 1):+.1f}%" + (f" at round {n})" if n < len(losses) - 1
-                                                                                  or n < len(base["val_loss"]) - 1 else ")")
+            early = n < len(losses) - 1 or n < len(base["val_loss"]) - 1
+            label += f" ({100 * (losses[n] / base['val_loss'][n] - 1):+.1f}%" + (f" at round {n})" if early else ")")
         if r.get("x_fewer_than_fp32"):
             label += f", {r['x_fewer_than_fp32']}x fewer bytes"
         ax.plot(range(len(losses)), losses, label=label, lw=1.3)
