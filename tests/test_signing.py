@@ -209,3 +209,16 @@ def test_a_key_file_copied_to_a_second_peer_is_refused_with_a_clear_message(tmp_
         other.shutdown()
     finally:
         first.shutdown()
+
+
+def test_plain_text_makes_what_a_peer_sent_one_safe_line():
+    """What other peers tell us reaches our logs and records through plain_text: one line without control
+    characters or record markers, cut to the limit however long the text we were sent."""
+    from p2pdiloco.swarm.signing import plain_text
+
+    sent = "closed\n12:00:00 INFO fake line\x1b[31m [signature:AAAA] [owner:x]\t\tend"
+    out = plain_text(sent, 200)
+    assert out == "closed 12:00:00 INFO fake line (31m (signature:AAAA) (owner:x) end"
+    assert all(c.isprintable() for c in out) and "[" not in out
+    assert plain_text("x" * 10_000_000, 40) == "x" * 39 + "…"
+    assert plain_text(None, 10) == "None"

@@ -25,6 +25,7 @@ from ..ids import short_id
 from .dialing import dial_reason, ensure_connected, open_stream
 from .group import Group, make_group_id
 from .leading import LeftOut, Proposal, RoundSlot
+from .signing import plain_text
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
                        refuse_bad_request, write_frame)
 
@@ -131,7 +132,7 @@ class JoinRequests:
         reason = reply.get("reason")
         if reason == "left out":
             raise RoundMissed(f"left out of the group for fragment {frag}, round {round_} before it started: "
-                              f"{str(reply.get('why'))[:300]} (leader {short_id(leader)})")
+                              f"{plain_text(reply.get('why'), 300)} (leader {short_id(leader)})")
         size = reply.get("size")
         if reason == "closed" and isinstance(size, int) and not self._authoritative([leader] * size, due,
                                                                                     reply.get("base")):
@@ -144,7 +145,7 @@ class JoinRequests:
         if not isinstance(hint, str):
             # the caller drops this candidate for the round (and never steps down for it when leading)
             logger.info(f"[{self.node.short_id}] {short_id(leader)} refused our join request for fragment {frag} "
-                        f"round {round_} ({str(reason)[:40]}); trying the next")
+                        f"round {round_} ({plain_text(reason, 40)}); trying the next")
             return None, None
         return None, hint
 
