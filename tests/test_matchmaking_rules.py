@@ -466,6 +466,49 @@ def test_a_join_request_for_a_round_of_a_history_we_left_waits_for_that_round_in
     assert admitted  # the request waited for our entry and joined the group we lead now
 
 
+def test_adopting_another_history_withdraws_our_ready_records_of_the_rounds_we_entered():
+    """A peer that ran rounds alone and then adopted the swarm's state enters those round numbers again.
+    Its ready records from the history it left would tell the others it is ready for them (they would
+    ask it to lead, or wait on it, before it is there): adopting withdraws them, each for longer than
+    it lives, and the others' ready read skips them; entering the round again makes us ready again."""
+    stores, submitted = [], []
+    records = {}
+    mm = _fake_matchmaker(records, announce=True)
+    store = mm.node.astore
+
+    async def astore(key, value, ttl, subkey):
+        stores.append((key, value, ttl))
+        await store(key, value, ttl, subkey)
+
+    mm.node.astore, mm.node.submit = astore, submitted.append
+
+    async def scenario():
+        for round_ in (6, 7):  # rounds we ran alone
+            a = await mm._enter(0, round_, expected=1, sync_step=None)
+            a.hang_up()
+        await asyncio.sleep(0.05)
+        before = [await mm._ready_read(f"t:mm:0:{r}") for r in (6, 7)]
+        mm.adopt_lineage(["g-swarm"])
+        assert len(submitted) == 1
+        await submitted[0]
+        await asyncio.sleep(0.05)
+        after = [await mm._ready_read(f"t:mm:0:{r}") for r in (6, 7)]
+        again = await mm._enter(0, 6, expected=1, sync_step=None)  # round 6 of the adopted history
+        again.hang_up()
+        await asyncio.sleep(0.05)
+        return before, after, await mm._ready_read("t:mm:0:6"), await mm._ready_read("t:mm:0:7")
+
+    before, after, six, seven = asyncio.run(scenario())
+    assert before == [{"me"}, {"me"}] and after == [set(), set()], (before, after)
+    withdrawn = [(k, ttl) for k, v, ttl in stores if v.get("withdrawn")]
+    assert sorted(k for k, _ in withdrawn) == ["t:mm:0:6", "t:mm:0:7"]
+    assert all(ttl > 3 * mm.matchmaking_timeout - 1 for _, ttl in withdrawn)  # outlives the record it replaces
+    assert six == {"me"} and seven == set()  # ready again for the round we entered again, not for the other
+    mm.adopt_lineage(["g-other"])  # only the records stored since the last adoption are withdrawn again
+    assert len(submitted) == 2
+    submitted[1].close()
+
+
 def test_a_joiner_waits_on_a_talking_leader_and_drops_a_silent_one(monkeypatch):
     """Our request's reader: 'wait' frames keep it waiting past SILENT_S until the group comes; a leader
     that says nothing for SILENT_S ends the request unanswered, marked silent."""

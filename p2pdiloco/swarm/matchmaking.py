@@ -44,7 +44,9 @@
    :attr:`Matchmaker.give_way` hook) stops at once: it is to adopt that state, not sync this round.
    A peer that adopted another history enters round numbers it already ran: what it decided for those
    rounds (closed groups of the history it left) no longer answers join requests; they wait for it to
-   enter the round again.
+   enter the round again. Its ready records of those rounds are withdrawn (a withdrawn record outlives
+   the one it replaces and counts as not ready), so the others do not wait on it, or ask it to lead,
+   as ready for a round it has not entered yet.
 7. DHT views differ (a record not yet replicated, a node that just died). So a leader also waits
    (``join_grace``) for the peers due now whose ready record it did not see, a peer first asks
    such unseen peers with a smaller id (briefly) before it leads itself, and a peer about to
@@ -249,6 +251,9 @@ class Matchmaker(Leading, JoinRequests):
         #: how many times we adopted another history (caught up): round numbers restart from the adopted
         #: state, so a slot opened before that belongs to a round of the history we left
         self._histories = 0
+        #: our ready records that may still live: key -> when they expire (monotonic); withdrawn when we
+        #: adopt another history (they would say we are ready for rounds of the history we left)
+        self._ready_stored: Dict[str, float] = {}
         self._tasks: Set[asyncio.Task] = set()  # DHT stores running in the background
         self._reach: Dict[str, str] = {}  # peer -> reachability, from its records and join requests
         #: set by the training loop: given the live peers' records, a reason to stop matchmaking and adopt
@@ -262,9 +267,25 @@ class Matchmaker(Leading, JoinRequests):
         self._lineage.add(gid)
 
     def adopt_lineage(self, gids: Iterable[str]) -> None:
-        """We caught up with other peers' state: their groups are our history now."""
+        """We caught up with other peers' state: their groups are our history now. Our ready records of
+        the rounds we entered in the history we left are withdrawn: round numbers restart from the adopted
+        state, and until they expire those records would tell the others we are ready for the rounds we
+        are about to enter again (they would ask us to lead, or wait on us, before we are there)."""
         self._lineage.adopt(gids)
         self._histories += 1  # called from the training thread: the loop reads it, nobody else writes it
+        stale, self._ready_stored = self._ready_stored, {}
+        if stale:
+            self.node.submit(self._withdraw_ready(stale))
+
+    async def _withdraw_ready(self, stale: Dict[str, float]) -> None:
+        """Replace our ready records in ``stale`` (key -> expiry) by withdrawn ones that outlive them (a
+        DHT node keeps the later expiration); entering such a round again stores a fresh record, later
+        still."""
+        now = time.monotonic()
+        for key, expiry in stale.items():
+            if expiry > now:
+                self._background(self.node.astore(key, {"t": time.time(), "withdrawn": True}, ttl=expiry - now + 2.0,
+                                                  subkey=self.node.peer_id_str), "withdrawn ready record")
 
     def lineage(self, last: Optional[int] = None) -> Set[str]:
         """Our history's group ids (:meth:`.standing.Lineage.ids`)."""
@@ -321,8 +342,10 @@ class Matchmaker(Leading, JoinRequests):
         return self._tier(peer), peer
 
     async def _ready_read(self, key: str) -> Set[str]:
-        """The (unbanned) peers with a ready record under ``key``; notes their reachability."""
-        return self._unbanned(self._note_reach(await self.node.aget_subkeys(key, why="ready poll")))
+        """The (unbanned) peers with a ready record under ``key`` (not a withdrawn one); notes their reachability."""
+        records = await self.node.aget_subkeys(key, why="ready poll")
+        return self._unbanned(self._note_reach({p: v for p, v in records.items()
+                                                if not (isinstance(v, dict) and v.get("withdrawn"))}))
 
     def live_of(self, records: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         """The live peers among a read of the progress records (no goodbye, not banned); every read
@@ -476,8 +499,11 @@ class Matchmaker(Leading, JoinRequests):
                      slot=self._slot(frag, round_), key=self._key(frag, round_), t_enter=t_enter, start=start,
                      hard_deadline=start + self.matchmaking_timeout)
         a.deadline = a.hard_deadline
-        self._background(self.node.astore(a.key, {"t": time.time(), **self._my_reach_fields()},
-                                          ttl=self.matchmaking_timeout * 3, subkey=me), "ready record")
+        ttl = self.matchmaking_timeout * 3
+        self._ready_stored = {k: e for k, e in self._ready_stored.items() if e > start}
+        self._ready_stored[a.key] = start + ttl
+        self._background(self.node.astore(a.key, {"t": time.time(), **self._my_reach_fields()}, ttl=ttl, subkey=me),
+                         "ready record")
         if sync_step is not None:
             self._evaluate(a, live)  # read just now
         if sync_step is not None:

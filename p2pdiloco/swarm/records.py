@@ -166,6 +166,8 @@ class ReadyRecord(_Open):
 
     t: Optional[Number] = None
     reach: Optional[constr(strict=True, regex=r"^(public|private|relayed)$")] = None
+    #: this peer left the history in which it entered the round (it adopted another): not ready for it
+    withdrawn: Optional[StrictBool] = None
 
 
 PeerIdStr = constr(strict=True, min_length=1, max_length=128, regex=r"^[1-9A-HJ-NP-Za-km-z]+$")
