@@ -49,6 +49,9 @@ RUNS: Dict[str, tuple] = {
     "lowrank-keep-tau": (["compression.codec=nf4", "compression.lowrank=true", "compression.rank=4",
                           "compression.error_feedback=true", "compression.feedback_form=model", "streaming.fragments=2",
                           "streaming.tau=2"], ["avx2", "default", "avx512"]),
+    "q2-lowrank-keep-tau": (["compression.codec=q2", "compression.lowrank=true", "compression.rank=4",
+                             "compression.error_feedback=true", "compression.feedback_form=model",
+                             "streaming.fragments=2", "streaming.tau=2"], ["default", "avx2"]),
     "nf4-eager-heuristic": (["compression.codec=nf4", "compression.error_feedback=true", "streaming.mode=eager",
                              "streaming.eager_estimate=fresh_heuristic"], ["default", "avx2"]),
 }
