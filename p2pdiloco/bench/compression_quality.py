@@ -329,8 +329,10 @@ def _run_here(args, settings, name: str, seed: int, key: str, saved: Dict[str, o
 
     r = run_setting(cfg, args.peers, args.rounds, progress=True, on_round=lambda part: keep(part, False))
     keep(r, True)
+    sent = r["bytes_per_sync"]
     print(f"{key:<22} val_loss {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.4f}  "
-          f"bytes/sync/peer {r['bytes_per_sync'][-1]:>10,} ({r['x_fewer_than_fp32']}x fewer than fp32)  "
+          f"bytes/sync/peer {int(sum(sent) / max(1, len(sent))):>10,} "
+          f"(mean; {r['x_fewer_than_fp32']}x fewer than fp32)  "
           f"({r['seconds']} s)  losses {r['val_loss']}  mean rank {r['mean_rank'][-1:] }  "
           f"coordinates touched {100 * r['touched'][-1] if r['touched'] else 0:.1f}%", flush=True)
 
@@ -418,9 +420,9 @@ def plot_losses(results: Dict[str, Dict[str, object]], path: str, title: str = "
         label = name
         base = _baseline(results, r, "fp32")
         if base is not None and base is not r:
-            n = min(len(losses), len(base["val_loss"])) - 1
+            pct, n = _relative(losses, base["val_loss"])
             early = n < len(losses) - 1 or n < len(base["val_loss"]) - 1
-            label += f" ({100 * (losses[n] / base['val_loss'][n] - 1):+.1f}%" + (f" at round {n})" if early else ")")
+            label += f" ({pct:+.1f}%" + (f" at round {n})" if early else ")")
         if r.get("x_fewer_than_fp32"):
             label += f", {r['x_fewer_than_fp32']}x fewer bytes"
         ax.plot(range(len(losses)), losses, label=label, lw=1.3)
@@ -446,6 +448,12 @@ def _baseline(results: Dict[str, Dict[str, object]], r: Dict[str, object], setti
     return None
 
 
+def _relative(losses: Sequence[float], base: Sequence[float]) -> Tuple[float, int]:
+    """Loss relative to ``base`` in percent at the last round both reached, and that round."""
+    n = min(len(losses), len(base)) - 1
+    return 100 * (losses[n] / base[n] - 1), n
+
+
 def format_table(results: Dict[str, Dict[str, object]]) -> str:
     """Final loss per setting, relative to ``fp32`` and ``e3m0`` of the same seed where they ran (at the
     last round both finished: ``round``), and bytes vs fp32 (the mean over the rounds)."""
@@ -459,9 +467,9 @@ def format_table(results: Dict[str, Dict[str, object]]) -> str:
             b = _baseline(results, r, setting)
             if b is None:
                 return f"{'-':>8}"
-            n = min(len(losses), len(b["val_loss"])) - 1
+            pct, n = _relative(losses, b["val_loss"])
             early.append(n < len(losses) - 1)
-            return f"{100 * (losses[n] / b['val_loss'][n] - 1):>+7.2f}%" + ("*" if early[-1] else "")
+            return f"{pct:>+7.2f}%" + ("*" if early[-1] else "")
 
         sent = r.get("bytes_per_sync") or [0]
         lines.append(f"{name:<24} {len(losses) - 1:>5} {losses[-1]:>9.4f} {rel('fp32')} {rel('e3m0')} "
