@@ -26,8 +26,10 @@ import torch  # noqa: E402
 
 from p2pdiloco.compression import get_codec  # noqa: E402
 from p2pdiloco.swarm.allreduce import AllReducer  # noqa: E402
+from p2pdiloco.swarm.formation import draw  # noqa: E402
 from p2pdiloco.swarm.group import Group, make_group_id  # noqa: E402
 from p2pdiloco.swarm.matchmaking import Matchmaker  # noqa: E402
+from p2pdiloco.swarm.keys import ready_key  # noqa: E402
 from p2pdiloco.swarm.node import SwarmNode  # noqa: E402
 
 TABLE = "p2pdiloco_dial"
@@ -121,6 +123,11 @@ def scenario_backoff(nodes):
             "hits": hits}
 
 
+def by_rank(nodes, run, frag=0, round_=1):
+    """``nodes`` in their order of leadership for that round, tiers aside (formation.draw, then the id)."""
+    return sorted(nodes, key=lambda n: (draw(ready_key(run, frag, round_), n.peer_id_str), n.peer_id_str))
+
+
 def _form(nodes, mms, frag=0, round_=1):
     futs = [n.submit(m.form_group(frag, round_, len(nodes))) for n, m in zip(nodes, mms)]
     out = []
@@ -133,12 +140,12 @@ def _form(nodes, mms, frag=0, round_=1):
 
 
 def scenario_warm(nodes):
-    """The member X with the middle id is private (it only dials out, owns no shard, so nobody dials
-    it back); connections to the owner T with the largest id are refused until X's first dial to it
+    """The member X second in the round's rank is private (it only dials out, owns no shard, so nobody
+    dials it back); connections to the owner T last in rank are refused until X's first dial to it
     failed (then the rule goes), which leaves T's address in X's dial backoff. The group must still form with all three, and
     its round must start on open connections (no dial in the all-reduce fails)."""
     run = "warm"
-    nodes = sorted(nodes, key=lambda n: n.peer_id_str)
+    nodes = by_rank(nodes, run)
     x, target = nodes[1], nodes[2]
     x.reachability = "private"  # and nobody can dial it, as behind NAT:
     block(f"ip daddr {ip_of(x)} tcp dport {port_of(x)} tcp flags & (syn|ack) == syn counter reject with tcp reset",
@@ -175,15 +182,16 @@ def scenario_warm(nodes):
     outs = allreduce(nodes, reducers, lambda n: groups[nodes.index(n)], run) if ok else []
     return {"groups": [g.members if isinstance(g, Group) else g for g in groups], "fired": bool(fired),
             "owners": [g.owners if isinstance(g, Group) else None for g in groups], "x": x.peer_id_str,
+            "ids": [n.peer_id_str for n in nodes],
             "formed": formed, "dials": dials, "outs": outs, "stats": [dict(r.stats) for r in reducers]}
 
 
 def scenario_unreachable(nodes):
-    """The two members with the largest ids cannot open a connection to each other (nobody can dial
-    them; they dial out); the leader reaches both on the connections they opened to join. The group is formed without the larger one before the
-    round, which then completes for the other two."""
+    """The two members ranked after the leader cannot open a connection to each other (nobody can dial
+    them; they dial out); the leader reaches both on the connections they opened to join. The group is
+    formed without the worse-ranked one before the round, which then completes for the other two."""
     run = "unreach"
-    nodes = sorted(nodes, key=lambda n: n.peer_id_str)
+    nodes = by_rank(nodes, run)
     x, y = nodes[1], nodes[2]
     mms = [Matchmaker(n, run, matchmaking_timeout=10, join_grace=1.0, warm_timeout=3.0) for n in nodes]
     reducers = [AllReducer(n, run, timeout=20) for n in nodes]

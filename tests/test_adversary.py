@@ -208,19 +208,21 @@ def test_a_failure_reason_with_record_syntax_leaves_the_members_records_readable
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("liars", [1, 2])
-def test_identities_with_the_smallest_ids_that_hold_join_requests_cost_seconds_not_a_split(nodes, liars):
-    """Leadership goes by id, and anyone can grind keys for a small one: here the identities with the
-    smallest ids of the pool are the attackers'. Their progress records are copies of an honest one (due
+def test_identities_ground_to_lead_the_round_that_hold_join_requests_cost_seconds_not_a_split(nodes, liars):
+    """Leadership goes by a per-round draw of the round's key and the id, and anyone can try keys until
+    one draws first in a round it knows in advance: here the identities of the pool that draw first in
+    the round are the attackers'. Their progress records are copies of an honest one (due
     at the same sync, the same speed), they store a ready record for the round, and their join handler
     takes every request and answers nothing. Three honest peers form the round's group: one group of
     the three, the same on each, in far less than one request timeout (matchmaking_timeout + 13 s per
     attacker, which each honest peer waited before a silent holder was dropped, each at its own
     moment: the round then split)."""
+    from p2pdiloco.swarm.formation import draw
     from p2pdiloco.swarm.joining import SILENT_S
     from p2pdiloco.swarm.keys import handler_name, progress_key, ready_key
 
     run = f"adv{next(_runs)}"
-    pool = sorted(nodes[1:], key=lambda n: n.peer_id_str)
+    pool = sorted(nodes[1:], key=lambda n: draw(ready_key(run, 0, 5), n.peer_id_str))
     liar_nodes, honest_nodes = pool[:liars], pool[liars:liars + 3]
     held: List[str] = []
 
@@ -246,7 +248,8 @@ def test_identities_with_the_smallest_ids_that_hold_join_requests_cost_seconds_n
         assert n.store(ready_key(run, 0, 5), {"t": time.time(), "reach": "public"}, ttl=120, subkey=n.peer_id_str)
     view = swarms[0].live_peers()
     assert set(view) == {n.peer_id_str for n in liar_nodes} | set(honest_ids), view
-    assert min(view) == liar_nodes[0].peer_id_str  # an attacker is every honest peer's presumable leader
+    # an attacker is every honest peer's presumable leader
+    assert min(view, key=lambda p: draw(ready_key(run, 0, 5), p)) == liar_nodes[0].peer_id_str
 
     t0 = time.monotonic()
     futs = [n.submit(s.matchmaker.form_group(0, 5, len(view), sync_step=STEP + H))

@@ -8,6 +8,7 @@ names the outcome: the leaders asked, in order, and the group we end in, or the 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -394,7 +395,7 @@ def test_leading_in_place_of_a_dropped_peer_admits_for_longer_and_never_waits_fo
     asked: List[str] = []
     led: List[Dict[str, Any]] = []
     mm._join = _silent_then({"a": how, "b": "refuse"}, asked, [])
-    mm._rank = lambda p: (0, {"a": "0", "me": "1", "b": "2"}[p])  # a, then us, then b
+    mm._draw = lambda key, p: {"a": b"0", "me": b"1", "b": b"2"}[p]  # a, then us, then b
     mm._lead = _lead_recorder(led)
     asyncio.run(mm.form_group(0, 5, 3, sync_step=100))
     (lead,) = led
@@ -590,3 +591,30 @@ def test_a_follower_whose_request_the_presumable_leader_holds_sends_askers_there
     assert frame == {"t": "refuse", "reason": "not leader", "hint": "a"}
     assert not formed_by_then and answered < 1.0  # while a still gathers: z can still join it
     assert group.members == ("a", "me", "z")
+
+
+def test_the_presumable_leader_changes_with_the_round_and_a_ground_id_leads_only_its_share():
+    """Leadership goes by the tier, then a per-round draw of (round key, id), the same on every peer. An
+    identity with the smallest id (anyone can grind keys for one) used to be every round's presumable
+    leader; now each of 10 peers due is it in about a tenth of 600 rounds, and a peer's draw is the
+    same whoever computes it. Tiers still come first: a private peer leads no round."""
+    from p2pdiloco.swarm.formation import draw
+
+    peers = ["1111111" + "A" * 38] + [f"Qm{c}" + "z" * 40 for c in "abcdefgh"]  # the first: the smallest id
+    records = {"t:progress": _due(*peers, "me", private=peers[8])}
+    mm = _fake_matchmaker(records)
+    mm._draw = draw
+    other = _fake_matchmaker(records)
+    other._draw = draw
+    mm._note_reach(records["t:progress"])
+    other._note_reach(records["t:progress"])
+    led = Counter()
+    for round_ in range(600):
+        key = mm._key(0, round_)
+        first = min(peers + ["me"], key=mm._ranking(key))
+        assert first == min(peers + ["me"], key=other._ranking(key))  # every peer computes the same leader
+        led[first] += 1
+    assert led[peers[8]] == 0  # private: never ahead of a public peer
+    assert set(led) == set(peers[:8]) | {"me"}
+    assert all(30 <= n <= 100 for n in led.values()), led  # a share of 1/9 is 67 of 600 rounds
+    assert draw("t:mm:0:5", "a") == draw("t:mm:0:5", "a") != draw("t:mm:0:6", "a") and len(draw("t:mm:0:5", "a")) == 8

@@ -74,9 +74,10 @@ def test_partition_then_heal_converges(tmp_path):
         # the tiny model (0.14 s per step): rounds take compute time, as on real volunteers
         settings = ["scheme=diloco", *FAST, "model.preset=tiny", "swarm.run_id=partition", f"inner.sync_every={H}", "train.max_outer_steps=1000",
                     "swarm.min_peers_to_start=3", "swarm.matchmaking_timeout=10", "swarm.allreduce_timeout=10"]
-        # the isolated peer gets the smallest id: after the heal it is the presumable leader of rounds it
-        # already ran alone (the hard case; with random ids it came up in about one run of three)
-        keys = sorted((_new_identity(tmp_path / f"key{i}"), tmp_path / f"key{i}") for i in range(3))
+        # the hard case: after the heal the isolated peer is the presumable leader of round numbers it
+        # already ran alone. Leadership goes by a per-round draw, so it comes up in about a third of the
+        # rounds after the heal (almost every run: each round draws anew)
+        keys = [(_new_identity(tmp_path / f"key{i}"), tmp_path / f"key{i}") for i in range(3)]
         for (host, name), (_, key) in zip(((h2, "c"), (h0, "a"), (h1, "b")), keys):
             args = ["join", "--initial-peers", addr]
             for s in (*settings, f"train.run_dir={tmp_path / name}", f"swarm.host_maddrs=/ip4/{host.address}/tcp/0",
@@ -86,7 +87,7 @@ def test_partition_then_heal_converges(tmp_path):
         wait_for(lambda: all(len([r for r in ok_syncs(d) if r["group_size"] == 3]) >= 2 for d in dirs.values()),
                  150, "three-peer syncs before the partition", peers, list("abc"))
         started = {n: read_events(d, "start")[0]["peer"] for n, d in dirs.items()}
-        assert min(started, key=started.get) == "c" and started["c"] == keys[0][0], started
+        assert started["c"] == keys[0][0], started
 
         subprocess.run(["ip", "-n", wan.switch_netns, "link", "set", "p2", "down"], check=True)
         t_part = time.time()

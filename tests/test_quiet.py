@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from p2pdiloco.swarm.formation import draw
+from p2pdiloco.swarm.keys import ready_key
 from p2pdiloco.swarm.node import SwarmNode
 from p2pdiloco.swarm.swarm import Swarm
 
@@ -162,6 +164,8 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or bool(_missing),
 #: a peer (or, with no initial peer, the bootstrap node) in its namespace: prints "up" (or its address)
 _PEER = r"""
 import sys, time
+from p2pdiloco.swarm.formation import draw
+from p2pdiloco.swarm.keys import ready_key
 from p2pdiloco.swarm.node import SwarmNode
 from p2pdiloco.swarm.swarm import Swarm
 addr, maddr, run, period = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
@@ -246,9 +250,9 @@ def test_a_waiting_formation_rereads_the_live_peers_less_often_while_nothing_cha
     peers = nodes[1:4]
     run = f"quiet{next(_runs)}"
     swarms = [Swarm(n, run, matchmaking_timeout=7, allreduce_timeout=5, progress_period=1.0) for n in peers]
-    # we have the smallest id, so we are the presumable leader and poll ourselves (a peer that asked a
+    # we draw first in the round, so we are the presumable leader and poll ourselves (a peer that asked a
     # presumable leader reads nothing while it holds the request)
-    me, due, joiner = sorted(swarms, key=lambda s: s.peer_id)
+    me, due, joiner = sorted(swarms, key=lambda s: draw(ready_key(run, 0, 0), s.peer_id))
     for s in (me, due):  # B is due at step 40 but never gets ready
         s.check_fingerprint("fp", {"a": 1})
         s.update_progress(step=30, next_sync=40, synced_step=0)

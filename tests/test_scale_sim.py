@@ -84,9 +84,9 @@ def test_the_command_writes_its_table_results_and_plot(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("silent,stalling,bound", [(1, 0, 22), (2, 0, 29), (0, 1, 50)])
-def test_identities_with_the_smallest_ids_that_answer_no_join_request_cost_the_round_seconds_not_a_split(
+def test_identities_ground_to_lead_the_round_that_answer_no_join_request_cost_it_seconds_not_a_split(
         silent, stalling, bound):
-    """Hostile identities with the smallest ids, ready every round, take every join request and answer
+    """Hostile identities ground to draw first in the round, ready every round, take every join request and answer
     none (silent), or keep saying 'wait' and never propose (stalling). Every honest peer asked them (the
     attack fired), dropped them, and the round formed one group of every honest peer, none missed: a
     silent one costs SILENT_S (6 s), a stalling one the honest peers' own waits and the patience

@@ -483,11 +483,14 @@ def test_record_book_keeps_the_newer_record():
     assert sum(book.rejected.values()) == 3
     fresh = RecordBook(SigningKey.generate())
     assert fresh.decode(key, found(ready)) == {} and fresh.decode(key, found(b"\x93\x01\x02")) == {}
-    # a group record counts only when written by the group's leader (its smallest member)
+    # a group record counts only when written by one of its members (its leader ranks first by the
+    # round's draw, which a storing node cannot check), and with its members sorted
     me = book.peer_id
-    g = book.encode("r:group:0:1", {"members": sorted([me, "QmZZZZ"])})
-    expect = {me: {"members": sorted([me, "QmZZZZ"])}} if sorted([me, "QmZZZZ"])[0] == me else {}
-    assert book.decode("r:group:0:1", found(g)) == expect
+    for round_, (members, counts) in enumerate(((sorted([me, "QmZZZZ"]), True), (sorted([me, "111111"]), True),
+                                                (["QmYYYY", "QmZZZZ"], False),
+                                                (sorted([me, "QmZZZZ"], reverse=True), False))):
+        g = book.encode(f"r:group:0:{round_}", {"members": members})
+        assert book.decode(f"r:group:0:{round_}", found(g)) == ({me: {"members": members}} if counts else {}), members
 
 
 @pytest.mark.timeout(120)

@@ -27,8 +27,10 @@ of that round as the training loop would (``expected`` = the live peers it knows
 With ``--churn`` that share of the peers leaves during the round at a random moment of its training
 window or formation: half of them say goodbye (their record marked gone), half crash (their record
 stays until it expires, dials to them fail after the dial wait). With ``--silent K``, K more identities
-are hostile: their ids are the smallest (a peer id is a key's hash, and anyone can grind keys for a
-small one), their records look like an honest peer's, they store a ready record every round, and
+are hostile: their ids are ground to draw first in round 0 (leadership goes by a per-round draw of
+the round's key and the id, :func:`p2pdiloco.swarm.formation.draw`; a peer id is a key's hash, and
+anyone can try keys until one draws first in a round it knows in advance; in the later rounds their
+draws are as anyone's), their records look like an honest peer's, they store a ready record every round, and
 their join handler takes every request and never answers; ``--stalling K`` adds K more that say
 ``wait`` to every request they hold (as an honest leader still gathering does) and never propose a
 group. The figures are the honest peers'.
@@ -329,15 +331,22 @@ class Sim:
         self.connected: Set[frozenset] = set()
         self.peers: Dict[str, SimPeer] = {}
         for _ in range(n):
-            pid = "Qm" + "".join(self.rng.choice("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
-                                 for _ in range(44))
+            pid = self._new_id()
             self.peers[pid] = SimPeer(self, pid, speed=1.0 + self.rng.random() * spread)
-        # hostile identities with the smallest ids (an id is a key's hash: anyone can grind a small one)
+        # hostile identities ground to draw first in round 0 (an id is a key's hash: anyone can try keys)
+        first = ready_key(RUN, 0, 0)
+        best = min((formation.draw(first, pid) for pid in self.peers), default=b"\xff" * 8)
         for i in range(silent + stalling):
-            pid = "Qm1111" + f"{i:02d}" + "".join(self.rng.choice("ABCDEFGH") for _ in range(36))
+            pid = self._new_id()
+            while formation.draw(first, pid) >= best:
+                pid = self._new_id()
             self.peers[pid] = SimPeer(self, pid, speed=1.0, hostile="silent" if i < silent else "stalling")
         # the progress key's nearest nodes read it from their own storage; the others over the network
         self.nearest = set(self.rng.sample(sorted(self.peers), min(replicas, n)))
+
+    def _new_id(self) -> str:
+        return "Qm" + "".join(self.rng.choice("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
+                              for _ in range(44))
 
     # ---- the join protocol's transport (patched into swarm/joining.py) ------------------------------
     async def open_stream(self, node: SimNode, peer: str, handler: str, deadline: float, stats=None):
@@ -451,7 +460,9 @@ class Sim:
         group = None
         try:
             group = task.result()
-            row.update(gid=group.gid, size=group.size, members=group.members)
+            slot = peer.mm._slots.get((0, round_))
+            row.update(gid=group.gid, size=group.size, members=group.members,
+                       led=slot is not None and slot.final is group)
         except (RoundMissed, MatchmakingFailed) as e:
             row.update(error=type(e).__name__, why=str(e)[:200])
         out[peer.pid] = row
@@ -497,7 +508,10 @@ class Sim:
                     row["bg_msgs"] = peer.stats["bg_msgs"] - bg_before[pid][0]
                     row["bg_bytes"] = peer.stats["bg_bytes"] - bg_before[pid][1]
                 held = sum(p.stats["held"] for p in everyone if p.hostile)
+                # did a hostile identity draw first among every identity live at the round's start
+                first = min(everyone, key=lambda p: formation.draw(ready_key(RUN, 0, r), p.pid))
                 results.append({"round": r, "peers": len(live), "left": len(leavers), "held": held,
+                                "hostile_first": bool(first.hostile),
                                 "seconds": self.loop.time() - t0, "rows": out})
                 progress(r, results[-1])
         finally:  # every task left (background, handlers, stores) ends before the loop closes
@@ -521,7 +535,7 @@ def summarize_round(res: Dict[str, Any], rtt: float) -> Dict[str, Any]:
     ok = {pid: r for pid, r in rows.items() if "gid" in r}
     groups = Counter(r["gid"] for r in ok.values())
     main_gid, main_size = groups.most_common(1)[0] if groups else ("", 0)
-    leader = min(ok[pid]["members"] for pid in ok if ok[pid]["gid"] == main_gid)[0] if groups else None
+    leader = next((pid for pid in ok if ok[pid]["gid"] == main_gid and ok[pid].get("led")), None)
 
     def per_peer(fn) -> Dict[str, float]:
         values = [fn(r) for r in rows.values()]
@@ -544,6 +558,7 @@ def summarize_round(res: Dict[str, Any], rtt: float) -> Dict[str, Any]:
     closing = sorted(r["done"] - last_in for r in main)
     return {
         "round": res["round"], "peers": res["peers"], "left": res["left"], "held": res.get("held", 0),
+        "hostile_first": res.get("hostile_first", False),
         "groups": len(groups), "group_sizes": sorted(groups.values(), reverse=True),
         "in_main_group": main_size, "missed": len(rows) - len(ok),
         "split": sum(1 for size in groups.values() if size > 1) > 1,
@@ -570,7 +585,8 @@ def simulate(n: int, rounds: int = 2, *, verbose: bool = True, **kwargs) -> Dict
             s = summarize_round(res, sim.rtt)
             print(f"  N={n} round {r}: {s['in_main_group']} of {s['peers']} peers in one group "
                   f"({s['left']} left, {s['missed']} missed, groups {s['group_sizes'][:5]}), formation "
-                  f"{s['formation_seconds']['median']:.2f} s median; "
+                  f"{s['formation_seconds']['median']:.2f} s median"
+                  f"{' (a hostile identity drew first)' if s['hostile_first'] else ''}; "
                   f"{_real_time.monotonic() - t_wall:.0f} s of this machine's time so far", flush=True)
 
     results = sim.run(rounds, progress=progress)
@@ -640,7 +656,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--progress-period", type=float, default=10.0, help="swarm.progress_period, seconds")
     ap.add_argument("--matchmaking-timeout", type=float, default=30.0, help="swarm.matchmaking_timeout, seconds")
     ap.add_argument("--silent", type=int, default=0,
-                    help="hostile identities with the smallest ids: ready every round, answering no join request")
+                    help="hostile identities ground to draw first in round 0: ready every round, answering no join request")
     ap.add_argument("--stalling", type=int, default=0,
                     help="more such identities, which say 'wait' to the requests they hold (as an honest leader does)")
     ap.add_argument("--seed", type=int, default=0)

@@ -1,23 +1,34 @@
 """Group formation's rules: deterministic functions of what a peer knows (records read, reports
 received), no network and no state. Who is waited for and until when, who is asked to lead and in
-which order (rank: tier, then id), which members own shards, who is left out before the round, and
+which order (rank: tier, then the round's draw), which members own shards, who is left out before the round, and
 whether a group that closed without us was our round. :mod:`.matchmaking` applies them; the table
 in :meth:`~p2pdiloco.swarm.matchmaking.Matchmaker.form_group` lists them.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..ids import short_id
 from .group import TIER_PRIVATE, Group
 
-__all__ = ["expected_peers", "derived_deadline", "candidates", "shard_owners", "left_out", "authoritative",
+__all__ = ["draw", "expected_peers", "derived_deadline", "candidates", "shard_owners", "left_out", "authoritative",
            "latest_partners"]
 
 Peers = Dict[str, Dict[str, Any]]
-#: a peer's rank: (tier, peer id); the smallest leads
-Rank = Tuple[int, str]
+#: a peer's rank in one round: (tier, draw, peer id); the smallest leads
+Rank = Tuple[int, bytes, str]
+
+
+def draw(round_key: str, peer: str) -> bytes:
+    """``peer``'s draw for the round whose ready records live under ``round_key`` (run, fragment and
+    round): 8 bytes of BLAKE2b over both. Leadership goes by it after the tier, so each round has
+    another presumable leader: a peer id is the hash of a key anyone can grind, and ranking by the id
+    itself let one ground identity be every round's first choice; a draw that changes with the round
+    puts a given identity first only in about its share of the rounds, and spreads the leaders' work
+    over the swarm. Every peer computes the same draw from what it already knows."""
+    return hashlib.blake2b(f"{round_key}\n{peer}".encode(), digest_size=8).digest()
 
 
 def expected_peers(peers: Peers, me: str, sync_step: int) -> Set[str]:

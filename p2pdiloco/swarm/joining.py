@@ -276,7 +276,7 @@ class JoinRequests:
         """The leader's last word to an admitted joiner: the group, or why there is none for it."""
         if isinstance(answer, LeftOut):
             return {"t": "refuse", "reason": "left out", "why": str(answer)[:300]}
-        if isinstance(answer, str):  # we stepped down: a peer with a smaller id leads this round
+        if isinstance(answer, str):  # we stepped down: a better-ranked peer leads this round
             return {"t": "refuse", "reason": "not leader", "hint": answer}
         if answer is None:
             return {"t": "refuse", "reason": "group too small"}

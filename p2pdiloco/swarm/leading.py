@@ -85,7 +85,7 @@ class Leading:
             slot.leading, slot.leader = False, better
             _answer_joiners(slot, better)  # -> "not leader", hint: the real leader
             slot.joiners.clear()
-            logger.info(f"[{self.node.short_id}] {short_id(better)} is ready too and has a smaller id: it leads "
+            logger.info(f"[{self.node.short_id}] {short_id(better)} is ready too and ranks before us: it leads "
                         f"fragment {frag} round {round_}")
             return better
         return await self._close(slot, frag, round_, expected_joiners, unseen, due)
@@ -113,9 +113,9 @@ class Leading:
             if time.monotonic() >= reads_end:
                 continue  # a longer grace only waits for the peers we know of (see Matchmaker._lead_turn)
             seen = await self._ready_read(key) - {me}
+            rank = self._ranking(key)
             better = sorted((p for p in seen - expected_joiners
-                             if self._rank(p) < self._rank(me) and p not in slot.joiners and p not in skip),
-                            key=self._rank)
+                             if rank(p) < rank(me) and p not in slot.joiners and p not in skip), key=rank)
             # a longer grace (a fallback after a silent leader) waits only for peers that may still come
             expected_joiners |= seen - skip if grace > self.join_grace else seen
             if better:
@@ -188,13 +188,15 @@ class Leading:
             own.cancel()
             own.add_done_callback(consume_outcome)
         reports[me] = own.result() if own.done() and not own.cancelled() else set()
-        proposal.left = self._left_out(members, reports)
+        proposal.left = self._left_out(members, reports, self._key(frag, round_))
         if proposal.left:
             logger.warning(f"[{self.node.short_id}] leaving {len(proposal.left)} member(s) out of the group for "
                            f"fragment {frag} round {round_} before the round: "
                            + "; ".join(f"{short_id(p)}: {why}" for p, why in sorted(proposal.left.items())))
         return tuple(m for m in members if m not in proposal.left), proposal
 
-    def _left_out(self, members: Sequence[str], reports: Dict[str, Optional[Set[str]]]) -> Dict[str, str]:
-        """Who leaves the group before the round (:func:`.formation.left_out`; never us, the leader)."""
-        return formation.left_out(members, reports, self.node.peer_id_str, self._rank)
+    def _left_out(self, members: Sequence[str], reports: Dict[str, Optional[Set[str]]],
+                  round_key: str) -> Dict[str, str]:
+        """Who leaves the group of the round under ``round_key`` before it starts
+        (:func:`.formation.left_out`; never us, the leader)."""
+        return formation.left_out(members, reports, self.node.peer_id_str, self._ranking(round_key))

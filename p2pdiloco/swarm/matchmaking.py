@@ -5,13 +5,14 @@
    the caller expects (the live peers at this round) or ``matchmaking_timeout`` passes. The polls
    back off (``POLL_MIN_S`` doubling to ``POLL_MAX_S``) while they find nobody new: a join request
    (item 9) or the leader's answer ends the pause at once.
-2. The ready peer with the smallest id is the *leader*. Every other peer sends it a ``join``
+2. The ready peer of the best *rank* (item 8: reachability, then a draw that changes every round)
+   is the *leader*. Every other peer sends it a ``join``
    request. The leader admits joiners until everyone it saw ready has joined (or a short grace
    period ends), then finalizes: ``members`` = itself + admitted peers, sorted, and replies to every
    joiner with the same ``(gid, members)``. A group is therefore decided by exactly one peer and
    every member gets the same answer.
 3. A peer that is asked to lead but follows someone else refuses with a *hint* (its leader); a
-   peer whose leader is unreachable drops it and tries the next smallest id. "Unreachable" means a
+   peer whose leader is unreachable drops it and tries the next best-ranked one. "Unreachable" means a
    dial that still fails after ``JOIN_DIAL_WAIT`` seconds: a first dial to a live leader can be
    refused by libp2p's dial backoff left by an earlier failed dial, which is waited out: a follower
    that gave up on a live leader would lead a group of its own and split the round.
@@ -49,13 +50,14 @@
    as ready for a round it has not entered yet.
 7. DHT views differ (a record not yet replicated, a node that just died). So a leader also waits
    (``join_grace``) for the peers due now whose ready record it did not see, a peer first asks
-   such unseen peers with a smaller id (briefly) before it leads itself, and a peer about to
+   such unseen peers of a better rank (briefly) before it leads itself, and a peer about to
    sync alone while others are live re-reads the DHT once more before it does: a missed record
    must not split a round into two groups.
 8. Peers behind NAT (``swarm/reachability.py``) are *relayed* when a relay took them (others reach
    them through it, ``swarm/relay.py``) and *private* when none did (nobody can reach them).
    Leadership goes by *rank*: public peers first, then relayed ones, then private ones, then the
-   smallest id. A private peer therefore never leads a group with others (it can dial the leader,
+   smallest draw: a hash of the round's key and the peer id (:func:`.formation.draw`), another
+   order every round, the same on every peer. A private peer therefore never leads a group with others (it can dial the leader,
    the leader could not dial it; the join reply comes back on the stream it opened), and the leader
    names the group's shard *owners* (``Group.owners``): its public members, or its relayed members
    when none is public (a relayed owner's traffic all crosses its relay), never a private one. Who
@@ -64,7 +66,7 @@
    peers but no reachable one fails that round with one clear :class:`MatchmakingFailed`, at once
    rather than after a timeout; alone, it syncs alone like anyone.
 9. Group formation is on the critical path of every sync, and each DHT read or store costs round
-   trips. So a peer also asks the presumable leader (the smallest id among itself and the live
+   trips. So a peer also asks the presumable leader (the best rank among itself and the live
    peers due at this sync) to admit it as soon as it is ready, while it polls, and a leader counts
    such a request as that peer's ready record: usually the group closes without any peer waiting
    for another's record to reach the DHT. The request decides nothing: when the poll picks another
@@ -87,15 +89,16 @@
    while the pseudo-gradient is still being computed. A member really unreachable is left out
    *before* the round, not discovered by every member after it started: the leader takes the
    pairs (reporter, owner) that stayed unconnected and, while any is left, removes the member in
-   the most of them (ties: the larger rank, so public peers and small ids stay; never the leader);
+   the most of them (ties: the worse rank, so public peers stay; never the leader);
    a joiner that sends no answer in time is removed too. The final group (``group``) has the
    others; a removed joiner gets ``refuse`` with reason ``left out`` and raises
    :class:`RoundMissed` (it catches up like any peer that missed a round). A joiner that lies
    about its links can get itself, or one peer it names, left out of that round: no worse than a
    member that stalls.
-11. Leaders that take requests and answer none. Leadership goes by id, and anyone can grind keys for
-   a small one: a hostile identity with honest-looking records, ready every round, can be every
-   round's presumable leader. A peer holding a join request therefore says so (``wait``, every
+11. Leaders that take requests and answer none. A hostile identity with honest-looking records, ready
+   every round, is the presumable leader of the rounds where it draws first: about its share of them
+   (a peer id is the hash of a key anyone can grind, which is why the rank is a per-round draw and not
+   the id: a ground id would lead every round). A peer holding a join request therefore says so (``wait``, every
    ``WAIT_S``) until it answers; a holder silent for ``SILENT_S`` (or whose stream breaks) is *dropped*
    for the round: not presumed, not asked again. A holder that keeps talking and proposes nothing is
    dropped when every peer due is ready and ``_patience`` (twice the join grace, the longest an honest
@@ -256,6 +259,8 @@ class Matchmaker(Leading, JoinRequests):
         self._ready_stored: Dict[str, float] = {}
         self._tasks: Set[asyncio.Task] = set()  # DHT stores running in the background
         self._reach: Dict[str, str] = {}  # peer -> reachability, from its records and join requests
+        #: each peer's draw for a round (formation.draw): a function so rules tests can rank by id alone
+        self._draw: Callable[[str, str], bytes] = formation.draw
         #: set by the training loop: given the live peers' records, a reason to stop matchmaking and adopt
         #: a rival history's state instead (see the module docstring, item 6), or None
         self.give_way: Optional[Callable[[Dict[str, Dict[str, Any]]], Optional[str]]] = None
@@ -337,9 +342,11 @@ class Matchmaker(Leading, JoinRequests):
         """Nobody can open a stream to it: it can neither lead nor own a shard."""
         return self._tier(peer) == 2
 
-    def _rank(self, peer: str) -> Tuple[int, str]:
-        """Who leads: public peers, then relayed ones, then private ones; then the smallest id."""
-        return self._tier(peer), peer
+    def _ranking(self, round_key: str) -> Callable[[str], formation.Rank]:
+        """Who leads the round under ``round_key``: public peers, then relayed ones, then private ones;
+        then the smallest draw for this round (:func:`.formation.draw`)."""
+        draw = self._draw
+        return lambda peer: (self._tier(peer), draw(round_key, peer), peer)
 
     async def _ready_read(self, key: str) -> Set[str]:
         """The (unbanned) peers with a ready record under ``key`` (not a withdrawn one); notes their reachability."""
@@ -517,7 +524,7 @@ class Matchmaker(Leading, JoinRequests):
         one does not admit us. ``delay``: seconds before the request goes out."""
         me = a.me
         due = self._unbanned(expected_peers(a.peers, me, a.sync_step)) - a.dropped - a.unreached
-        a.presumed = min(due | {me}, key=self._rank)
+        a.presumed = min(due | {me}, key=self._ranking(a.key))
         if self._private(a.presumed):
             a.presumed = me  # no public peer due: nobody to ask (a private peer cannot be dialed)
         if a.presumed != me:
@@ -690,7 +697,7 @@ class Matchmaker(Leading, JoinRequests):
                          f"absent partners {short_ids(a.absent)}, expected {a.expected}")
         unseen = (a.waiting_for | a.absent) - a.ready
         # a peer that took our request and left it unanswered is not asked again this round
-        candidates = [c for c in formation.candidates(a.ready, unseen, me, self._rank, self._tier)
+        candidates = [c for c in formation.candidates(a.ready, unseen, me, self._ranking(a.key), self._tier)
                       if c not in a.dropped]
         tried: Set[str] = set(a.dropped)
         retry_until: Dict[str, float] = {}  # dropped peer -> until when a candidate that follows it is asked again
@@ -704,7 +711,7 @@ class Matchmaker(Leading, JoinRequests):
                     if isinstance(led, Group):
                         return led
                     a.ready.add(led)  # stepped down for a better-ranked ready peer: join it
-                    candidates = sorted(set(candidates) | {led}, key=self._rank)
+                    candidates = sorted(set(candidates) | {led}, key=self._ranking(a.key))
                     tried.discard(led)
                     continue
                 tried.add(leader)
@@ -772,7 +779,8 @@ class Matchmaker(Leading, JoinRequests):
         one is dropped SILENT_S after the request reached it (they were ready before we led: within one
         early dial and SILENT_S, and then they ask us at once); a stalled one only after each peer's own
         deadline and patience (never past its hard deadline: within matchmaking_timeout + patience)."""
-        better = {p for p in a.holding_out if self._rank(p) < self._rank(a.me)}
+        rank = self._ranking(a.key)
+        better = {p for p in a.holding_out if rank(p) < rank(a.me)}
         if better & a.stalled:
             return self.matchmaking_timeout + self._patience
         if better:

@@ -32,7 +32,7 @@ What signing cannot stop: a peer lying in *its own* records, or one attacker run
 Readers treat records as claims and count them by standing, not by identity
 (:mod:`p2pdiloco.swarm.standing`): the state to adopt and "who is ahead" follow a majority of the
 reader's partners (peers it completed verified rounds with) or, for a joiner, of the established
-peers; a group record counts only when its writer is the group's leader (its smallest member); the
+peers; a group record counts only when its writer is one of the group's members; the
 run's fingerprint follows the peers that trained (:func:`run_fingerprint`). Known limits: a peer can
 still claim a group (led by itself) that leaves someone out, which makes that peer skip the round
 and catch up; a ``next_sync`` claim makes others wait for it up to the matchmaking timeout.
@@ -243,11 +243,12 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _check_semantics(kind: str, owner: str, data: Dict[str, Any]) -> Optional[str]:
-    """Checks that need the owner: a group record must be written by the group's leader."""
+    """Checks that need the owner: a group record must be written by one of its members (its leader,
+    who ranks first by tier and the round's draw: a node storing the record knows neither)."""
     if kind == "group":
         members = data["members"]
-        if members != sorted(set(members)) or members[0] != owner:
-            return "group record not written by its leader (smallest member) or members not sorted"
+        if members != sorted(set(members)) or owner not in members:
+            return "group record not written by one of its members or members not sorted"
     return None
 
 
