@@ -46,6 +46,16 @@ def test_a_swarm_without_churn_forms_one_group_of_everyone_and_the_modules_are_r
         assert r["formation_bytes"]["leader"] > r["formation_bytes"]["median"] > 0
 
 
+def test_leading_spreads_over_the_swarm_with_the_draw_and_funnels_into_one_peer_by_id():
+    """Over 4 rounds of 12 peers, the per-round draw gives each round another leader, and the heaviest
+    peer's formation bytes over the run fall; ranked by the id alone, one peer leads (and carries) them all."""
+    drawn = scale_sim.simulate(12, 4, verbose=False, churn=0.0, seed=3)["over_run"]
+    by_id = scale_sim.simulate(12, 4, verbose=False, churn=0.0, seed=3, rank_by_id=True)["over_run"]
+    assert by_id["leaders"] == 1 and by_id["most_rounds_led"] == 4
+    assert drawn["leaders"] >= 3 and drawn["most_rounds_led"] <= 2, drawn
+    assert drawn["formation_bytes"]["max"] < 0.7 * by_id["formation_bytes"]["max"], (drawn, by_id)
+
+
 def test_peers_leaving_mid_round_are_left_out_and_the_round_never_splits():
     run = scale_sim.simulate(40, 2, verbose=False, churn=0.1, seed=1)
     for r in run["rounds"]:

@@ -291,6 +291,8 @@ class SimPeer:
         self.hostile = hostile
         self.node = SimNode(sim, self, pid)
         self.mm = Matchmaker(self.node, RUN, matchmaking_timeout=sim.matchmaking_timeout)
+        if sim.rank_by_id:  # for comparison: leadership by the id alone, with no per-round draw
+            self.mm._draw = lambda round_key, peer: b""
         self.mm.record_lifetime = sim.record_lifetime
         self.gone = False
         self.left = asyncio.Event()  # set with gone: a formation in progress stops at once
@@ -319,11 +321,11 @@ class Sim:
     def __init__(self, n: int, *, seed: int = 0, rtt: float = 0.05, dht_rtts: float = 2.0, replicas: int = 5,
                  train_s: float = 60.0, sync_s: float = 5.0, spread: float = 0.2, churn: float = 0.0,
                  progress_period: float = 10.0, matchmaking_timeout: float = 30.0, silent: int = 0,
-                 stalling: int = 0) -> None:
+                 stalling: int = 0, rank_by_id: bool = False) -> None:
         self.loop = VirtualLoop()
         self.clock = _Clock(self.loop)
         self.rng = random.Random(seed)
-        self.rtt, self.dht_rtts, self.replicas = rtt, dht_rtts, replicas
+        self.rtt, self.dht_rtts, self.replicas, self.rank_by_id = rtt, dht_rtts, replicas, rank_by_id
         self.train_s, self.sync_s, self.spread, self.churn = train_s, sync_s, spread, churn
         self.progress_period, self.matchmaking_timeout = progress_period, matchmaking_timeout
         self.record_lifetime = 3 * progress_period + 5
@@ -334,15 +336,18 @@ class Sim:
             pid = self._new_id()
             self.peers[pid] = SimPeer(self, pid, speed=1.0 + self.rng.random() * spread)
         # hostile identities ground to draw first in round 0 (an id is a key's hash: anyone can try keys)
-        first = ready_key(RUN, 0, 0)
-        best = min((formation.draw(first, pid) for pid in self.peers), default=b"\xff" * 8)
+        best = min((self._rank(0, pid) for pid in self.peers), default=(b"\xff" * 8, ""))
         for i in range(silent + stalling):
             pid = self._new_id()
-            while formation.draw(first, pid) >= best:
+            while self._rank(0, pid) >= best:
                 pid = self._new_id()
             self.peers[pid] = SimPeer(self, pid, speed=1.0, hostile="silent" if i < silent else "stalling")
         # the progress key's nearest nodes read it from their own storage; the others over the network
         self.nearest = set(self.rng.sample(sorted(self.peers), min(replicas, n)))
+
+    def _rank(self, round_: int, pid: str) -> Tuple[bytes, str]:
+        """Leadership order in ``round_`` among public peers, as the matchmakers rank (the draw, then the id)."""
+        return (b"" if self.rank_by_id else formation.draw(ready_key(RUN, 0, round_), pid)), pid
 
     def _new_id(self) -> str:
         return "Qm" + "".join(self.rng.choice("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
@@ -509,7 +514,7 @@ class Sim:
                     row["bg_bytes"] = peer.stats["bg_bytes"] - bg_before[pid][1]
                 held = sum(p.stats["held"] for p in everyone if p.hostile)
                 # did a hostile identity draw first among every identity live at the round's start
-                first = min(everyone, key=lambda p: formation.draw(ready_key(RUN, 0, r), p.pid))
+                first = min(everyone, key=lambda p: self._rank(r, p.pid))
                 results.append({"round": r, "peers": len(live), "left": len(leavers), "held": held,
                                 "hostile_first": bool(first.hostile),
                                 "seconds": self.loop.time() - t0, "rows": out})
@@ -591,8 +596,23 @@ def simulate(n: int, rounds: int = 2, *, verbose: bool = True, **kwargs) -> Dict
 
     results = sim.run(rounds, progress=progress)
     return {"n": n, "settings": {k: v for k, v in kwargs.items()}, "rtt": sim.rtt,
-            "rounds": [summarize_round(res, sim.rtt) for res in results],
+            "rounds": [summarize_round(res, sim.rtt) for res in results], "over_run": summarize_run(results),
             "wall_seconds": round(_real_time.monotonic() - t_wall, 1)}
+
+
+def summarize_run(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """The leaders' load over the whole run: who led each round, and each peer's formation bytes summed
+    over the rounds (median and heaviest peer): one peer leading every round carries the funnel alone."""
+    total: Counter = Counter()
+    leaders: List[Optional[str]] = []
+    for res in results:
+        for pid, r in res["rows"].items():
+            total[pid] += r.get("stats", {}).get("dht_bytes", 0) + r.get("stats", {}).get("join_bytes", 0)
+        leaders.append(next((pid for pid, r in res["rows"].items() if r.get("led") and "gid" in r), None))
+    led = Counter(p for p in leaders if p)
+    return {"leaders": len(led), "most_rounds_led": max(led.values(), default=0),
+            "formation_bytes": {"median": statistics.median(total.values()) if total else 0.0,
+                                "max": max(total.values(), default=0)}}
 
 
 def _kb(v: Optional[float]) -> str:
@@ -659,6 +679,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="hostile identities ground to draw first in round 0: ready every round, answering no join request")
     ap.add_argument("--stalling", type=int, default=0,
                     help="more such identities, which say 'wait' to the requests they hold (as an honest leader does)")
+    ap.add_argument("--rank-by-id", action="store_true",
+                    help="for comparison: leaders ranked by their id alone (no per-round draw), as a ground id would be")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/scale_sim")
     args = ap.parse_args(argv)
@@ -675,12 +697,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"N={n}: {args.rounds} rounds, churn {args.churn:.0%}", flush=True)
         runs.append(simulate(n, args.rounds, seed=args.seed, rtt=args.rtt, dht_rtts=args.dht_rtts,
                              replicas=args.replicas, train_s=args.train_s, sync_s=args.sync_s, spread=args.spread,
-                             churn=args.churn, silent=args.silent, stalling=args.stalling,
+                             churn=args.churn, silent=args.silent, stalling=args.stalling, rank_by_id=args.rank_by_id,
                              progress_period=args.progress_period,
                              matchmaking_timeout=args.matchmaking_timeout))
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"argv": sys.argv[1:], "runs": runs}, f, indent=1)
     table = format_table(runs)
+    table += "\n\nOver the run (formation KB per peer summed over the rounds; leaders):\n\n" + "\n".join(
+        f"- N = {r['n']}: median {_kb(r['over_run']['formation_bytes']['median'])}, heaviest peer "
+        f"{_kb(r['over_run']['formation_bytes']['max'])}; {r['over_run']['leaders']} peer(s) led the "
+        f"{len(r['rounds'])} rounds, at most {r['over_run']['most_rounds_led']} each" for r in runs)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(table + "\n")
     _plot(runs, os.path.join(args.out, "scale_sim.png"))
