@@ -8,6 +8,7 @@ names the outcome: the leaders asked, in order, and the group we end in, or the 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from typing import Any, Dict, List, Optional
 
@@ -70,6 +71,11 @@ ROWS: List[Dict[str, Any]] = [
     dict(case="a candidate refuses without a hint: the next candidate (here, we lead)",
          records={"t:progress": _due("a"), "t:mm:0:5": {"a": {"t": 1.0}}}, answers={"a": "refuse"},
          asked=["a", "a"], result="lead: unseen []"),
+    dict(case="a peer due and overdue (due at a round we completed, not in its group since): not waited for",
+         records={"t:progress": _due("me", "z")}, overdue=["z"], asked=[], result="lead: unseen []"),
+    dict(case="an overdue peer that ranks first and is ready: asked to lead as anyone ready",
+         records={"t:progress": _due("a", "me"), "t:mm:0:5": {"a": {"t": 1.0}}}, overdue=["a"],
+         answers={"a": ("a", "me")}, asked=["a"], result=("a", "me")),
     dict(case="alone while a partner of our last group cannot be seen at all: asked before we lead",
          records={}, companions=["a"], answers={"a": ("a", "me")}, expected=2, asked=["a"], result=("a", "me")),
 ]
@@ -86,6 +92,7 @@ def _run(row: Dict[str, Any]):
         mm.set_companions(row["companions"] + ["me"])
     if row.get("partners"):  # peers we completed verified rounds with earlier (swarm/standing.py)
         mm.partners.add(row["partners"])
+    mm._overdue.update((p, time.monotonic()) for p in row.get("overdue", ()))
     asked: List[str] = []
     answers = row.get("answers", {})
 
@@ -618,3 +625,42 @@ def test_the_presumable_leader_changes_with_the_round_and_a_ground_id_leads_only
     assert set(led) == set(peers[:8]) | {"me"}
     assert all(30 <= n <= 100 for n in led.values()), led  # a share of 1/9 is 67 of 600 rounds
     assert draw("t:mm:0:5", "a") == draw("t:mm:0:5", "a") != draw("t:mm:0:6", "a") and len(draw("t:mm:0:5", "a")) == 8
+
+
+def test_an_identity_that_claims_to_be_due_and_slow_is_waited_for_in_one_round_only():
+    """z claims every round that it is one step short of the sync at a crawl (0.001 steps/s): its ETA
+    reaches past matchmaking_timeout, so the first round we complete waits for it to the deadline and
+    closes without it. From then on z is overdue: the next rounds do not wait for it (nobody unseen for
+    the leader, the wait not extended), until z is a member of one of our groups again; then it is
+    waited for as anyone due."""
+    def slow(p):
+        return {"step": 99, "sps": 0.001, "next_sync": 100, "t": 1.0, "reach": "public"}
+
+    records = {"t:progress": {"me": slow("me"), "z": slow("z")}}
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=1.0)
+    seen: List[Dict[str, Any]] = []
+
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset(), grace=None):
+        seen.append({"round": round_, "unseen": set(unseen), "due": due})
+        return _group(["me"], gid=f"lead-{round_}")
+
+    mm._lead = lead
+    deadlines: List[float] = []
+    evaluate = mm._evaluate
+
+    def recorded(a, read):
+        evaluate(a, read)
+        deadlines.append(a.deadline - a.start)
+
+    mm._evaluate = recorded
+    for round_ in (5, 6, 7):
+        deadlines.clear()
+        asyncio.run(mm.form_group(0, round_, 2, sync_step=100))
+        seen[-1]["waited"] = max(deadlines)
+    assert seen[0]["unseen"] == {"z"} and seen[0]["waited"] == pytest.approx(1.0)  # the fault: waited to the end
+    assert [s["unseen"] for s in seen[1:]] == [set(), set()] and all(s["waited"] < 0.5 for s in seen[1:]), seen
+    assert "z" in mm._overdue
+    mm.set_companions(["me", "z"])  # z synced with us
+    assert "z" not in mm._overdue
+    asyncio.run(mm.form_group(0, 8, 2, sync_step=100))
+    assert seen[-1]["unseen"] == {"z"}

@@ -109,6 +109,15 @@
    takes that candidate to drop it too, rather than bounced past, and a leader's re-reads never add
    dropped peers to the joiners it waits for. The round takes SILENT_S longer per silent identity
    ahead of the first honest peer, in one group.
+12. Peers that claim to be due and never come. A progress record's step and speed are the writer's
+   claims: an identity that claims to be just short of every sync step at a crawl would be waited for
+   up to ``matchmaking_timeout`` every round. A peer due at a round we completed (our last read) that
+   did not end in its group is *overdue*: later rounds do not wait for it (no ETA, not counted in
+   ``expected``, not among the unseen peers a leader waits for, not presumed as leader) until it is a
+   member of one of our groups again. When it is ready it counts as anyone ready does: an honest
+   peer that missed a round (a pause, a catch-up) joins the next one when it is on time, and that
+   round ends its overdue state. Such an identity costs one round (``OVERDUE_S`` forgets it, so a
+   crashed peer that comes back later is waited for again).
 """
 from __future__ import annotations
 
@@ -150,6 +159,8 @@ EARLY_DIAL_S = 0.5
 #: how soon a candidate that still waits on a leader we dropped is asked again (seconds): well within
 #: its join grace once it leads
 HINT_RETRY_S = 0.3
+#: how long a peer stays overdue (item 12) without being a member of one of our groups (seconds)
+OVERDUE_S = 3600.0
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +270,8 @@ class Matchmaker(Leading, JoinRequests):
         self._ready_stored: Dict[str, float] = {}
         self._tasks: Set[asyncio.Task] = set()  # DHT stores running in the background
         self._reach: Dict[str, str] = {}  # peer -> reachability, from its records and join requests
+        #: peer -> when it became overdue (item 12): due at a round we completed, not in its group
+        self._overdue: Dict[str, float] = {}
         #: each peer's draw for a round (formation.draw): a function so rules tests can rank by id alone
         self._draw: Callable[[str, str], bytes] = formation.draw
         #: set by the training loop: given the live peers' records, a reason to stop matchmaking and adopt
@@ -307,6 +320,8 @@ class Matchmaker(Leading, JoinRequests):
         now = time.monotonic()
         self._companions = set(members) - {self.node.peer_id_str}
         self._seen.update((pid, now) for pid in self._companions)
+        for pid in self._companions:
+            self._overdue.pop(pid, None)
         self.partners.add(self._companions)
 
     def voters(self, peers: Dict[str, Dict[str, Any]]) -> Set[str]:
@@ -477,18 +492,41 @@ class Matchmaker(Leading, JoinRequests):
         peer                                                      grace; never wait for dropped peers
         a join request for a round we ran before we adopted       held until we enter that round again; our
         another history                                           formation then answers it
+        a peer due at a round we completed that did not end in    overdue: not waited for, not presumed,
+        its group, and not a member of one of our groups since    until it is; counted when seen ready
         ========================================================  ===========================================
         """
         a = await self._enter(frag, round_, expected, sync_step)
         try:
             group = await self._poll(a)
-            if group is not None:
-                return group
-            await self._last_look(a)
+            if group is None:
+                await self._last_look(a)
         except BaseException:  # behind, missed, or stopped: the presumable leader must not admit us
             a.hang_up()
             raise
-        return await self._choose_leader(a)
+        if group is None:
+            group = await self._choose_leader(a)
+        self._note_overdue(a, group)
+        return group
+
+    def _note_overdue(self, a: "_Attempt", group: Group) -> None:
+        """Item 12: the peers due at this round (our last read) that are not in its group are overdue;
+        its members are not."""
+        now = time.monotonic()
+        members = set(group.members)
+        for pid in [p for p, since in self._overdue.items() if p in members or now - since > OVERDUE_S]:
+            del self._overdue[pid]
+        if a.sync_step is None:
+            return
+        late = expected_peers(a.peers, a.me, a.sync_step) - members - set(self._overdue)
+        if late:
+            logger.info(f"[{self.node.short_id}] {short_ids(late)} due at fragment {a.frag} round {a.round} and "
+                        "not in its group: not waited for until they sync with us again")
+        self._overdue.update((pid, now) for pid in late)
+
+    def _not_waited(self, a: "_Attempt") -> Set[str]:
+        """The overdue peers not seen ready in this round (item 12): due by their record, not waited for."""
+        return set(self._overdue) - a.ready
 
     async def _enter(self, frag: int, round_: int, expected: int, sync_step: Optional[int]) -> "_Attempt":
         """Read the live peers and the round's group record; refuse a round we are behind on or that is
@@ -523,7 +561,7 @@ class Matchmaker(Leading, JoinRequests):
         decided by this early request: when the poll picks another leader, we hang up and the presumable
         one does not admit us. ``delay``: seconds before the request goes out."""
         me = a.me
-        due = self._unbanned(expected_peers(a.peers, me, a.sync_step)) - a.dropped - a.unreached
+        due = self._unbanned(expected_peers(a.peers, me, a.sync_step)) - a.dropped - a.unreached - self._not_waited(a)
         a.presumed = min(due | {me}, key=self._ranking(a.key))
         if self._private(a.presumed):
             a.presumed = me  # no public peer due: nobody to ask (a private peer cannot be dialed)
@@ -544,7 +582,7 @@ class Matchmaker(Leading, JoinRequests):
         before = (set(a.peers), a.waiting_for, a.expected)
         a.last_eval = time.monotonic()
         a.peers = read
-        a.waiting_for = expected_peers(read, a.me, a.sync_step)
+        a.waiting_for = expected_peers(read, a.me, a.sync_step) - self._not_waited(a)
         a.expected = 1 + len(a.waiting_for | (a.ready - {a.me}))
         a.deadline = self._derived_deadline(read, a.waiting_for - a.ready, a.sync_step, a.first_seen, a.start,
                                             a.hard_deadline)
