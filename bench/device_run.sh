@@ -14,7 +14,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_results/device}
 mkdir -p "$OUT"
 {
-  echo "== $(date -u +%FT%TZ) commit ${P2PDILOCO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} $(uname -r) $(nproc) cores"
+  # the device's copy of the tree may carry a stale .git: the package's content hash names what ran
+  # (the same command here gives the same hash for the same tree)
+  tree=$(find p2pdiloco -name '*.py' -print0 | sort -z | xargs -0 cat | sha256sum | cut -c1-12)
+  echo "== $(date -u +%FT%TZ) commit ${P2PDILOCO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} p2pdiloco sha256 $tree $(uname -r) $(nproc) cores"
   ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/*.whl: run bench/fetch_device_wheels.sh and carry .whl"; exit 3; }
   if [ ! -e /tmp/site/.p2pdiloco-installed ]; then  # once per machine: a second call on it reuses the install
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -111,13 +111,14 @@
    ahead of the first honest peer, in one group.
 12. Peers that claim to be due and never come. A progress record's step and speed are the writer's
    claims: an identity that claims to be just short of every sync step at a crawl would be waited for
-   up to ``matchmaking_timeout`` every round. A peer due at a round we completed (our last read) that
-   did not end in its group is *overdue*: later rounds do not wait for it (no ETA, not counted in
-   ``expected``, not among the unseen peers a leader waits for, not presumed as leader) until it is a
-   member of one of our groups again. When it is ready it counts as anyone ready does: an honest
-   peer that missed a round (a pause, a catch-up) joins the next one when it is on time, and that
-   round ends its overdue state. Such an identity costs one round (``OVERDUE_S`` forgets it, so a
-   crashed peer that comes back later is waited for again).
+   up to ``matchmaking_timeout`` every round. A peer we waited for (due, by its ETA) that was still
+   not ready when a round we completed closed, and not in its group, is *overdue*: after k such
+   rounds in a row, the next 2^(k-1) rounds do not wait for it (no ETA, not counted in ``expected``,
+   not among the unseen peers a leader waits for, not presumed as leader); then it is waited for
+   again. Being a member of one of our groups ends it. When it is ready it counts as anyone ready
+   does. So an identity whose claims never come true is waited for in about log2 of the rounds,
+   and an honest peer that missed a round (a pause, a catch-up) and is slower than the others is
+   waited for again one round later. ``OVERDUE_S`` without news forgets it.
 """
 from __future__ import annotations
 
@@ -159,8 +160,17 @@ EARLY_DIAL_S = 0.5
 #: how soon a candidate that still waits on a leader we dropped is asked again (seconds): well within
 #: its join grace once it leads
 HINT_RETRY_S = 0.3
-#: how long a peer stays overdue (item 12) without being a member of one of our groups (seconds)
+#: how long a peer stays overdue (item 12) without missing a round we waited for it in (seconds)
 OVERDUE_S = 3600.0
+
+
+@dataclass
+class _Overdue:
+    """A peer's record of rounds it was waited for and missed (item 12)."""
+
+    strikes: int       # such rounds in a row
+    skip: int          # rounds left that do not wait for it
+    since: float       # monotonic time of the last strike
 
 logger = logging.getLogger(__name__)
 
@@ -270,8 +280,8 @@ class Matchmaker(Leading, JoinRequests):
         self._ready_stored: Dict[str, float] = {}
         self._tasks: Set[asyncio.Task] = set()  # DHT stores running in the background
         self._reach: Dict[str, str] = {}  # peer -> reachability, from its records and join requests
-        #: peer -> when it became overdue (item 12): due at a round we completed, not in its group
-        self._overdue: Dict[str, float] = {}
+        #: overdue peers (item 12): waited for in a round we completed, not ready when it closed
+        self._overdue: Dict[str, _Overdue] = {}
         #: each peer's draw for a round (formation.draw): a function so rules tests can rank by id alone
         self._draw: Callable[[str, str], bytes] = formation.draw
         #: set by the training loop: given the live peers' records, a reason to stop matchmaking and adopt
@@ -492,8 +502,9 @@ class Matchmaker(Leading, JoinRequests):
         peer                                                      grace; never wait for dropped peers
         a join request for a round we ran before we adopted       held until we enter that round again; our
         another history                                           formation then answers it
-        a peer due at a round we completed that did not end in    overdue: not waited for, not presumed,
-        its group, and not a member of one of our groups since    until it is; counted when seen ready
+        a peer we waited for, not ready when k rounds we          overdue: the next 2^(k-1) rounds do not
+        completed closed (in a row), not a member since           wait for it or presume it; counted when
+                                                                  seen ready
         ========================================================  ===========================================
         """
         a = await self._enter(frag, round_, expected, sync_step)
@@ -510,23 +521,29 @@ class Matchmaker(Leading, JoinRequests):
         return group
 
     def _note_overdue(self, a: "_Attempt", group: Group) -> None:
-        """Item 12: the peers due at this round (our last read) that are not in its group are overdue;
-        its members are not."""
+        """Item 12, after a round we completed: the peers we waited for that were not ready when it closed
+        and are not in its group get a strike (and 2^(strikes-1) rounds without a wait); a round that
+        did not wait for an overdue peer counts down its skip; members are not overdue."""
         now = time.monotonic()
         members = set(group.members)
-        for pid in [p for p, since in self._overdue.items() if p in members or now - since > OVERDUE_S]:
-            del self._overdue[pid]
-        if a.sync_step is None:
-            return
-        late = expected_peers(a.peers, a.me, a.sync_step) - members - set(self._overdue)
-        if late:
-            logger.info(f"[{self.node.short_id}] {short_ids(late)} due at fragment {a.frag} round {a.round} and "
-                        "not in its group: not waited for until they sync with us again")
-        self._overdue.update((pid, now) for pid in late)
+        missing = (a.waiting_for - a.ready - members) if a.sync_step is not None else set()
+        for pid in list(self._overdue):
+            entry = self._overdue[pid]
+            if pid in members or now - entry.since > OVERDUE_S:
+                del self._overdue[pid]
+            elif pid not in missing and entry.skip > 0:
+                entry.skip -= 1
+        for pid in missing:
+            entry = self._overdue.setdefault(pid, _Overdue(0, 0, now))
+            entry.strikes += 1
+            entry.skip, entry.since = 2 ** min(entry.strikes - 1, 16), now
+        if missing:
+            logger.info(f"[{self.node.short_id}] waited for {short_ids(missing)} at fragment {a.frag} round "
+                        f"{a.round}, not ready when it closed: not waited for in the next round(s)")
 
     def _not_waited(self, a: "_Attempt") -> Set[str]:
-        """The overdue peers not seen ready in this round (item 12): due by their record, not waited for."""
-        return set(self._overdue) - a.ready
+        """The overdue peers whose rounds without a wait are not over, not seen ready in this round (item 12)."""
+        return {pid for pid, entry in self._overdue.items() if entry.skip > 0} - a.ready
 
     async def _enter(self, frag: int, round_: int, expected: int, sync_step: Optional[int]) -> "_Attempt":
         """Read the live peers and the round's group record; refuse a round we are behind on or that is

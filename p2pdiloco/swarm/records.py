@@ -35,8 +35,8 @@ reader's partners (peers it completed verified rounds with) or, for a joiner, of
 peers; a group record counts only when its writer is one of the group's members; the
 run's fingerprint follows the peers that trained (:func:`run_fingerprint`). Known limits: a peer can
 still claim a group (led by itself) that leaves someone out, which makes that peer skip the round
-and catch up; a ``next_sync`` claim makes others wait for it up to the matchmaking timeout in one
-round (then it is overdue: :mod:`p2pdiloco.swarm.matchmaking`, item 12).
+and catch up; a ``next_sync`` claim makes others wait for it up to the matchmaking timeout in about
+log2 of the rounds (overdue peers: :mod:`p2pdiloco.swarm.matchmaking`, item 12).
 """
 from __future__ import annotations
 
