@@ -106,3 +106,18 @@ def test_identities_ground_to_lead_the_round_that_answer_no_join_request_cost_it
     assert r["held"] >= 19  # every honest peer asked one of them at least once
     assert r["peers"] == 20 and r["group_sizes"] == [20] and r["missed"] == 0
     assert r["formation_seconds"]["max"] < bound  # virtual time
+
+
+def test_an_identity_claiming_to_be_due_and_slow_holds_up_fewer_and_fewer_rounds():
+    """One identity claims in every round to be one step short of the sync at 0.001 steps/s and never
+    gets ready. A round that waits for it waits to the matchmaking timeout (the fault: the honest
+    peers' formation takes ~30 s longer); each such round doubles the rounds that do not wait for it:
+    rounds 0, 2 and 5 of 6 wait, the others take an honest round's time. One group of every honest
+    peer in every round."""
+    run = scale_sim.simulate(12, 6, verbose=False, churn=0.0, claiming=1, seed=2)
+    slow = [r["round"] for r in run["rounds"] if r["formation_seconds"]["median"] > 25]
+    assert slow == [0, 2, 5], [(r["round"], r["formation_seconds"]) for r in run["rounds"]]
+    for r in run["rounds"]:
+        assert r["peers"] == 12 and r["group_sizes"] == [12] and r["missed"] == 0, r
+        if r["round"] not in slow:
+            assert r["formation_seconds"]["median"] < 10, r

@@ -33,7 +33,10 @@ anyone can try keys until one draws first in a round it knows in advance; in the
 draws are as anyone's), their records look like an honest peer's, they store a ready record every round, and
 their join handler takes every request and never answers; ``--stalling K`` adds K more that say
 ``wait`` to every request they hold (as an honest leader still gathering does) and never propose a
-group. The figures are the honest peers'.
+group. ``--claiming K`` adds K identities (ids as anyone's) whose progress record claims, all round,
+to be one step short of the sync at 0.001 steps/s, and which never get ready (their join handler
+holds requests as a silent one's does): each round that waits for them waits to the matchmaking
+timeout. The figures are the honest peers'.
 
 Reported per N and round, per peer: DHT messages and bytes of the formation (reads by purpose,
 stores), of the background over the round, join-protocol frames sent and bytes (sent and received),
@@ -321,7 +324,7 @@ class Sim:
     def __init__(self, n: int, *, seed: int = 0, rtt: float = 0.05, dht_rtts: float = 2.0, replicas: int = 5,
                  train_s: float = 60.0, sync_s: float = 5.0, spread: float = 0.2, churn: float = 0.0,
                  progress_period: float = 10.0, matchmaking_timeout: float = 30.0, silent: int = 0,
-                 stalling: int = 0, rank_by_id: bool = False) -> None:
+                 stalling: int = 0, claiming: int = 0, rank_by_id: bool = False) -> None:
         self.loop = VirtualLoop()
         self.clock = _Clock(self.loop)
         self.rng = random.Random(seed)
@@ -342,6 +345,9 @@ class Sim:
             while self._rank(0, pid) >= best:
                 pid = self._new_id()
             self.peers[pid] = SimPeer(self, pid, speed=1.0, hostile="silent" if i < silent else "stalling")
+        for _ in range(claiming):  # due and slow by their records, never ready
+            pid = self._new_id()
+            self.peers[pid] = SimPeer(self, pid, speed=1.0, hostile="claiming")
         # the progress key's nearest nodes read it from their own storage; the others over the network
         self.nearest = set(self.rng.sample(sorted(self.peers), min(replicas, n)))
 
@@ -428,6 +434,12 @@ class Sim:
                           leave_at: Optional[float], goodbye: bool, out: Dict[str, Any]) -> None:
         t0 = self.loop.time()
         train = self.train_s * peer.speed
+        if peer.hostile == "claiming":  # one step short of the sync at a crawl, all round; never ready
+            peer.progress.update(step=sync_step - 1, next_sync=sync_step, sps=0.001, reach="public")
+            peer.publish()
+            await asyncio.sleep(train + self.matchmaking_timeout + self.sync_s)
+            peer.progress.update(next_sync=sync_step + h)
+            return
         peer.progress.update(step=sync_step - h, next_sync=sync_step, sps=h / train, reach="public")
         if leave_at is not None:
             self.loop.call_at(t0 + leave_at, self.leave, peer, goodbye)
@@ -679,6 +691,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="hostile identities ground to draw first in round 0: ready every round, answering no join request")
     ap.add_argument("--stalling", type=int, default=0,
                     help="more such identities, which say 'wait' to the requests they hold (as an honest leader does)")
+    ap.add_argument("--claiming", type=int, default=0,
+                    help="identities whose records claim to be due and slow every round, never ready")
     ap.add_argument("--rank-by-id", action="store_true",
                     help="for comparison: leaders ranked by their id alone (no per-round draw), as a ground id would be")
     ap.add_argument("--seed", type=int, default=0)
@@ -697,7 +711,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"N={n}: {args.rounds} rounds, churn {args.churn:.0%}", flush=True)
         runs.append(simulate(n, args.rounds, seed=args.seed, rtt=args.rtt, dht_rtts=args.dht_rtts,
                              replicas=args.replicas, train_s=args.train_s, sync_s=args.sync_s, spread=args.spread,
-                             churn=args.churn, silent=args.silent, stalling=args.stalling, rank_by_id=args.rank_by_id,
+                             churn=args.churn, silent=args.silent, stalling=args.stalling, claiming=args.claiming,
+                             rank_by_id=args.rank_by_id,
                              progress_period=args.progress_period,
                              matchmaking_timeout=args.matchmaking_timeout))
         with open(os.path.join(args.out, "results.json"), "w") as f:
