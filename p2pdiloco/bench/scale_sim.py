@@ -688,13 +688,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--progress-period", type=float, default=10.0, help="swarm.progress_period, seconds")
     ap.add_argument("--matchmaking-timeout", type=float, default=30.0, help="swarm.matchmaking_timeout, seconds")
     ap.add_argument("--silent", type=int, default=0,
-                    help="hostile identities ground to draw first in round 0: ready every round, answering no join request")
+                    help="hostile identities ground to draw first in round 0: ready every round, "
+                         "answering no join request")
     ap.add_argument("--stalling", type=int, default=0,
                     help="more such identities, which say 'wait' to the requests they hold (as an honest leader does)")
     ap.add_argument("--claiming", type=int, default=0,
                     help="identities whose records claim to be due and slow every round, never ready")
     ap.add_argument("--rank-by-id", action="store_true",
-                    help="for comparison: leaders ranked by their id alone (no per-round draw), as a ground id would be")
+                    help="for comparison: leaders ranked by their id alone (no per-round draw)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/scale_sim")
     args = ap.parse_args(argv)

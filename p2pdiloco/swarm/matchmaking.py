@@ -57,8 +57,9 @@
    them through it, ``swarm/relay.py``) and *private* when none did (nobody can reach them).
    Leadership goes by *rank*: public peers first, then relayed ones, then private ones, then the
    smallest draw: a hash of the round's key and the peer id (:func:`.formation.draw`), another
-   order every round, the same on every peer. A private peer therefore never leads a group with others (it can dial the leader,
-   the leader could not dial it; the join reply comes back on the stream it opened), and the leader
+   order every round, the same on every peer. A private peer therefore never leads a group with
+   others (it can dial the leader, the leader could not dial it; the join reply comes back on the
+   stream it opened), and the leader
    names the group's shard *owners* (``Group.owners``): its public members, or its relayed members
    when none is public (a relayed owner's traffic all crosses its relay), never a private one. Who
    is what is learned from the progress and ready records (``reach``, ``via``) and from the join
@@ -96,19 +97,19 @@
    about its links can get itself, or one peer it names, left out of that round: no worse than a
    member that stalls.
 11. Leaders that take requests and answer none. A hostile identity with honest-looking records, ready
-   every round, is the presumable leader of the rounds where it draws first: about its share of them
-   (a peer id is the hash of a key anyone can grind, which is why the rank is a per-round draw and not
-   the id: a ground id would lead every round). A peer holding a join request therefore says so (``wait``, every
-   ``WAIT_S``) until it answers; a holder silent for ``SILENT_S`` (or whose stream breaks) is *dropped*
-   for the round: not presumed, not asked again. A holder that keeps talking and proposes nothing is
-   dropped when every peer due is ready and ``_patience`` (twice the join grace, the longest an honest
-   leader admits joiners) has passed since our own wait ended (*stalled*). Every honest peer drops
-   a silent or stalled identity, at different moments (a broken stream breaks for all at once): so a
-   peer that leads in place of a better-ranked one admits joiners longer (``_fallback_grace``), a
+   every round, is the presumable leader of the rounds where it draws first: about its share of them (a
+   peer id is the hash of a key anyone can grind, which is why the rank is a per-round draw and not the
+   id: a ground id would lead every round). A peer holding a join request therefore says so (``wait``,
+   every ``WAIT_S``) until it answers; a holder silent for ``SILENT_S`` (or whose stream breaks) is
+   *dropped* for the round: not presumed, not asked again. A holder that keeps talking and proposes
+   nothing is dropped when every peer due is ready and ``_patience`` (twice the join grace, the longest
+   an honest leader admits joiners) has passed since our own wait ended (*stalled*). Every honest peer
+   drops a silent or stalled identity, at different moments (a broken stream breaks for all at once):
+   so a peer that leads in place of a better-ranked one admits joiners longer (``_fallback_grace``), a
    candidate that answers "I follow <such a peer>" is asked again (``HINT_RETRY_S``) for as long as it
    takes that candidate to drop it too, rather than bounced past, and a leader's re-reads never add
-   dropped peers to the joiners it waits for. The round takes SILENT_S longer per silent identity
-   ahead of the first honest peer, in one group.
+   dropped peers to the joiners it waits for. The round takes SILENT_S longer per silent identity ahead
+   of the first honest peer, in one group.
 12. Peers that claim to be due and never come. A progress record's step and speed are the writer's
    claims: an identity that claims to be just short of every sync step at a crawl would be waited for
    up to ``matchmaking_timeout`` every round. A peer we waited for (due, by its ETA) that was still
