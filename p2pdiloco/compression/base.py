@@ -16,7 +16,15 @@ import torch
 
 from ..errors import ConfigError, WireError
 
-__all__ = ["Codec", "register_codec", "get_codec", "codec_by_id", "CODECS"]
+__all__ = ["Codec", "register_codec", "get_codec", "codec_by_id", "CODECS", "check_block_scales"]
+
+
+def check_block_scales(codec: str, scales: torch.Tensor, sender: str | None = None) -> None:
+    """Raise :class:`WireError` naming ``sender`` unless every block scale of a ``codec`` part is >= 0 and
+    finite: a block codec's decoded values are then finite (its codebook is bounded), so the scales are
+    all it checks."""
+    if not bool(((scales >= 0) & (scales < float("inf"))).all()):  # NaN fails this too
+        raise WireError(f"{codec} part has a negative or non-finite block scale", sender)
 
 
 class Codec(abc.ABC):

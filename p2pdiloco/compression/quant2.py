@@ -27,8 +27,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from ..errors import WireError
-from .base import Codec, register_codec
+from .base import Codec, check_block_scales, register_codec
 
 __all__ = ["Q2Codec", "CODEBOOK"]
 
@@ -97,8 +96,7 @@ class Q2Codec(Codec):
     def _decode(self, data: bytes, numel: int, sender: Optional[str] = None) -> torch.Tensor:
         nb = -(-numel // BLOCK_SIZE)
         scales = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32))
-        if not bool(((scales >= 0) & (scales < float("inf"))).all()):  # NaN fails this too
-            raise WireError("q2 part has a negative or non-finite block scale", sender)
+        check_block_scales(self.name, scales, sender)
         packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=4 * nb).copy())
         return self.dequantize(scales, packed, numel)
 

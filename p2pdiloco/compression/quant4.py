@@ -43,7 +43,7 @@ import torch
 
 from ..errors import WireError
 from . import fused
-from .base import Codec, register_codec
+from .base import Codec, check_block_scales, register_codec
 
 __all__ = ["BLOCK_SIZE", "Blockwise4BitCodec", "E3M0Codec", "NF4Codec", "FP4Codec"]
 
@@ -302,8 +302,7 @@ class Blockwise4BitCodec(Codec):
             out.copy_(self._decode(data, numel, sender))
             return
         scales = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32))
-        if not bool(((scales >= 0) & (scales < float("inf"))).all()):  # NaN fails this too
-            raise WireError(f"{self.name} part has a negative or non-finite block scale", sender)
+        check_block_scales(self.name, scales, sender)
         packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=4 * nb).astype(np.int32))
         vals = self._pair_lut.index_select(0, packed).view(nb, BLOCK_SIZE)
         torch.mul(vals, scales.view(nb, 1), out=out.view(nb, BLOCK_SIZE))
@@ -311,8 +310,7 @@ class Blockwise4BitCodec(Codec):
     def _decode(self, data: bytes, numel: int, sender: Optional[str] = None) -> torch.Tensor:
         nb = -(-numel // BLOCK_SIZE)
         scales = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32))
-        if not bool(((scales >= 0) & (scales < float("inf"))).all()):  # NaN fails this too
-            raise WireError(f"{self.name} part has a negative or non-finite block scale", sender)
+        check_block_scales(self.name, scales, sender)
         packed = torch.frombuffer(bytearray(data[4 * nb :]), dtype=torch.uint8) if numel else torch.zeros(0, dtype=torch.uint8)
         return self.dequantize(scales, packed, numel)
 

@@ -131,7 +131,7 @@ class SparseCodec(Codec):
     def _validate(self, scales: np.ndarray, idx: np.ndarray, n: int, sender: str | None) -> None:
         lo, hi = scales[:, 0], scales[:, 1]
         if not (np.isfinite(scales).all() and (lo >= 0).all() and (lo <= hi).all()):
-            raise WireError(f"sparse part has a malformed chunk scale (not finite, negative or lo > hi)", sender)
+            raise WireError("sparse part has a malformed chunk scale (not finite, negative or lo > hi)", sender)
         if (idx >= n).any():
             raise WireError(f"sparse part has an index out of range (>= {n} in its chunk)", sender)
         d = np.diff(idx, axis=1)
