@@ -216,7 +216,7 @@ def _result(losses, sent, ranks, touched_share, params, peers: int, t0: float, d
     (an adaptive rank changes them from round to round)."""
     numel = sum(p.numel() for p in params)
     fp32_bytes = int(2 * (peers - 1) / peers * 4 * numel)  # PlainReducer with fp32: one all-reduce of Δ
-    mean_sent = sum(sent) / len(sent) if sent else 0
+    mean_sent = _mean_bytes(sent)
     return {"val_loss": [round(v, 4) for v in losses], "bytes_per_sync": list(sent),
             "fp32_bytes_per_sync": fp32_bytes,
             "x_fewer_than_fp32": round(fp32_bytes / max(1, mean_sent), 1) if sent else None,
@@ -329,9 +329,8 @@ def _run_here(args, settings, name: str, seed: int, key: str, saved: Dict[str, o
 
     r = run_setting(cfg, args.peers, args.rounds, progress=True, on_round=lambda part: keep(part, False))
     keep(r, True)
-    sent = r["bytes_per_sync"]
     print(f"{key:<22} val_loss {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.4f}  "
-          f"bytes/sync/peer {int(sum(sent) / max(1, len(sent))):>10,} "
+          f"bytes/sync/peer {int(_mean_bytes(r['bytes_per_sync'])):>10,} "
           f"(mean; {r['x_fewer_than_fp32']}x fewer than fp32)  "
           f"({r['seconds']} s)  losses {r['val_loss']}  mean rank {r['mean_rank'][-1:] }  "
           f"coordinates touched {100 * r['touched'][-1] if r['touched'] else 0:.1f}%", flush=True)
@@ -448,6 +447,11 @@ def _baseline(results: Dict[str, Dict[str, object]], r: Dict[str, object], setti
     return None
 
 
+def _mean_bytes(sent: Sequence[int]) -> float:
+    """Mean payload bytes per sync over the rounds (0 before the first): the figure the ratios use."""
+    return sum(sent) / len(sent) if sent else 0.0
+
+
 def _relative(losses: Sequence[float], base: Sequence[float]) -> Tuple[float, int]:
     """Loss relative to ``base`` in percent at the last round both reached, and that round."""
     n = min(len(losses), len(base)) - 1
@@ -471,9 +475,8 @@ def format_table(results: Dict[str, Dict[str, object]]) -> str:
             early.append(n < len(losses) - 1)
             return f"{pct:>+7.2f}%" + ("*" if early[-1] else "")
 
-        sent = r.get("bytes_per_sync") or [0]
         lines.append(f"{name:<24} {len(losses) - 1:>5} {losses[-1]:>9.4f} {rel('fp32')} {rel('e3m0')} "
-                     f"{int(sum(sent) / len(sent)):>16,} {r.get('x_fewer_than_fp32')!s:>8}")
+                     f"{int(_mean_bytes(r.get('bytes_per_sync') or [])):>16,} {r.get('x_fewer_than_fp32')!s:>8}")
     if any(early):
         lines.append("* compared at the baseline's last round, before this run's")
     return "\n".join(lines)

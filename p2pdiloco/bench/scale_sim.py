@@ -294,8 +294,7 @@ class SimPeer:
         self.hostile = hostile
         self.node = SimNode(sim, self, pid)
         self.mm = Matchmaker(self.node, RUN, matchmaking_timeout=sim.matchmaking_timeout)
-        if sim.rank_by_id:  # for comparison: leadership by the id alone, with no per-round draw
-            self.mm._draw = lambda round_key, peer: b""
+        self.mm._draw = sim.draw
         self.mm.record_lifetime = sim.record_lifetime
         self.gone = False
         self.left = asyncio.Event()  # set with gone: a formation in progress stops at once
@@ -328,7 +327,9 @@ class Sim:
         self.loop = VirtualLoop()
         self.clock = _Clock(self.loop)
         self.rng = random.Random(seed)
-        self.rtt, self.dht_rtts, self.replicas, self.rank_by_id = rtt, dht_rtts, replicas, rank_by_id
+        self.rtt, self.dht_rtts, self.replicas = rtt, dht_rtts, replicas
+        #: every matchmaker's draw; with rank_by_id, for comparison, none (leadership by the id alone)
+        self.draw = (lambda round_key, peer: b"") if rank_by_id else formation.draw
         self.train_s, self.sync_s, self.spread, self.churn = train_s, sync_s, spread, churn
         self.progress_period, self.matchmaking_timeout = progress_period, matchmaking_timeout
         self.record_lifetime = 3 * progress_period + 5
@@ -353,7 +354,7 @@ class Sim:
 
     def _rank(self, round_: int, pid: str) -> Tuple[bytes, str]:
         """Leadership order in ``round_`` among public peers, as the matchmakers rank (the draw, then the id)."""
-        return (b"" if self.rank_by_id else formation.draw(ready_key(RUN, 0, round_), pid)), pid
+        return self.draw(ready_key(RUN, 0, round_), pid), pid
 
     def _new_id(self) -> str:
         return "Qm" + "".join(self.rng.choice("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
@@ -574,7 +575,7 @@ def summarize_round(res: Dict[str, Any], rtt: float) -> Dict[str, Any]:
     last_in = max((r["entered"] for r in main), default=0.0)
     closing = sorted(r["done"] - last_in for r in main)
     return {
-        "round": res["round"], "peers": res["peers"], "left": res["left"], "held": res.get("held", 0),
+        "round": res["round"], "peers": res["peers"], "left": res["left"], "held": res.get("held", 0), "leader": leader,
         "hostile_first": res.get("hostile_first", False),
         "groups": len(groups), "group_sizes": sorted(groups.values(), reverse=True),
         "in_main_group": main_size, "missed": len(rows) - len(ok),
@@ -607,21 +608,21 @@ def simulate(n: int, rounds: int = 2, *, verbose: bool = True, **kwargs) -> Dict
                   f"{_real_time.monotonic() - t_wall:.0f} s of this machine's time so far", flush=True)
 
     results = sim.run(rounds, progress=progress)
+    summaries = [summarize_round(res, sim.rtt) for res in results]
     return {"n": n, "settings": {k: v for k, v in kwargs.items()}, "rtt": sim.rtt,
-            "rounds": [summarize_round(res, sim.rtt) for res in results], "over_run": summarize_run(results),
+            "rounds": summaries, "over_run": summarize_run(results, summaries),
             "wall_seconds": round(_real_time.monotonic() - t_wall, 1)}
 
 
-def summarize_run(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """The leaders' load over the whole run: who led each round, and each peer's formation bytes summed
-    over the rounds (median and heaviest peer): one peer leading every round carries the funnel alone."""
+def summarize_run(results: Sequence[Dict[str, Any]], rounds: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """The leaders' load over the whole run: who led each round (``rounds``: the rounds' summaries), and
+    each peer's formation bytes summed over the rounds (median and heaviest peer): one peer leading every
+    round carries the funnel alone."""
     total: Counter = Counter()
-    leaders: List[Optional[str]] = []
     for res in results:
         for pid, r in res["rows"].items():
             total[pid] += r.get("stats", {}).get("dht_bytes", 0) + r.get("stats", {}).get("join_bytes", 0)
-        leaders.append(next((pid for pid, r in res["rows"].items() if r.get("led") and "gid" in r), None))
-    led = Counter(p for p in leaders if p)
+    led = Counter(s["leader"] for s in rounds if s["leader"])
     return {"leaders": len(led), "most_rounds_led": max(led.values(), default=0),
             "formation_bytes": {"median": statistics.median(total.values()) if total else 0.0,
                                 "max": max(total.values(), default=0)}}
