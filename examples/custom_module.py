@@ -6,8 +6,9 @@ In a swarm (two terminals):    p2pdiloco bootstrap            # prints /ip4/127.
                                python examples/custom_module.py --initial-peers <that address> --shard 1
 
 Your loop stays yours: p2pdiloco only needs `diloco.after_inner_step(samples)` after each optimizer
-step. Every H steps the pseudo-gradients are averaged across the swarm and the outer Nesterov step is
-applied; the returned SyncReport says what happened. At the end, `diloco.finish()` applies the syncs
+step, and the loop runs to a schedule position (`diloco.position`). Every H steps the pseudo-gradients
+are averaged across the swarm and the outer Nesterov step is applied; the returned SyncReport says
+what happened. At the end, `diloco.finish()` applies the syncs
 still in flight (the default scheme overlaps each sync with the next inner steps).
 """
 import argparse
@@ -61,16 +62,22 @@ def main() -> None:
     swarm = join_swarm(cfg, model) if args.initial_peers else None
     try:
         diloco = DiLoCo(model, cfg, swarm)
-        for step in range(args.steps):
+        # train to a schedule position, not a count of this loop's steps: a peer that missed a round
+        # adopts the swarm's state and position (the steps it took meanwhile are not the swarm's), and
+        # peers that stop at the same position sync their last round together
+        while diloco.position < args.steps:
             x, y = batches.next_batch(device)
             loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
             opt.zero_grad()
             loss.backward()
             opt.step()
             for report in diloco.after_inner_step(samples=x.shape[0]):
-                show(step + 1, report, loss.item())
+                show(diloco.position, report, loss.item())
         for report in diloco.finish():  # syncs still in flight (tau overlap): wait, apply, report
-            show(args.steps, report, loss.item())
+            show(diloco.position, report, loss.item())
+        # the global model every peer of the last group holds (after a missed round, the swarm's state
+        # this peer downloaded: see p2pdiloco.DiLoCo)
+        print(f"done: synced step {diloco.synced_step}, digest {diloco.digest()}")
         diloco.close()
     finally:
         leave_swarm(swarm)

@@ -11,7 +11,7 @@ _EXPORTS = {
     "join_swarm": ".api", "leave_swarm": ".api", "model_signature": ".api",
     "RunConfig": ".config", "load_config": ".config",
     "BatchStream": ".data", "Corpus": ".data", "DataConfig": ".data", "evaluate": ".data", "load_corpus": ".data",
-    "DiLoCo": ".diloco.core", "SyncReport": ".diloco.core",
+    "DiLoCo": ".api", "SyncReport": ".diloco.core",
     "CheckpointError": ".errors", "ConfigError": ".errors", "P2PDilocoError": ".errors", "SyncFailed": ".errors",
     "UserError": ".errors", "WireError": ".errors",
     "GPT": ".model", "ModelConfig": ".model", "build_model": ".model",

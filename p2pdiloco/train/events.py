@@ -20,12 +20,41 @@ from ..swarm.node import SwarmNode
 from ..swarm.swarm import Swarm
 from .replica import Machine, Replica
 
-__all__ = ["Events", "ProgressLine", "EARLY_PUBLISH_PERIOD"]
+__all__ = ["Events", "ProgressLine", "EARLY_PUBLISH_PERIOD", "record_sync", "speed_fields"]
 
 logger = logging.getLogger(__name__)
 
 #: in its first progress_period of training (before its first sync) a peer publishes its record this often
 EARLY_PUBLISH_PERIOD = 2.0
+
+
+def speed_fields(diloco: DiLoCo, node: SwarmNode, samples: int, steps: int, t_start: float) -> Dict[str, Any]:
+    """Our progress record's fields between syncs: position, speed (``sps``: schedule positions per
+    second since ``t_start``, what the others' matchmaking derives its waits from), samples/s, traffic
+    and, with the swarm clock, its position and when it was read (:mod:`p2pdiloco.diloco.clock`)."""
+    now = time.time()
+    sent, recv = node.traffic.snapshot()
+    fields = dict(step=diloco.position, samples=samples, sent=sent, recv=recv,
+                  rate=samples / max(now - t_start, 1e-9), sps=steps / max(now - t_start, 1e-9))
+    if diloco.clock is not None:
+        fields.update(sps=diloco.clock.speed(), rate=diloco.clock.rate(), pos=diloco.clock.pos, pt=now)
+    return fields
+
+
+def record_sync(swarm: Swarm, diloco: DiLoCo, rep: SyncReport, **fields: Any) -> None:
+    """A sync's result reached the model: our progress record says so at once (peers matchmaking for our
+    next sync count on it; a peer catching up picks its donors by synced step and digest; a failed
+    round's step tells peers waiting for it that we did not complete it either). ``fields`` (losses) go
+    in the same record. Call :meth:`Swarm.follow_group` for an ok sync first (our lineage)."""
+    if rep.ok and rep.extra.get("round_samples"):  # our share of the round's samples (status, dashboard)
+        swarm.update_progress(share=rep.samples / float(rep.extra["round_samples"]))
+    synced_step, digest = diloco.sync_point()  # read together: a background sync may land any time
+    swarm.update_progress(round=diloco.outer_round(), digest=digest, last_sync=time.time(),
+                          synced_step=synced_step, next_sync=diloco.next_sync_step(), **fields)
+    if not rep.ok:  # the dashboard's history: failed rounds and why
+        swarm.note_failure(rep.round + 1, rep.fragment, rep.error or "failed")
+        swarm.update_progress(failed=rep.step)
+    swarm.publish_progress()
 
 
 class Events:
@@ -78,17 +107,8 @@ class Events:
         self.bar.update(diloco, loss, self.val, *self.node.traffic.snapshot())
 
     def update_progress(self, diloco: DiLoCo) -> None:
-        """Our progress record between publications: position, speed (``sps``: schedule positions per
-        second, what matchmaking's waits are derived from), samples/s and, with the swarm clock, its
-        position and when it was read (:mod:`p2pdiloco.diloco.clock`)."""
-        now = time.time()
-        sent, recv = self.node.traffic.snapshot()
-        rate = self.samples / max(now - self.t_start, 1e-9)  # this session's
-        fields = dict(step=diloco.position, samples=self.samples, sent=sent, recv=recv, rate=rate,
-                      sps=self.steps / max(now - self.t_start, 1e-9))
-        if diloco.clock is not None:
-            fields.update(sps=diloco.clock.speed(), rate=diloco.clock.rate(), pos=diloco.clock.pos, pt=now)
-        self.swarm.update_progress(**fields)
+        """Our progress record between publications (:func:`speed_fields`)."""
+        self.swarm.update_progress(**speed_fields(diloco, self.node, self.samples, self.steps, self.t_start))
 
     def publish_early(self) -> None:
         """During our first ``progress_period`` of training and before our first sync, publish our record
@@ -132,18 +152,9 @@ class Events:
                            overlapped_steps=rep.overlapped_steps, sync_bytes=rep.bytes_sent + rep.bytes_received,
                            peak_bytes_per_s=round(rep.peak_bytes_per_s, 1),
                            relayed_bytes=self.node.relay_stats["bytes"], **rep.extra)
-        if rep.ok and rep.extra.get("round_samples"):  # our share of the round's samples (status, dashboard)
-            swarm.update_progress(share=rep.samples / float(rep.extra["round_samples"]))
-        synced_step, digest = diloco.sync_point()  # read together: a background sync may land any time
-        swarm.update_progress(round=diloco.outer_round(), digest=digest, last_sync=time.time(),
-                              synced_step=synced_step, val_loss=self.val, loss=train_loss,
-                              next_sync=diloco.next_sync_step())
-        if rep.ok:  # the dashboard's history: loss per outer step, failed rounds and why
+        if rep.ok:  # the dashboard's history: loss per outer step
             swarm.note_val_loss(diloco.outer_round(), self.val)
-        else:
-            swarm.note_failure(rep.round + 1, rep.fragment, rep.error or "failed")
-            swarm.update_progress(failed=rep.step)  # peers waiting to catch up see nobody completed it
-        swarm.publish_progress()
+        record_sync(swarm, diloco, rep, val_loss=self.val, loss=train_loss)
         logger.info(f"[{self.me}] sync frag {rep.fragment} round {rep.round} {'ok' if rep.ok else 'FAILED'} "
                     f"group {rep.group_size} {rep.seconds:.2f}s val_loss {self.val:.4f} digest {rep.digest}")
 
