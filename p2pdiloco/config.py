@@ -368,6 +368,11 @@ class SwarmConfig:
     #: when public, also relay for peers behind NAT (swarm/relay.py; the bootstrap relays by default).
     #: Local: not part of the fingerprint
     relay: bool = False
+    #: groups of more members than this average in two levels: subgroups of at most this many members,
+    #: whose shard owners then average across subgroups, exactly and identically on every member (each
+    #: member connects to its subgroup's owners and, as an owner, to one peer per subgroup; see
+    #: swarm/allreduce.py, "Capped groups"). 0: one butterfly of all members, however many
+    group_cap: int = 0
 
     def validate(self) -> None:
         if self.reachability not in ("auto", "public", "private"):
@@ -375,6 +380,10 @@ class SwarmConfig:
         if not self.run_id or any(c in self.run_id for c in " /:\t\n"):
             raise ConfigError(f"swarm.run_id ({self.run_id!r}) must be non-empty without spaces, '/' or ':'")
         _positive(self, "swarm", "min_group_size", "min_peers_to_start")
+        if not isinstance(self.group_cap, int) or isinstance(self.group_cap, bool) or self.group_cap < 0 \
+                or self.group_cap == 1:
+            raise ConfigError(f"swarm.group_cap ({self.group_cap!r}) must be 0 (no cap) or an integer of at least "
+                              "2, e.g. 16")
         _positive_float(self, "swarm", "bootstrap_timeout", "matchmaking_timeout", "allreduce_timeout",
                         "progress_period", "start_timeout", "min_link_mbit")
         parse_maddrs(self.initial_peers, "swarm.initial_peers", require_peer_id=True)
@@ -576,6 +585,10 @@ class RunConfig:
             raise ConfigError(f"compression.codec=sparse applies the averaged top-k with outer lr 1 and no momentum "
                               f"(its error buffer is the momentum); set --set outer.lr=1 --set outer.momentum=0 "
                               f"(now lr {self.outer.lr:g}, momentum {self.outer.momentum:g})")
+        if self.swarm.group_cap:
+            raise ConfigError(f"compression.codec=sparse does not combine with swarm.group_cap "
+                              f"({self.swarm.group_cap}): its owners relay the members' parts, which do not "
+                              "average across subgroups; set --set swarm.group_cap=0")
         if self.robust.aggregator != "mean":
             raise ConfigError(f"compression.codec=sparse needs robust.aggregator=mean (now "
                               f"{self.robust.aggregator!r}): the owners relay the members' sparse parts and every "

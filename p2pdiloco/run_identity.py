@@ -58,6 +58,8 @@ def fingerprint_fields(cfg: RunConfig) -> Dict[str, Any]:
         out[f"compression.{k}"] = v
     for k, v in d["robust"].items():  # every owner applies the same screen and aggregator
         out[f"robust.{k}"] = v
+    if cfg.swarm.group_cap:  # how a round averages (absent: one level, as before the cap existed)
+        out["swarm.group_cap"] = cfg.swarm.group_cap
     out["protocol.version"] = PROTOCOL_VERSION
     return out
 

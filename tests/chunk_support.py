@@ -1,10 +1,10 @@
 """One all-reduce peer in its own process, for tests/test_allreduce_chunks.py.
 
-    python tests/chunk_support.py DIR RANK PEERS NUMEL CODEC CHUNK
+    python tests/chunk_support.py DIR RANK PEERS NUMEL CODEC CHUNK [CAP]
 
 Rank 0 writes its address to DIR/addr; every rank writes its peer id to DIR/id.<rank>, waits for
 all PEERS ids, forms the group and runs one all-reduce of ``(rank + 1) * ones(NUMEL)`` with CODEC and
-chunks of CHUNK values (``partition.CHUNK_VALUES``). It writes DIR/result.<rank>.json: the error (or
+chunks of CHUNK values (``partition.CHUNK_VALUES``), in subgroups of CAP (swarm.group_cap; default 0, one level). It writes DIR/result.<rank>.json: the error (or
 null), whether every value equals the exact mean, resident memory (MB) just before the all-reduce
 (input allocated), the process's peak (``ru_maxrss``) and how many members' parts its handler
 saw cut off mid-stream. Faults come from P2PDILOCO_FAULTS.
@@ -23,7 +23,7 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def main(out: str, rank: int, peers: int, numel: int, codec_name: str, chunk: int) -> None:
+def main(out: str, rank: int, peers: int, numel: int, codec_name: str, chunk: int, cap: int = 0) -> None:
     import torch
 
     from p2pdiloco import faults
@@ -46,7 +46,7 @@ def main(out: str, rank: int, peers: int, numel: int, codec_name: str, chunk: in
             time.sleep(0.1)
         with open(os.path.join(out, "addr")) as f:
             node = SwarmNode(json.load(f), host_maddrs=loop)
-    ar = AllReducer(node, "chunks", timeout=60.0)
+    ar = AllReducer(node, "chunks", timeout=60.0, cap=cap)
     with open(os.path.join(out, f"id.{rank}"), "w") as f:
         f.write(node.peer_id_str)
     while len([n for n in os.listdir(out) if n.startswith("id.")]) < peers:
@@ -66,10 +66,11 @@ def main(out: str, rank: int, peers: int, numel: int, codec_name: str, chunk: in
     with open(os.path.join(out, f"result.{rank}.json"), "w") as f:
         json.dump({"error": error, "exact": exact, "rss_before_mb": before, "peak_mb": peak,
                    "vector_mb": numel * 4 / 2**20, "faults": faults.counters(),
-                   "parts_cut": ar.stats["parts_cut"]}, f)
+                   "parts_cut": ar.stats["parts_cut"], "rounds_capped": ar.stats["rounds_capped"],
+                   "subgroups": len(plan.subgroups) if (plan := group.capped(cap)) else 0}, f)
     node.shutdown()
 
 
 if __name__ == "__main__":
     d, r, p, n, c, k = sys.argv[1:7]
-    main(d, int(r), int(p), int(n), c, int(k))
+    main(d, int(r), int(p), int(n), c, int(k), int(sys.argv[7]) if len(sys.argv) > 7 else 0)

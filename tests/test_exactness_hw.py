@@ -52,15 +52,18 @@ RUNS: Dict[str, tuple] = {
     "q2-lowrank-keep-tau": (["compression.codec=q2", "compression.lowrank=true", "compression.rank=4",
                              "compression.error_feedback=true", "compression.feedback_form=model",
                              "streaming.fragments=2", "streaming.tau=2"], ["default", "avx2"]),
+    # a group of 4 capped at 2: two subgroups of 2, each shard averaged across them by its column
+    "capped-e3m0-tau": (["compression.codec=e3m0", "swarm.group_cap=2", "streaming.fragments=2", "streaming.tau=2"],
+                        ["default", "avx2", "avx512", "avx2"]),
     "nf4-eager-heuristic": (["compression.codec=nf4", "compression.error_feedback=true", "streaming.mode=eager",
                              "streaming.eager_estimate=fresh_heuristic"], ["default", "avx2"]),
 }
 
 
 #: in the default suite: three kernel builds each, fp32 with tau (the default mode), low-rank 4-bit with eager and
-#: sparse (relayed parts, every member averaging them) with tau;
+#: sparse (relayed parts, every member averaging them) with tau, and a capped group (two levels) with tau;
 #: the others (~25 s each) in make test-slow
-DEFAULT_RUNS = ("fp32-tau", "lowrank-eager", "sparse-tau")
+DEFAULT_RUNS = ("fp32-tau", "lowrank-eager", "sparse-tau", "capped-e3m0-tau")
 
 
 @pytest.mark.skipif(len(CAPS) < 2, reason=f"this CPU offers one ATen kernel build only ({CAPS})")
@@ -81,6 +84,10 @@ def test_peers_on_different_kernels_stay_bitwise_identical(procs, tmp_path, run)
 
     assert_one_state_everywhere(tmp_path, run, n, lambda i, start: (
         start["cpu_capability"].lower() == caps[i].lower(), (caps[i], start["cpu_capability"])))  # the fault fired
+    if "swarm.group_cap=2" in settings:  # every round really averaged in two subgroups
+        for i in range(n):
+            syncs = [r for r in read_metrics(str(tmp_path / f"p{i}" / "metrics.jsonl")) if r["event"] == "sync"]
+            assert all(r.get("subgroups") == 2 for r in syncs), [r.get("subgroups") for r in syncs]
 
 
 def assert_one_state_everywhere(tmp_path, run: str, n: int, ran_as_told) -> None:

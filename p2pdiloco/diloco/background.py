@@ -206,3 +206,5 @@ def note_coverage(job: SyncJob, group) -> None:
     job.extra["coverage"] = cov.kind
     if cov.left_out:
         job.extra["left_out"] = list(cov.left_out)
+    if cov.subgroups:
+        job.extra["subgroups"] = cov.subgroups

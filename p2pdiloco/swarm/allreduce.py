@@ -73,6 +73,34 @@ A multi-phase reducer (low-rank) keeps the member set of its first phase for the
 (:class:`~p2pdiloco.diloco.core.DiLoCo` runs them on the restricted group), and fails the round if
 a later phase covers fewer members.
 
+Capped groups (``swarm.group_cap`` = G > 0, a group of N > G members). One butterfly of all members
+would have every member open a stream to every owner (N − 1) and every owner take N parts. Instead
+the group is cut into m = ⌈N/G⌉ *subgroups* (:func:`~.group.capped_plan`: the owners dealt
+round-robin, then the other members; sizes within one of each other; the same on every member, a
+function of the group alone), each with S = ⌊owners/m⌋ owners, so every subgroup cuts the vector into
+the same S shards. A member sends its parts to its subgroup's owners only, exactly as above (the
+subgroup is a group of its own, its id derived from the group's); the owner of shard ``k`` screens
+and averages its subgroup's parts as any owner does, then averages that mean with the other
+subgroups' owners of shard ``k`` (its *column*, one per subgroup) in a second exchange: a butterfly
+over the column, fp32, each subgroup's mean weighted by its total weight, summed in the column's
+member order, unscreened (each owner screened its own members). The column's result is bitwise the
+same on every owner of the column, which encodes it once and sends it to its subgroup as the reply
+above. So every member of every subgroup decodes the same bytes, equal to the weighted mean of the
+subgroups' means: Σ_i W_i·m_i / Σ_i W_i, with m_i each subgroup's mean in member order (the documented
+order; the flat mean sums in another, so the bits differ from an uncapped round's). The reply's
+trailer also names the whole group's members the column's mean covers (``gcov``: each subgroup adds
+a 0/1 mark per member it kept to its values, exact through the weighted mean), and the coverage rules
+above run on the whole group: a member dropped in one subgroup's shard is left out or the round re-done
+over the common members (a capped group again). A column that cannot complete (an owner or a member
+died, stalled) fails the shard in every subgroup it serves, so the round fails on every member:
+never a partial mean. A member opens streams to S owners and, as an owner, takes its subgroup's parts
+and talks to m − 1 column peers: O(G + N/G) per round instead of N. Owners send each column peer a
+fp32 part of 1/m of their shard: 8/S of the vector's fp32 bytes more per owner. Results of a
+subgroup's shard leave once its column is done (no pipelining of chunks), and a member waits up to
+three timeouts instead of 1.5. Codecs that relay parts (sparse) do not cap (refused by the config). A
+Byzantine owner's column part reaches every subgroup, as its result reaches every member of a flat
+group.
+
 Members check the owner's reply too: exact size, finite values, and a norm plausible next to their
 own part (at most ``norm_bound·√M`` times it); an implausible result is an offence of the owner and
 fails the round for that member (a Byzantine *owner* can still hand different members different
@@ -94,7 +122,7 @@ from ..compression.robust import RobustConfig
 from ..errors import SyncFailed, WireError
 from .allreduce_member import OwnerExcludedUs, PartSender
 from .allreduce_owner import ShardOwner, ShardRound
-from .group import Coverage, Group
+from .group import Coverage, Group, Level
 from .keys import handler_name
 from .partition import shard_bounds, squared_norm
 
@@ -117,11 +145,13 @@ class AllReducer(ShardOwner, PartSender):
     :mod:`.dialing`) and ``dropped_log`` (the last 256 ``(peer, gid, phase, reason)``).
     """
 
-    def __init__(self, node, run_id: str, timeout: float, robust: Optional[RobustConfig] = None):
+    def __init__(self, node, run_id: str, timeout: float, robust: Optional[RobustConfig] = None, cap: int = 0):
         self.node = node
         self.run_id = run_id
         self.timeout = timeout
         self.robust = robust or RobustConfig()
+        #: groups larger than this reduce in two levels (module docstring, "Capped groups"); 0: never
+        self.cap = cap
         #: inner.round_samples of the run (rounds by the swarm's samples): the weight screen's budget
         self.round_samples = 0
         self.handler_name = handler_name(run_id, "part")
@@ -157,7 +187,9 @@ class AllReducer(ShardOwner, PartSender):
             gate = getattr(self.node, "gate", None)
             if gate is not None:  # every shard averaged their parts: members here (quotas, protocol.py)
                 gate.vouch(members)
-            return out, Coverage(members=members, left_out=left, weight=covers[0][1])
+            plan = group.capped(self.cap)
+            return out, Coverage(members=members, left_out=left, weight=covers[0][1],
+                                 subgroups=len(plan.subgroups) if plan else 0)
         if not redo:
             raise SyncFailed(f"the shards of group {group.gid} cover different members "
                              f"({sorted(sets)}); not applied")
@@ -167,11 +199,22 @@ class AllReducer(ShardOwner, PartSender):
         sub = group.restricted_to(members)
         out, cov = await self.allreduce_covered(sub, phase, vec, weight, codec, redo=False)
         left_out = tuple(m for m in group.members if m not in cov.members)
-        return out, Coverage(members=cov.members, left_out=left_out, weight=cov.weight, redone=True)
+        return out, Coverage(members=cov.members, left_out=left_out, weight=cov.weight, redone=True,
+                             subgroups=cov.subgroups)
 
     async def _exchange(self, group: Group, phase: str, vec: torch.Tensor, weight: float,
                         codec: Codec) -> Tuple[torch.Tensor, List[Tuple[Tuple[int, ...], float]]]:
-        """One butterfly exchange: (the concatenated means, each shard's (covered indexes, weight))."""
+        """One butterfly exchange: (the concatenated means, each shard's (covered indexes, weight)). A group
+        larger than the cap exchanges within our subgroup, and each shard's owner averages through its
+        column (:meth:`_finish_capped`); the covered indexes are the whole group's either way."""
+        plan = group.capped(self.cap)
+        level = None
+        if plan is not None:
+            if codec.relays_parts:
+                raise SyncFailed(f"codec {codec.name} relays the members' parts and cannot reduce in capped "
+                                 f"groups (group of {group.size}, cap {self.cap})")
+            index, sub = group.subgroup(plan)
+            level, group = Level(group=group, plan=plan, index=index, sub=sub), sub
         owners = group.shard_owners
         if not owners:
             raise SyncFailed(f"no member of group {group.gid} can own a shard: every member is private (behind "
@@ -182,7 +225,8 @@ class AllReducer(ShardOwner, PartSender):
         mine = owner_idx.index(me) if me in owner_idx else None  # our shard, None: we own none (private)
         finite = math.isfinite(squared_norm(vec))  # a dot product: ~10x faster than isfinite().all()
         out = torch.empty(vec.numel(), dtype=torch.float32)      # every shard's mean lands here
-        rnd = None if mine is None else self._open_own_shard(group, phase, vec, weight, codec, bounds[mine], finite)
+        rnd = None if mine is None else self._open_own_shard(group, phase, vec, weight, codec, bounds[mine], finite,
+                                                             level)
         if self.before_send is not None:
             self.before_send(group, phase)
 
@@ -190,23 +234,23 @@ class AllReducer(ShardOwner, PartSender):
             a, b = bounds[k]
             if k == mine:
                 return await self._own_result(rnd, out[a:b])
-            return await self._send_part(group, phase, owner_idx[k], vec[a:b], weight, codec, out[a:b])
+            return await self._send_part(group, phase, owner_idx[k], vec[a:b], weight, codec, out[a:b], level)
 
         results = await self._run_exchanges(group, phase, [asyncio.ensure_future(exchange(k))
-                                                           for k in range(len(owners))], rnd)
+                                                           for k in range(len(owners))], rnd, 3.0 if level else 1.5)
         if not finite:
             raise SyncFailed("our own pseudo-gradient is not finite; this round is not applied here")
         return out, list(results)
 
     async def _run_exchanges(self, group: Group, phase: str, tasks: List[asyncio.Future],
-                             rnd: Optional[ShardRound]) -> List[Tuple[Tuple[int, ...], float]]:
-        """Await every shard's exchange (ours: ``rnd``) within 1.5 timeouts; any failure is the whole
-        round's :class:`SyncFailed` (never a partial average)."""
-        deadline = asyncio.get_running_loop().time() + self.timeout * 1.5
+                             rnd: Optional[ShardRound], timeouts: float) -> List[Tuple[Tuple[int, ...], float]]:
+        """Await every shard's exchange (ours: ``rnd``) within ``timeouts`` timeouts; any failure is the
+        whole round's :class:`SyncFailed` (never a partial average)."""
+        deadline = asyncio.get_running_loop().time() + self.timeout * timeouts
         excluded = False
         try:
             faults.fire("allreduce.send", frag=group.frag, round=group.round)  # fault-injection hook
-            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=self.timeout * 1.5)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=self.timeout * timeouts)
         except OwnerExcludedUs:
             excluded = True
             raise

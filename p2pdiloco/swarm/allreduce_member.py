@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -16,7 +16,7 @@ from ..compression.robust import NORM_SCREEN_MIN_NUMEL
 from ..errors import SyncFailed, WireError
 from ..ids import short_id
 from .dialing import open_stream
-from .group import Group
+from .group import Group, Level
 from .partition import chunk_bounds, chunk_values, relayed_mean, squared_norm
 from .protocol import PROTOCOL_VERSION, Traffic, note_offence, read_frame, write_frame
 
@@ -47,9 +47,10 @@ class PartSender:
         return await open_stream(self.node, peer, self.handler_name, deadline, stats=self.stats)
 
     async def _send_part(self, group: Group, phase: str, j: int, part: torch.Tensor, weight: float,
-                         codec: Codec, out: torch.Tensor) -> Tuple[Tuple[int, ...], float]:
+                         codec: Codec, out: torch.Tensor, level: Optional[Level] = None) -> Tuple[Tuple[int, ...], float]:
         """Our part of owner ``j``'s shard, chunk by chunk, while its result chunks come back on the
-        same stream into ``out``; returns (covered member indexes, their weight) from the trailer."""
+        same stream into ``out``; returns (covered member indexes, their weight) from the trailer
+        (with ``level``, ``group`` is our subgroup and the indexes are the whole group's)."""
         owner = group.members[j]
         traffic: Traffic = self.node.traffic
         sent_part, sent_weight = self._outgoing(group, phase, j, part, weight)
@@ -63,8 +64,10 @@ class PartSender:
             tasks = [asyncio.ensure_future(self._send_chunks(group, writer, sent_part, codec, chunk)),
                      asyncio.ensure_future(self._read_result(reader, owner, codec, chunk, out, group.size))]
             reply, sq = (await asyncio.gather(*tasks))[1]
-            covered = self._check_coverage(group, reply, j, owner)
-            self._check_result(group, owner, part, math.sqrt(sq))
+            covered = self._check_coverage(group, reply, j, owner, level)
+            if level is not None:
+                covered = self._check_whole_coverage(level, covered, reply, owner)
+            self._check_result(group if level is None else level.group, owner, part, math.sqrt(sq))
             return covered, float(reply["w"])
         except WireError as e:
             self.stats["replies_rejected"] += 1
@@ -137,16 +140,30 @@ class PartSender:
         return [float(w) for w in ws]
 
     @staticmethod
-    def _check_coverage(group: Group, reply: dict, j: int, owner: str) -> Tuple[int, ...]:
+    def _check_coverage(group: Group, reply: dict, j: int, owner: str, level: Optional[Level] = None) -> Tuple[int, ...]:
         """The member indexes an owner's reply says its mean covers: sorted, distinct, in range, with us
-        among them (it replied with a mean, so it kept our part), weight positive. (The owner itself
-        may be missing: its own pseudo-gradient was not finite.)"""
+        among them (it replied with a mean, so it kept our part), weight positive (up to the whole group's
+        with ``level``). (The owner itself may be missing: its own pseudo-gradient was not finite.)"""
         cov, w = reply.get("cov"), reply.get("w")
+        size = group.size if level is None else level.group.size
         if (not isinstance(cov, list) or not all(type(i) is int for i in cov) or cov != sorted(set(cov))
                 or not cov or cov[0] < 0 or cov[-1] >= group.size or group.my_index not in cov
-                or type(w) not in (int, float) or not 0 < w < 1e12 * group.size):
+                or type(w) not in (int, float) or not 0 < w < 1e12 * size):
             raise WireError(f"reply names an invalid member set {str(cov)[:60]} or weight {str(w)[:20]}", owner)
         return tuple(cov)
+
+    @staticmethod
+    def _check_whole_coverage(level: Level, covered: Tuple[int, ...], reply: dict, owner: str) -> Tuple[int, ...]:
+        """A capped group's reply also names the whole group's members its column's mean covers
+        (``gcov``): sorted, distinct, in range, and within our subgroup exactly the members the owner says
+        it kept. Returned: the shard's coverage in the whole group."""
+        gcov, whole = reply.get("gcov"), level.group
+        ours = set(level.plan.subgroups[level.index])
+        if (not isinstance(gcov, list) or not all(type(i) is int for i in gcov) or gcov != sorted(set(gcov))
+                or not gcov or gcov[0] < 0 or gcov[-1] >= whole.size
+                or {i for i in gcov if i in ours} != {level.whole_index(i) for i in covered}):
+            raise WireError(f"reply names an invalid member set {str(gcov)[:60]} of the whole group", owner)
+        return tuple(gcov)
 
     def _check_result(self, group: Group, owner: str, mine: torch.Tensor, got: float) -> None:
         """A result (of norm ``got``) far larger than our own part is implausible: every part the owner

@@ -15,16 +15,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..compression import Codec, codec_by_id
+from ..compression import Codec, codec_by_id, get_codec
 from ..compression.robust import aggregate, screen, weighted_mean
 from ..errors import SyncFailed, WireError
 from ..ids import short_id
-from .group import Group
+from .group import Group, Level
 from .partition import chunk_bounds, chunk_values, relayed_mean, squared_norm
 from .protocol import (Traffic, check_version, close_after_reply, note_offence, quota_refusal, read_header,
                        read_payload, write_frame)
 
-__all__ = ["ShardOwner", "MAX_PENDING_ROUNDS", "MAX_PENDING_PER_PEER", "MAX_PENDING_PER_STRANGER",
+__all__ = ["ShardOwner", "COLUMN", "MAX_PENDING_ROUNDS", "MAX_PENDING_PER_PEER", "MAX_PENDING_PER_STRANGER",
            "MAX_PENDING_STRANGERS"]
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,10 @@ MAX_PENDING_PER_PEER = 16
 MAX_PENDING_PER_STRANGER = 4
 #: ... and by all strangers together; the rest of MAX_PENDING_ROUNDS is the members'
 MAX_PENDING_STRANGERS = 256
+
+
+#: the phase prefix of a column's exchange (capped groups): subgroup totals, averaged without screens
+COLUMN = "x:"
 
 
 @dataclass
@@ -63,6 +67,8 @@ class ShardRound:
     epoch: int = 0                         # bumped when results already sent are replaced (see _finish)
     covered: Tuple[int, ...] = ()          # member indexes whose parts the result averages
     covered_weight: float = 0.0            # their total weight
+    level: Optional[Level] = None          # a capped group's subgroup: the mean goes through a column
+    gcovered: Tuple[int, ...] = ()         # with ``level``: whole-group indexes the mean covers
     phase: str = ""
     done: asyncio.Future = None  # None once the result is final, or the round's exception
     changed: asyncio.Event = None
@@ -102,13 +108,13 @@ class ShardOwner:
     rounds by (gid, phase))."""
 
     def _open_own_shard(self, group: Group, phase: str, vec: torch.Tensor, weight: float, codec: Codec,
-                        bounds: Tuple[int, int], finite: bool) -> ShardRound:
+                        bounds: Tuple[int, int], finite: bool, level: Optional[Level] = None) -> ShardRound:
         """Configure the round of the shard we own (``bounds`` of ``vec``) and put our own part in it:
         the parts that arrived before we formed the group start counting now."""
         me = group.my_index
         lo, hi = bounds
         rnd = self._round(group.gid, phase)
-        rnd.group, rnd.codec, rnd.numel = group, codec, hi - lo
+        rnd.group, rnd.codec, rnd.numel, rnd.level = group, codec, hi - lo, level
         rnd.chunks = chunk_bounds(hi - lo, chunk_values(codec))
         gate = getattr(self.node, "gate", None)
         for i, peer in enumerate(group.members):  # banned members' parts are dropped up front
@@ -133,8 +139,8 @@ class ShardOwner:
     async def _own_result(self, rnd: ShardRound, out: torch.Tensor) -> Tuple[Tuple[int, ...], float]:
         """Wait for our shard's result and decode it into ``out`` (the same bytes every member decodes);
         returns (covered member indexes, their weight). Incomplete at the timeout: the round fails."""
-        try:
-            await asyncio.wait_for(asyncio.shield(rnd.done), timeout=self.timeout)
+        try:  # a subgroup's shard waits for its column too (a second exchange, up to 1.5 timeouts)
+            await asyncio.wait_for(asyncio.shield(rnd.done), timeout=self.timeout * (2.5 if rnd.level else 1))
         except asyncio.TimeoutError:
             missing = rnd.missing()
             self._stalled(rnd)
@@ -148,7 +154,7 @@ class ShardOwner:
         else:
             for (s, e), data in zip(rnd.chunks, rnd.out):
                 rnd.codec.decode_into(data, out[s:e])
-        return rnd.covered, rnd.covered_weight
+        return (rnd.gcovered if rnd.level else rnd.covered), rnd.covered_weight
 
     async def _close_own_shard(self, rnd: ShardRound, phase: str, excluded: bool, deadline: float) -> None:
         """We leave the round. When an owner dropped our part (``excluded``) the others' round goes on:
@@ -322,6 +328,8 @@ class ShardOwner:
                            "w": rnd.covered_weight}
                 if rnd.codec.relays_parts:  # the relayed parts' weights: each member averages them itself
                     trailer["ws"] = [rnd.weights[i] for i in rnd.covered]
+                if rnd.level:  # the whole group's members the column's mean covers
+                    trailer["gcov"] = list(rnd.gcovered)
                 await write_frame(writer, trailer, traffic=traffic)
                 return
             else:
@@ -420,8 +428,9 @@ class ShardOwner:
                 return
             self._screen(rnd, live, weights=True)
             live = rnd.live()
-            # CenteredClip needs whole parts: no result leaves before every part is in
-            rnd.streaming = () if self._clipping(live) else tuple(live)
+            # CenteredClip needs whole parts, and a subgroup's mean its column: no result leaves before
+            # every part is in
+            rnd.streaming = () if self._clipping(rnd, live) or rnd.level else tuple(live)
         n = len(rnd.chunks)
         if tuple(live) == rnd.streaming:
             while len(rnd.out) < n and all(rnd.got[i] > len(rnd.out) for i in live):
@@ -442,6 +451,9 @@ class ShardOwner:
             return
         self._screen(rnd, live, weights=False)
         live = rnd.live()
+        if rnd.level is not None:
+            asyncio.ensure_future(self._finish_capped(rnd, live))
+            return
         if tuple(live) != rnd.streaming or len(rnd.out) < len(rnd.chunks):
             if rnd.out:
                 rnd.epoch += 1
@@ -450,7 +462,7 @@ class ShardOwner:
                 rnd.out = [self._result_chunk(rnd, live, j, a, b) for j, (a, b) in enumerate(rnd.chunks)]
             else:
                 parts, weights = [rnd.parts[i] for i in live], [rnd.weights[i] for i in live]
-                result = aggregate(parts, weights, self.robust)
+                result = aggregate(parts, weights, self.robust) if self._screened(rnd) else weighted_mean(parts, weights)
                 rnd.out = [rnd.codec.encode(result[a:b]) for a, b in rnd.chunks]
         rnd.covered = tuple(live)
         rnd.covered_weight = float(sum(rnd.weights[i] for i in live))  # member order: the same float everywhere
@@ -459,6 +471,45 @@ class ShardOwner:
         rnd.raw.clear()
         rnd.tick()
         self.stats["rounds"] += 1
+
+    async def _finish_capped(self, rnd: ShardRound, live: List[int]) -> None:
+        """A subgroup's shard: its members' mean (screened as any shard's) goes through the shard's column,
+        which averages the subgroups' means weighted by their total weights (in the column's member order,
+        fp32, unscreened: each owner screened its own members), and names the whole group's members
+        the result covers (a 0/1 mask per member appended to the values: exact through the weighted mean).
+        The result is then encoded once, as any shard's. Every owner of the column gets the same fp32
+        bytes, so every member of every subgroup decodes the same result for this shard."""
+        level = rnd.level
+        try:
+            weights = [rnd.weights[i] for i in live]
+            partial = aggregate([rnd.parts[i] for i in live], weights, self.robust)
+            mask = torch.zeros(level.group.size, dtype=torch.float32)
+            mask[[level.whole_index(i) for i in live]] = 1.0
+            k = level.plan.owners[level.index].index(level.whole_index(rnd.group.my_index))
+            column = level.group.column(level.plan, k)
+            total = float(sum(weights))  # member order, as the flat round's covered weight
+            out, cov = await self.allreduce_covered(column, COLUMN + rnd.phase, torch.cat([partial, mask]), total,
+                                                    get_codec("fp32"), redo=False)
+            if not cov.complete:
+                raise SyncFailed(f"the column of shard {k} of group {level.group.gid} covered {len(cov.members)} "
+                                 f"of its {column.size} subgroups")
+        except SyncFailed as e:
+            self._fail(rnd, e)
+            return
+        except Exception as e:  # noqa: BLE001 - any failure of the column is this round's
+            self._fail(rnd, SyncFailed(f"the column of group {level.group.gid} failed: {type(e).__name__}: {e}"))
+            return
+        if rnd.done.done():  # timed out meanwhile
+            return
+        result = out[:rnd.numel]
+        rnd.out = [rnd.codec.encode(result[a:b]) for a, b in rnd.chunks]
+        rnd.covered, rnd.covered_weight = tuple(live), cov.weight
+        rnd.gcovered = tuple(int(i) for i in torch.nonzero(out[rnd.numel:] > 0).view(-1))
+        rnd.done.set_result(None)
+        rnd.parts.clear()
+        rnd.tick()
+        self.stats["rounds"] += 1
+        self.stats["rounds_capped"] += 1
 
     @staticmethod
     def _result_chunk(rnd: ShardRound, live: Sequence[int], j: int, a: int, b: int) -> bytes:
@@ -469,12 +520,18 @@ class ShardOwner:
             return b"".join(rnd.raw[i][j] for i in live)
         return rnd.codec.encode(weighted_mean([rnd.parts[i][a:b] for i in live], [rnd.weights[i] for i in live]))
 
-    def _clipping(self, live: Sequence[int]) -> bool:
-        return self.robust.aggregator == "centered_clip" and len(live) > 2
+    def _clipping(self, rnd: ShardRound, live: Sequence[int]) -> bool:
+        return self.robust.aggregator == "centered_clip" and len(live) > 2 and self._screened(rnd)
+
+    def _screened(self, rnd: ShardRound) -> bool:
+        """A column's parts are subgroup means with their total weights: their owners screened them."""
+        return not rnd.phase.startswith(COLUMN)
 
     def _screen(self, rnd: ShardRound, live: List[int], weights: bool) -> None:
         """The robust screen over the live parts (member order): weights (known from the headers) or
         norms (known once the parts are complete). The owner's own part is never dropped."""
+        if not self._screened(rnd):
+            return
         me = rnd.group.my_index
         own = live.index(me) if me in live else -1
         if weights:

@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
 from ..errors import MatchmakingFailed, RoundMissed, WireError
 from ..ids import short_id
 from .dialing import dial_reason, ensure_connected, open_stream
-from .group import Group, make_group_id
+from .group import Group, capped_plan, make_group_id
 from .leading import LeftOut, Proposal, RoundSlot
 from .signing import plain_text
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
@@ -286,10 +286,20 @@ class JoinRequests:
         return reply
 
     async def _warm_links(self, members: Sequence[str], owners: Optional[Sequence[str]]) -> Set[str]:
-        """Connect to every owner we will send parts to; returns those still unreachable after
-        ``warm_timeout`` seconds."""
+        """Connect to every owner we will send parts to (in a group larger than ``group_cap``: our
+        subgroup's owners, and our column when we own a shard; :func:`.group.capped_plan`); returns those
+        still unreachable after ``warm_timeout`` seconds."""
         me = self.node.peer_id_str
         targets = [o for o in (owners if owners is not None else members) if o != me]
+        plan = capped_plan(members, owners if owners is not None else members, self.group_cap)
+        if plan is not None and me in members:
+            mine = members.index(me)
+            i = next(i for i, sub in enumerate(plan.subgroups) if mine in sub)
+            links = {members[j] for j in plan.owners[i]}
+            if mine in plan.owners[i]:
+                k = plan.owners[i].index(mine)
+                links |= {members[own[k]] for own in plan.owners}
+            targets = sorted(links - {me})
         if not targets:
             return set()
         deadline = asyncio.get_running_loop().time() + self.warm_timeout

@@ -252,6 +252,8 @@ class Matchmaker(Leading, JoinRequests):
                  reevaluate_period: float = 0.5, warm_timeout: float = 8.0):
         self.node = node
         self.warm_timeout = warm_timeout
+        #: the all-reduce's cap (swarm.group_cap): which owners a member warms its links to
+        self.group_cap = 0
         self.run_id = run_id
         self.matchmaking_timeout = matchmaking_timeout
         self.min_group_size = min_group_size

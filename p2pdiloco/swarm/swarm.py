@@ -56,7 +56,8 @@ HISTORY_LIFETIMES = 10
 
 class Swarm:
     def __init__(self, node: SwarmNode, run_id: str, *, matchmaking_timeout: float, allreduce_timeout: float,
-                 min_group_size: int = 1, progress_period: float = 10.0, robust: Optional[RobustConfig] = None):
+                 min_group_size: int = 1, progress_period: float = 10.0, robust: Optional[RobustConfig] = None,
+                 group_cap: int = 0):
         self.node = node
         robust = robust or RobustConfig()
         node.gate.configure(ban_after=robust.ban_after, ban_seconds=robust.ban_seconds)
@@ -67,7 +68,8 @@ class Swarm:
         # the progress records' ttl: three periods, plus room for a DHT store that waits on an unreachable
         # node (hivemind's wait_timeout, 3 s) before the next publish gets through
         self.matchmaker.record_lifetime = 3 * progress_period + 5
-        self.allreducer = AllReducer(node, run_id, timeout=allreduce_timeout, robust=robust)
+        self.matchmaker.group_cap = group_cap
+        self.allreducer = AllReducer(node, run_id, timeout=allreduce_timeout, robust=robust, cap=group_cap)
         #: derives the all-reduce / state-download timeouts from measured speed (swarm/timeouts.py)
         self.timeouts = Timeouts(allreduce_timeout)
         self._progress: Dict[str, Any] = {"reach": getattr(node, "reachability", "public")}

@@ -159,7 +159,8 @@ class Network:
         self.swarm = swarm = Swarm(node, cfg.swarm.run_id, matchmaking_timeout=cfg.swarm.matchmaking_timeout,
                                    allreduce_timeout=cfg.swarm.allreduce_timeout,
                                    min_group_size=cfg.swarm.min_group_size,
-                                   progress_period=cfg.swarm.progress_period, robust=cfg.robust)
+                                   progress_period=cfg.swarm.progress_period, robust=cfg.robust,
+                                   group_cap=cfg.swarm.group_cap)
         if cfg.train.dashboard_port:
             self.dashboard = serve_for_node(node, cfg.swarm.run_id, host=cfg.train.dashboard_host,
                                             port=cfg.train.dashboard_port, period=cfg.swarm.progress_period)
