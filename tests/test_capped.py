@@ -93,7 +93,8 @@ def _allreduce(nodes, vecs, weights, codec, cap, reducers=None, timeout=30.0):
 def two_level_reference(ids, by_id, vecs, weights, codec, cap):
     """The documented arithmetic: per shard and subgroup, the owner's decoded parts (its own through the
     codec too) averaged in member order; the column's weighted mean of the subgroups' means (weights:
-    their totals) in the column's member order, in fp32; encoded once."""
+    their totals), each through the codec, in the column's member order; then through the codec twice
+    (the column's result, and the subgroup owner's encoding of it)."""
     plan = capped_plan(ids, ids, cap)
     numel = vecs[0].numel()
     out = torch.empty(numel)
@@ -105,8 +106,8 @@ def two_level_reference(ids, by_id, vecs, weights, codec, cap):
                                                 [weights[i] for i in order]),
                                   float(sum(weights[i] for i in order)))
         column = sorted(means)
-        mean = weighted_mean([means[o][0] for o in column], [means[o][1] for o in column])
-        out[lo:hi] = codec.roundtrip(mean)
+        mean = weighted_mean([codec.roundtrip(means[o][0]) for o in column], [means[o][1] for o in column])
+        out[lo:hi] = codec.roundtrip(codec.roundtrip(mean))
     return out
 
 

@@ -75,31 +75,33 @@ a later phase covers fewer members.
 
 Capped groups (``swarm.group_cap`` = G > 0, a group of N > G members). One butterfly of all members
 would have every member open a stream to every owner (N − 1) and every owner take N parts. Instead
-the group is cut into m = ⌈N/G⌉ *subgroups* (:func:`~.group.capped_plan`: the owners dealt
-round-robin, then the other members; sizes within one of each other; the same on every member, a
-function of the group alone), each with S = ⌊owners/m⌋ owners, so every subgroup cuts the vector into
-the same S shards. A member sends its parts to its subgroup's owners only, exactly as above (the
+the group is cut into m = ⌈N/G⌉ *subgroups* (:func:`~.group.capped_plan`: the owners dealt round-
+robin, then the other members; sizes within one of each other; the same on every member, a function
+of the group alone), each with S = ⌊owners/m⌋ owners, so every subgroup cuts the vector into the
+same S shards. A member sends its parts to its subgroup's owners only, exactly as above (the
 subgroup is a group of its own, its id derived from the group's); the owner of shard ``k`` screens
 and averages its subgroup's parts as any owner does, then averages that mean with the other
 subgroups' owners of shard ``k`` (its *column*, one per subgroup) in a second exchange: a butterfly
-over the column, fp32, each subgroup's mean weighted by its total weight, summed in the column's
-member order, unscreened (each owner screened its own members). The column's result is bitwise the
-same on every owner of the column, which encodes it once and sends it to its subgroup as the reply
-above. So every member of every subgroup decodes the same bytes, equal to the weighted mean of the
-subgroups' means: Σ_i W_i·m_i / Σ_i W_i, with m_i each subgroup's mean in member order (the documented
-order; the flat mean sums in another, so the bits differ from an uncapped round's). The reply's
-trailer also names the whole group's members the column's mean covers (``gcov``: each subgroup adds
-a 0/1 mark per member it kept to its values, exact through the weighted mean), and the coverage rules
-above run on the whole group: a member dropped in one subgroup's shard is left out or the round re-done
-over the common members (a capped group again). A column that cannot complete (an owner or a member
-died, stalled) fails the shard in every subgroup it serves, so the round fails on every member:
-never a partial mean. A member opens streams to S owners and, as an owner, takes its subgroup's parts
-and talks to m − 1 column peers: O(G + N/G) per round instead of N. Owners send each column peer a
-fp32 part of 1/m of their shard: 8/S of the vector's fp32 bytes more per owner. Results of a
-subgroup's shard leave once its column is done (no pipelining of chunks), and a member waits up to
-three timeouts instead of 1.5. Codecs that relay parts (sparse) do not cap (refused by the config). A
-Byzantine owner's column part reaches every subgroup, as its result reaches every member of a flat
-group.
+over the column in the group's codec, each subgroup's mean weighted by its total weight, summed in
+the column's member order, unscreened (each owner screened its own members). Every owner of the
+column decodes the same result bytes and encodes them once for its subgroup's replies. So every
+member of every subgroup decodes the same bytes: Q(Q(Σ_i W_i·Q(m_i) / Σ_i W_i)), with m_i each
+subgroup's mean in member order, W_i its total weight, the sum in the column's order, and Q the
+codec's round trip (the documented order; with fp32, Q is the identity and the result is the exact
+weighted mean of the subgroups' means, whose bits differ from an uncapped round's, which sums in
+another order; a lossy codec's error is about √(1 + 1/m) times a flat round's). Beside it, in fp32,
+the column averages a 0/1 mark per member of the whole group (1 where a subgroup kept that member's
+part, exact through the weighted mean); the reply's trailer names the members marked (``gcov``), and
+the coverage rules above run on the whole group: a member dropped in one subgroup's shard is left
+out or the round re-done over the common members (a capped group again). A column that cannot
+complete (an owner or a member died, stalled) fails the shard in every subgroup it serves, so the
+round fails on every member: never a partial mean. A member opens streams to S owners and, as an
+owner, takes its subgroup's parts and talks to m − 1 column peers: O(G + N/G) per round instead of
+N. The column costs an owner its shard in the codec about once out and once back ((m − 1)/m of it
+each way): 1/S of a member's payload more, plus 4·N bytes of marks. Results of a subgroup's shard
+leave once its column is done (no pipelining of chunks), and a member waits up to three timeouts
+instead of 1.5. Codecs that relay parts (sparse) do not cap (refused by the config). A Byzantine
+owner's column part reaches every subgroup, as its result reaches every member of a flat group.
 
 Members check the owner's reply too: exact size, finite values, and a norm plausible next to their
 own part (at most ``norm_bound·√M`` times it); an implausible result is an offence of the owner and

@@ -475,10 +475,11 @@ class ShardOwner:
     async def _finish_capped(self, rnd: ShardRound, live: List[int]) -> None:
         """A subgroup's shard: its members' mean (screened as any shard's) goes through the shard's column,
         which averages the subgroups' means weighted by their total weights (in the column's member order,
-        fp32, unscreened: each owner screened its own members), and names the whole group's members
-        the result covers (a 0/1 mask per member appended to the values: exact through the weighted mean).
-        The result is then encoded once, as any shard's. Every owner of the column gets the same fp32
-        bytes, so every member of every subgroup decodes the same result for this shard."""
+        unscreened: each owner screened its own members) in the group's codec, and, beside it in fp32,
+        which of the whole group's members the result covers (a 0/1 mark per member each subgroup kept:
+        exact through the weighted mean). Every owner of the column decodes the same bytes; it encodes the
+        result once for its subgroup, as any shard's, so every member of every subgroup decodes the same
+        result for this shard."""
         level = rnd.level
         try:
             weights = [rnd.weights[i] for i in live]
@@ -488,11 +489,13 @@ class ShardOwner:
             k = level.plan.owners[level.index].index(level.whole_index(rnd.group.my_index))
             column = level.group.column(level.plan, k)
             total = float(sum(weights))  # member order, as the flat round's covered weight
-            out, cov = await self.allreduce_covered(column, COLUMN + rnd.phase, torch.cat([partial, mask]), total,
-                                                    get_codec("fp32"), redo=False)
-            if not cov.complete:
-                raise SyncFailed(f"the column of shard {k} of group {level.group.gid} covered {len(cov.members)} "
-                                 f"of its {column.size} subgroups")
+            (out, cov), (marks, marked) = await asyncio.gather(
+                self.allreduce_covered(column, COLUMN + rnd.phase, partial, total, rnd.codec, redo=False),
+                self.allreduce_covered(column, COLUMN + "cov:" + rnd.phase, mask, total, get_codec("fp32"),
+                                       redo=False))
+            if not (cov.complete and marked.complete):
+                raise SyncFailed(f"the column of shard {k} of group {level.group.gid} covered "
+                                 f"{min(len(cov.members), len(marked.members))} of its {column.size} subgroups")
         except SyncFailed as e:
             self._fail(rnd, e)
             return
@@ -501,10 +504,9 @@ class ShardOwner:
             return
         if rnd.done.done():  # timed out meanwhile
             return
-        result = out[:rnd.numel]
-        rnd.out = [rnd.codec.encode(result[a:b]) for a, b in rnd.chunks]
+        rnd.out = [rnd.codec.encode(out[a:b]) for a, b in rnd.chunks]
         rnd.covered, rnd.covered_weight = tuple(live), cov.weight
-        rnd.gcovered = tuple(int(i) for i in torch.nonzero(out[rnd.numel:] > 0).view(-1))
+        rnd.gcovered = tuple(int(i) for i in torch.nonzero(marks > 0).view(-1))
         rnd.done.set_result(None)
         rnd.parts.clear()
         rnd.tick()
