@@ -36,7 +36,9 @@ their join handler takes every request and never answers; ``--stalling K`` adds 
 group. ``--claiming K`` adds K identities (ids as anyone's) whose progress record claims, all round,
 to be one step short of the sync at 0.001 steps/s, and which never get ready (their join handler
 holds requests as a silent one's does): each round that waits for them waits to the matchmaking
-timeout. The figures are the honest peers'.
+timeout. The figures are the honest peers'. With ``--cap G`` (``swarm.group_cap``) each member's
+warm step connects to the owners its capped all-reduce will talk to (its subgroup's, and its column
+when it owns a shard), so the peers talked to are the formation's plus the all-reduce's.
 
 Reported per N and round, per peer: DHT messages and bytes of the formation (reads by purpose,
 stores), of the background over the round, join-protocol frames sent and bytes (sent and received),
@@ -296,6 +298,7 @@ class SimPeer:
         self.mm = Matchmaker(self.node, RUN, matchmaking_timeout=sim.matchmaking_timeout)
         self.mm._draw = sim.draw
         self.mm.record_lifetime = sim.record_lifetime
+        self.mm.group_cap = sim.cap  # the warm step connects to the owners the capped all-reduce will use
         self.gone = False
         self.left = asyncio.Event()  # set with gone: a formation in progress stops at once
         self.stats: Counter = Counter()
@@ -323,8 +326,9 @@ class Sim:
     def __init__(self, n: int, *, seed: int = 0, rtt: float = 0.05, dht_rtts: float = 2.0, replicas: int = 5,
                  train_s: float = 60.0, sync_s: float = 5.0, spread: float = 0.2, churn: float = 0.0,
                  progress_period: float = 10.0, matchmaking_timeout: float = 30.0, silent: int = 0,
-                 stalling: int = 0, claiming: int = 0, rank_by_id: bool = False) -> None:
+                 stalling: int = 0, claiming: int = 0, rank_by_id: bool = False, cap: int = 0) -> None:
         self.loop = VirtualLoop()
+        self.cap = cap
         self.clock = _Clock(self.loop)
         self.rng = random.Random(seed)
         self.rtt, self.dht_rtts, self.replicas = rtt, dht_rtts, replicas
@@ -697,6 +701,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="identities whose records claim to be due and slow every round, never ready")
     ap.add_argument("--rank-by-id", action="store_true",
                     help="for comparison: leaders ranked by their id alone (no per-round draw)")
+    ap.add_argument("--cap", type=int, default=0,
+                    help="swarm.group_cap: each member's warm step connects to its subgroup's owners and its column")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/scale_sim")
     args = ap.parse_args(argv)
@@ -714,7 +720,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         runs.append(simulate(n, args.rounds, seed=args.seed, rtt=args.rtt, dht_rtts=args.dht_rtts,
                              replicas=args.replicas, train_s=args.train_s, sync_s=args.sync_s, spread=args.spread,
                              churn=args.churn, silent=args.silent, stalling=args.stalling, claiming=args.claiming,
-                             rank_by_id=args.rank_by_id,
+                             rank_by_id=args.rank_by_id, cap=args.cap,
                              progress_period=args.progress_period,
                              matchmaking_timeout=args.matchmaking_timeout))
         with open(os.path.join(args.out, "results.json"), "w") as f:

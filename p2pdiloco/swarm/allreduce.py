@@ -97,11 +97,13 @@ out or the round re-done over the common members (a capped group again). A colum
 complete (an owner or a member died, stalled) fails the shard in every subgroup it serves, so the
 round fails on every member: never a partial mean. A member opens streams to S owners and, as an
 owner, takes its subgroup's parts and talks to m − 1 column peers: O(G + N/G) per round instead of
-N. The column costs an owner its shard in the codec about once out and once back ((m − 1)/m of it
-each way): 1/S of a member's payload more, plus 4·N bytes of marks. Results of a subgroup's shard
-leave once its column is done (no pipelining of chunks), and a member waits up to three timeouts
-instead of 1.5. Codecs that relay parts (sparse) do not cap (refused by the config). A Byzantine
-owner's column part reaches every subgroup, as its result reaches every member of a flat group.
+N. The column costs an owner (m − 1)/m of its shard in the codec out and as much back, plus 4·N
+bytes of marks: when every member owns a shard (S = G), a member sends 2(1 − 1/G) + 2(1 − 1/m)/G =
+2(1 − 1/N) encoded vectors per round, exactly a flat butterfly's bytes. Results of a subgroup's
+shard leave once its column is done (no pipelining of chunks), and a member waits up to three
+timeouts instead of 1.5. Codecs that relay parts (sparse) do not cap (refused by the config). A
+Byzantine owner's column part reaches every subgroup, as its result reaches every member of a flat
+group.
 
 Members check the owner's reply too: exact size, finite values, and a norm plausible next to their
 own part (at most ``norm_bound·√M`` times it); an implausible result is an offence of the owner and

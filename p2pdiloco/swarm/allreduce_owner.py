@@ -69,6 +69,7 @@ class ShardRound:
     covered_weight: float = 0.0            # their total weight
     level: Optional[Level] = None          # a capped group's subgroup: the mean goes through a column
     gcovered: Tuple[int, ...] = ()         # with ``level``: whole-group indexes the mean covers
+    column: Optional[asyncio.Task] = None  # with ``level``: the column's exchange, once every part is in
     phase: str = ""
     done: asyncio.Future = None  # None once the result is final, or the round's exception
     changed: asyncio.Event = None
@@ -451,8 +452,9 @@ class ShardOwner:
             return
         self._screen(rnd, live, weights=False)
         live = rnd.live()
-        if rnd.level is not None:
-            asyncio.ensure_future(self._finish_capped(rnd, live))
+        if rnd.level is not None:  # once: the parts it averages are fixed from here on
+            if rnd.column is None:
+                rnd.column = asyncio.ensure_future(self._finish_capped(rnd, live))
             return
         if tuple(live) != rnd.streaming or len(rnd.out) < len(rnd.chunks):
             if rnd.out:
