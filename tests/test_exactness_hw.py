@@ -55,6 +55,10 @@ RUNS: Dict[str, tuple] = {
     # a group of 4 capped at 2: two subgroups of 2, each shard averaged across them by its column
     "capped-e3m0-tau": (["compression.codec=e3m0", "swarm.group_cap=2", "streaming.fragments=2", "streaming.tau=2"],
                         ["default", "avx2", "avx512", "avx2"]),
+    # low-rank's phases (P, then Q) each capped
+    "capped-lowrank-eager": (["compression.codec=e3m0", "compression.lowrank=true", "compression.rank=4",
+                              "swarm.group_cap=2", "streaming.fragments=2", "streaming.mode=eager"],
+                             ["avx2", "default", "avx512", "default"]),
     "nf4-eager-heuristic": (["compression.codec=nf4", "compression.error_feedback=true", "streaming.mode=eager",
                              "streaming.eager_estimate=fresh_heuristic"], ["default", "avx2"]),
 }
