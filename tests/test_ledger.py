@@ -88,3 +88,35 @@ def test_the_benchmark_averages_ledgers_and_breaks_the_interface_bytes_down():
     assert "8.1 KB" in lines["DHT total"]
     assert "30.9 KB" in lines["rest (framing, encryption, TCP/IP, matchmaking messages)"]
     assert format_breakdown({"no-ledger": dict(m, dht_ledger_per_peer=None)}) == []
+
+
+class _Node:
+    """read_near as the background reader calls it: records which reads went over the network."""
+
+    def __init__(self, records):
+        self.records, self.network = records, []
+
+    def read_near(self, key, network=True):
+        self.network.append(network)
+        return self.records if network else None  # not one of the key's nearest nodes: no local copy
+
+
+def test_the_background_reader_takes_a_formation_read_as_its_read_of_the_period():
+    """A peer that is not one of the progress key's nearest nodes reads every record over the network once
+    per period; a formation read (every record, from every node) within the period is that read."""
+    import threading
+    import time as _time
+
+    from p2pdiloco.swarm.swarm import Swarm
+
+    swarm = Swarm.__new__(Swarm)
+    swarm.run_id, swarm.progress_period, swarm._progress_lock, swarm._view = "r", 10.0, threading.Lock(), None
+    swarm.node = _Node({"b": {"step": 2}})
+    swarm.matchmaker = type("MM", (), {"live_of": staticmethod(lambda recs: dict(recs))})()
+    now = _time.monotonic()
+    swarm.matchmaker.last_read = (now - 1.0, {"a": {"step": 1}})        # matchmaking read a second ago
+    last = swarm.read_view(-float("inf"))
+    assert swarm.node.network == [False] and swarm.peers_view() == {"a": {"step": 1}} and last == now - 1.0
+    swarm.matchmaker.last_read = (now - 20.0, {"a": {"step": 1}})       # long ago: the period's read is due
+    last = swarm.read_view(now - 20.0)
+    assert swarm.node.network == [False, True] and swarm.peers_view() == {"b": {"step": 2}} and last >= now

@@ -254,6 +254,9 @@ class Matchmaker(Leading, JoinRequests):
         self.warm_timeout = warm_timeout
         #: the all-reduce's cap (swarm.group_cap): which owners a member warms its links to
         self.group_cap = 0
+        #: (monotonic time, live peers) of our last network read of the progress records: the background
+        #: reader takes it as its own read of that period (Swarm.start_publishing)
+        self.last_read: Tuple[float, Dict[str, Dict[str, Any]]] = (-float("inf"), {})
         self.run_id = run_id
         self.matchmaking_timeout = matchmaking_timeout
         self.min_group_size = min_group_size
@@ -956,6 +959,7 @@ class Matchmaker(Leading, JoinRequests):
         of peers whose stores skipped us while we were cut off (their routing tables dropped us), and
         a view without them would stop us waiting for them."""
         live = self.live_of(await self.node.aget_subkeys(progress_key(self.run_id), why="formation"))
+        self.last_read = (time.monotonic(), live)
         self._live_count = len(set(live) | {self.node.peer_id_str})
         if check and self.give_way is not None and (why := self.give_way(live)):
             raise RoundMissed(why)

@@ -326,16 +326,8 @@ class Swarm:
         def read() -> None:  # its own thread: a slow read must not delay our record (and vice versa)
             last_network = -float("inf")
             while not self._stop.wait(min(self.progress_period, LOCAL_READ_PERIOD)):
-                try:  # from our own DHT storage when we hold the key (free), else over the network every period
-                    due = time.monotonic() - last_network >= self.progress_period
-                    records = self.node.read_near(progress_key(self.run_id), network=due)
-                    if records is None:
-                        continue
-                    if due:
-                        last_network = time.monotonic()
-                    view = self.matchmaker.live_of(records)
-                    with self._progress_lock:
-                        self._view = view
+                try:
+                    last_network = self.read_view(last_network)
                 except Exception as e:
                     logger.debug(f"progress read failed: {e}")
 
@@ -343,6 +335,26 @@ class Swarm:
         self._publisher.start()
         self._reader = threading.Thread(target=read, name="p2pdiloco-peers", daemon=True)
         self._reader.start()
+
+    def read_view(self, last_network: float) -> float:
+        """One pass of the background reader: refresh :meth:`peers_view` from our own DHT storage when we
+        hold the progress key (free), else over the network once per progress_period. A network read of
+        the records that matchmaking made (every record, from every node holding them) counts as that
+        period's read: its records become the view, and no second read follows within the period.
+        Returns the monotonic time of the last network read."""
+        formed, live = self.matchmaker.last_read
+        if formed > last_network:
+            last_network = formed
+            with self._progress_lock:
+                self._view = live
+        due = time.monotonic() - last_network >= self.progress_period
+        records = self.node.read_near(progress_key(self.run_id), network=due)
+        if records is None:
+            return last_network
+        view = self.matchmaker.live_of(records)
+        with self._progress_lock:
+            self._view = view
+        return time.monotonic() if due else last_network
 
     def peers_view(self) -> Optional[Dict[str, Dict[str, Any]]]:
         """The live peers as of the background reader's last read (None before its first), without waiting."""
