@@ -164,6 +164,28 @@ def test_a_capped_group_is_bitwise_identical_and_equals_the_two_level_mean(seven
 
 
 @pytest.mark.timeout(300)
+def test_a_column_larger_than_the_cap_is_capped_again(seven):
+    """Cap 2: four subgroups of 2, 2, 2 and 1, so each shard's column (4 owners) is larger than the cap
+    and averages in two levels itself. Still one result on every member: the weighted mean, to fp32
+    rounding, covering everyone."""
+    codec = get_codec("fp32")
+    numel = 4000
+    g = torch.Generator().manual_seed(8)
+    vecs = [torch.randn(numel, generator=g) for _ in range(7)]
+    weights = [1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0]
+    results, ids, reducers = _allreduce(seven, vecs, weights, codec, cap=2)
+    assert all(isinstance(r, tuple) for r in results), results
+    assert all(r[0].numpy().tobytes() == results[0][0].numpy().tobytes() for r in results)
+    exact = sum(w * v.double() for w, v in zip(weights, vecs)) / sum(weights)
+    assert torch.allclose(results[0][0].double(), exact, atol=1e-6)
+    assert all(cov.complete and cov.subgroups == 4 for _, cov in results)
+    # the columns were capped too: more two-level shard rounds than the 4 subgroups' one shard each
+    assert sum(r.stats["rounds_capped"] for r in reducers) > 4
+    for n in seven:
+        n.gate.forgive()
+
+
+@pytest.mark.timeout(300)
 def test_a_member_that_sends_one_owner_a_bad_part_is_left_out_and_the_others_agree(seven):
     """Member 0 (by the nodes' order) sends a NaN part to one owner only: that shard's column covers six
     members, the other shard seven, so the round is re-done over the six, a capped group again."""

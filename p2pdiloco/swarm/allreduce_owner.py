@@ -484,8 +484,9 @@ class ShardOwner:
         result for this shard."""
         level = rnd.level
         try:
-            weights = [rnd.weights[i] for i in live]
-            partial = aggregate([rnd.parts[i] for i in live], weights, self.robust)
+            weights, parts = [rnd.weights[i] for i in live], [rnd.parts[i] for i in live]
+            # a column larger than the cap is capped again: its subgroups' parts are means, averaged as they are
+            partial = aggregate(parts, weights, self.robust) if self._screened(rnd) else weighted_mean(parts, weights)
             mask = torch.zeros(level.group.size, dtype=torch.float32)
             mask[[level.whole_index(i) for i in live]] = 1.0
             k = level.plan.owners[level.index].index(level.whole_index(rnd.group.my_index))
