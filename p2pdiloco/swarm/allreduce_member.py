@@ -47,7 +47,8 @@ class PartSender:
         return await open_stream(self.node, peer, self.handler_name, deadline, stats=self.stats)
 
     async def _send_part(self, group: Group, phase: str, j: int, part: torch.Tensor, weight: float,
-                         codec: Codec, out: torch.Tensor, level: Optional[Level] = None) -> Tuple[Tuple[int, ...], float]:
+                         codec: Codec, out: torch.Tensor,
+                         level: Optional[Level] = None) -> Tuple[Tuple[int, ...], float]:
         """Our part of owner ``j``'s shard, chunk by chunk, while its result chunks come back on the
         same stream into ``out``; returns (covered member indexes, their weight) from the trailer
         (with ``level``, ``group`` is our subgroup and the indexes are the whole group's)."""
@@ -140,7 +141,8 @@ class PartSender:
         return [float(w) for w in ws]
 
     @staticmethod
-    def _check_coverage(group: Group, reply: dict, j: int, owner: str, level: Optional[Level] = None) -> Tuple[int, ...]:
+    def _check_coverage(group: Group, reply: dict, j: int, owner: str,
+                        level: Optional[Level] = None) -> Tuple[int, ...]:
         """The member indexes an owner's reply says its mean covers: sorted, distinct, in range, with us
         among them (it replied with a mean, so it kept our part), weight positive (up to the whole group's
         with ``level``). (The owner itself may be missing: its own pseudo-gradient was not finite.)"""

@@ -464,7 +464,8 @@ class ShardOwner:
                 rnd.out = [self._result_chunk(rnd, live, j, a, b) for j, (a, b) in enumerate(rnd.chunks)]
             else:
                 parts, weights = [rnd.parts[i] for i in live], [rnd.weights[i] for i in live]
-                result = aggregate(parts, weights, self.robust) if self._screened(rnd) else weighted_mean(parts, weights)
+                result = (aggregate(parts, weights, self.robust) if self._screened(rnd)
+                          else weighted_mean(parts, weights))
                 rnd.out = [rnd.codec.encode(result[a:b]) for a, b in rnd.chunks]
         rnd.covered = tuple(live)
         rnd.covered_weight = float(sum(rnd.weights[i] for i in live))  # member order: the same float everywhere
