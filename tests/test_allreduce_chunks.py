@@ -30,10 +30,10 @@ from p2pdiloco.compression.sparse import sparse_codec
 from p2pdiloco.errors import SyncFailed
 from p2pdiloco.swarm import partition
 from p2pdiloco.swarm.allreduce import AllReducer
-from p2pdiloco.swarm.group import Group, make_group_id
 from p2pdiloco.swarm.partition import chunk_bounds, chunk_values, shard_bounds
 from p2pdiloco.swarm.node import SwarmNode
 from p2pdiloco.swarm.protocol import write_frame
+from reducer_support import run_allreduce
 
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,19 +53,7 @@ def trio():
 
 
 def _allreduce(nodes, vecs, weights, codec, reducers=None):
-    run = reducers[0].run_id if reducers else f"chunks{next(_runs)}"
-    reducers = reducers or [AllReducer(n, run, timeout=30.0) for n in nodes]
-    ids = sorted(n.peer_id_str for n in nodes)
-    gid = make_group_id(run, 0, 1, ids)
-    futs = [n.submit(r.allreduce(Group(gid, tuple(ids), ids.index(n.peer_id_str), 0, 1), "d", v, w, codec))
-            for n, r, v, w in zip(nodes, reducers, vecs, weights)]
-    out = []
-    for f in futs:
-        try:
-            out.append(f.result(90))
-        except Exception as e:  # noqa: BLE001 - SyncFailed is a result here
-            out.append(e)
-    return out, ids, reducers
+    return run_allreduce(nodes, vecs, weights, codec, reducers=reducers)
 
 
 def _owner_arithmetic(nodes, ids, vecs, weights, codec, keep=lambda i: True):

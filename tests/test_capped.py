@@ -30,9 +30,10 @@ from p2pdiloco.compression import get_codec
 from p2pdiloco.compression.robust import weighted_mean
 from p2pdiloco.errors import SyncFailed
 from p2pdiloco.swarm.allreduce import AllReducer
-from p2pdiloco.swarm.group import Group, capped_plan, make_group_id
+from p2pdiloco.swarm.group import capped_plan
 from p2pdiloco.swarm.node import SwarmNode
 from p2pdiloco.swarm.partition import shard_bounds
+from reducer_support import run_allreduce
 
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,19 +76,7 @@ def seven():
 
 
 def _allreduce(nodes, vecs, weights, codec, cap, reducers=None, timeout=30.0):
-    run = reducers[0].run_id if reducers else f"capped{next(_runs)}"
-    reducers = reducers or [AllReducer(n, run, timeout=timeout, cap=cap) for n in nodes]
-    ids = sorted(n.peer_id_str for n in nodes)
-    gid = make_group_id(run, 0, 1, ids)
-    futs = [n.submit(r.allreduce_covered(Group(gid, tuple(ids), ids.index(n.peer_id_str), 0, 1), "d", v, w, codec))
-            for n, r, v, w in zip(nodes, reducers, vecs, weights) if v is not None]
-    out = []
-    for f in futs:
-        try:
-            out.append(f.result(120))
-        except Exception as e:  # noqa: BLE001 - SyncFailed is a result here
-            out.append(e)
-    return out, ids, reducers
+    return run_allreduce(nodes, vecs, weights, codec, reducers=reducers, cap=cap, timeout=timeout, covered=True)
 
 
 def two_level_reference(ids, by_id, vecs, weights, codec, cap):
