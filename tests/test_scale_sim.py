@@ -46,6 +46,18 @@ def test_a_swarm_without_churn_forms_one_group_of_everyone_and_the_modules_are_r
         assert r["formation_bytes"]["leader"] > r["formation_bytes"]["median"] > 0
 
 
+def test_with_a_cap_a_member_warms_links_to_its_subgroup_and_column_only():
+    """30 peers, cap 5: six subgroups of five owners; a member's warm step connects to its 4 subgroup
+    owners and its column's 5 other owners (plus the leader, and the peers that asked it to lead): far fewer
+    than the 29 others an uncapped butterfly would. One group of all still forms."""
+    capped = scale_sim.simulate(30, 2, verbose=False, churn=0.0, seed=3, cap=5)
+    flat = scale_sim.simulate(30, 2, verbose=False, churn=0.0, seed=3)
+    for c, f in zip(capped["rounds"], flat["rounds"]):
+        assert (c["groups"], c["in_main_group"], c["missed"]) == (1, 30, 0)
+        assert f["peers_talked"]["median"] == 29
+        assert c["peers_talked"]["median"] <= 4 + 5 + 3, c["peers_talked"]
+
+
 def test_leading_spreads_over_the_swarm_with_the_draw_and_funnels_into_one_peer_by_id():
     """Over 4 rounds of 12 peers, the per-round draw gives each round another leader, and the heaviest
     peer's formation bytes over the run fall; ranked by the id alone, one peer leads (and carries) them all."""
