@@ -178,8 +178,8 @@ def test_bad_part_from_one_peer_is_rejected_and_logged_with_its_id(clean, caplog
     offender = nodes[1].peer_id_str
     original = ars[1]._send_part
 
-    async def send_bad(group, phase, j, part, weight, codec_, out):
-        return await original(group, phase, j, part, weight, bad, out)
+    async def send_bad(group, phase, j, part, weight, codec_, out, level=None):
+        return await original(group, phase, j, part, weight, bad, out, level)
 
     monkeypatch.setattr(ars[1], "_send_part", send_bad)
     n = 5000

@@ -80,8 +80,8 @@ def test_malformed_sparse_part_is_dropped_naming_the_sender(clean, caplog, monke
     bad = _BadPositions(kind)
     original = ars[1]._send_part
 
-    async def send_bad(group, phase, j, part, weight, codec_, out):
-        return await original(group, phase, j, part, weight, bad, out)
+    async def send_bad(group, phase, j, part, weight, codec_, out, level=None):
+        return await original(group, phase, j, part, weight, bad, out, level)
 
     monkeypatch.setattr(ars[1], "_send_part", send_bad)
     n = 1024 * 9
