@@ -463,9 +463,7 @@ class ShardOwner:
             if rnd.codec.relays_parts:
                 rnd.out = [self._result_chunk(rnd, live, j, a, b) for j, (a, b) in enumerate(rnd.chunks)]
             else:
-                parts, weights = [rnd.parts[i] for i in live], [rnd.weights[i] for i in live]
-                result = (aggregate(parts, weights, self.robust) if self._screened(rnd)
-                          else weighted_mean(parts, weights))
+                result = self._mean(rnd, live)
                 rnd.out = [rnd.codec.encode(result[a:b]) for a, b in rnd.chunks]
         rnd.covered = tuple(live)
         rnd.covered_weight = float(sum(rnd.weights[i] for i in live))  # member order: the same float everywhere
@@ -485,14 +483,12 @@ class ShardOwner:
         result for this shard."""
         level = rnd.level
         try:
-            weights, parts = [rnd.weights[i] for i in live], [rnd.parts[i] for i in live]
-            # a column larger than the cap is capped again: its subgroups' parts are means, averaged as they are
-            partial = aggregate(parts, weights, self.robust) if self._screened(rnd) else weighted_mean(parts, weights)
+            partial = self._mean(rnd, live)
             mask = torch.zeros(level.group.size, dtype=torch.float32)
             mask[[level.whole_index(i) for i in live]] = 1.0
             k = level.plan.owners[level.index].index(level.whole_index(rnd.group.my_index))
             column = level.group.column(level.plan, k)
-            total = float(sum(weights))  # member order, as the flat round's covered weight
+            total = float(sum(rnd.weights[i] for i in live))  # member order, as a flat round's covered weight
             (out, cov), (marks, marked) = await asyncio.gather(
                 self.allreduce_covered(column, COLUMN + rnd.phase, partial, total, rnd.codec, redo=False),
                 self.allreduce_covered(column, COLUMN + "cov:" + rnd.phase, mask, total, get_codec("fp32"),
@@ -528,6 +524,12 @@ class ShardOwner:
 
     def _clipping(self, rnd: ShardRound, live: Sequence[int]) -> bool:
         return self.robust.aggregator == "centered_clip" and len(live) > 2 and self._screened(rnd)
+
+    def _mean(self, rnd: ShardRound, live: Sequence[int]) -> torch.Tensor:
+        """The live parts' aggregate (member order): the robust one, or for a column's parts (subgroup means,
+        already screened, including those of a column capped again) the weighted mean as they are."""
+        parts, weights = [rnd.parts[i] for i in live], [rnd.weights[i] for i in live]
+        return aggregate(parts, weights, self.robust) if self._screened(rnd) else weighted_mean(parts, weights)
 
     def _screened(self, rnd: ShardRound) -> bool:
         """A column's parts are subgroup means with their total weights: their owners screened them."""

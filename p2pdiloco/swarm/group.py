@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Set, Tuple
 
 __all__ = ["Group", "Coverage", "CappedPlan", "Level", "capped_plan", "make_group_id", "TIER_PUBLIC", "TIER_RELAYED",
            "TIER_PRIVATE", "tier_of"]
@@ -55,6 +55,20 @@ class CappedPlan:
     @property
     def shards(self) -> int:
         return len(self.owners[0])
+
+    def subgroup_of(self, idx: int) -> int:
+        """The subgroup of member ``idx``."""
+        return next(i for i, sub in enumerate(self.subgroups) if idx in sub)
+
+    def peers_of(self, idx: int) -> Set[int]:
+        """The members member ``idx`` opens part streams to: its subgroup's owners and, when it owns shard
+        ``k`` there, the owners of shard ``k`` in the other subgroups (its column); itself excluded."""
+        own = self.owners[self.subgroup_of(idx)]
+        peers = set(own)
+        if idx in own:
+            k = own.index(idx)
+            peers |= {other[k] for other in self.owners}
+        return peers - {idx}
 
 
 def capped_plan(members: Sequence[str], owners: Sequence[str], cap: int) -> Optional[CappedPlan]:
@@ -120,7 +134,7 @@ class Group:
     def subgroup(self, plan: CappedPlan) -> Tuple[int, "Group"]:
         """(i, our subgroup ``i`` of ``plan`` as a group of its own): its members send their parts to its
         owners. Its id derives from this group's, so the members of one subgroup agree on it."""
-        i = next(k for k, sub in enumerate(plan.subgroups) if self.my_index in sub)
+        i = plan.subgroup_of(self.my_index)
         members = tuple(self.members[j] for j in plan.subgroups[i])
         owners = tuple(self.members[j] for j in plan.owners[i])
         return i, Group(gid=_derived_gid(self.gid, "sub", i, *members), members=members,

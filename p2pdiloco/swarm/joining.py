@@ -290,16 +290,12 @@ class JoinRequests:
         subgroup's owners, and our column when we own a shard; :func:`.group.capped_plan`); returns those
         still unreachable after ``warm_timeout`` seconds."""
         me = self.node.peer_id_str
-        targets = [o for o in (owners if owners is not None else members) if o != me]
-        plan = capped_plan(members, owners if owners is not None else members, self.group_cap)
+        owners = owners if owners is not None else members
+        plan = capped_plan(members, owners, self.group_cap)
         if plan is not None and me in members:
-            mine = members.index(me)
-            i = next(i for i, sub in enumerate(plan.subgroups) if mine in sub)
-            links = {members[j] for j in plan.owners[i]}
-            if mine in plan.owners[i]:
-                k = plan.owners[i].index(mine)
-                links |= {members[own[k]] for own in plan.owners}
-            targets = sorted(links - {me})
+            targets = sorted(members[j] for j in plan.peers_of(members.index(me)))
+        else:
+            targets = [o for o in owners if o != me]
         if not targets:
             return set()
         deadline = asyncio.get_running_loop().time() + self.warm_timeout
