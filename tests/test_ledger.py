@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from p2pdiloco.bench.run import format_breakdown, summarize_mode
@@ -120,3 +122,48 @@ def test_the_background_reader_takes_a_formation_read_as_its_read_of_the_period(
     swarm.matchmaker.last_read = (now - 20.0, {"a": {"step": 1}})       # long ago: the period's read is due
     last = swarm.read_view(now - 20.0)
     assert swarm.node.network == [False, True] and swarm.peers_view() == {"b": {"step": 2}} and last >= now
+
+
+@pytest.mark.timeout(180)
+def test_a_read_asks_the_keys_nearest_nodes_and_keeps_what_it_found_to_itself(monkeypatch):
+    """Every node asked answers with the whole dictionary (every peer's record): a read asks the key's
+    READ_BEAM nearest nodes, not every node hivemind's lookup meets, pushes no copy to another node and
+    does not read the key again by itself before its entries expire. Only the first look at a run
+    (``wide``) asks more."""
+    from p2pdiloco.swarm.node import READ_BEAM
+
+    monkeypatch.setenv(ledger.ENV, "1")
+    first = SwarmNode([], host_maddrs=LOOP)
+    nodes = [first]
+    try:
+        nodes += [SwarmNode(first.visible_maddrs(), host_maddrs=LOOP) for _ in range(7)]
+        for n in nodes:
+            n.lookup_near("wide:progress").result(timeout=30)
+        for i, n in enumerate(nodes):
+            assert n.store_near("wide:progress", {"step": i, "pad": "x" * 300}, ttl=12) >= 3
+        reader = SwarmNode(first.visible_maddrs(), host_maddrs=LOOP, client_mode=True)  # holds no copy itself
+        nodes.append(reader)
+
+        def found_bytes() -> int:
+            row = reader.dht_ledger().get("find:progress", [0, 0, 0])
+            return row[2]
+
+        one_copy = 8 * 300  # the pads alone: a copy of the dictionary is at least this, and under twice it
+        before = found_bytes()
+        got = reader.get_subkeys("wide:progress", why="formation")
+        narrow = found_bytes() - before
+        assert {d["step"] for d in got.values()} == set(range(8))
+        before = found_bytes()
+        reader.get_subkeys("wide:progress", why="start", wide=True)
+        wide = found_bytes() - before
+        # store_near put every record on the key's 5 nearest nodes: a wide read gets a copy from each
+        assert wide >= 5 * one_copy and wide >= 2 * narrow, (narrow, wide)
+        assert one_copy <= narrow <= (READ_BEAM + 1) * 2 * one_copy, (narrow, wide)
+        stores = reader.dht_ledger().get("store:progress", [0, 0, 0])[0]
+        assert stores == 0, "a read pushed the dictionary it found to another node"
+        finds = reader.dht_ledger()["find:progress"][0]
+        time.sleep(9)  # past expiration - 5 s, when hivemind's cache refresh would read the key again
+        assert reader.dht_ledger()["find:progress"][0] == finds, "the key was read again in the background"
+    finally:
+        for n in nodes:
+            n.shutdown()

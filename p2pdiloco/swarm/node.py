@@ -87,7 +87,8 @@ async def _serve_dht(initial_peers: List[str], _dht: Any, node: Any) -> int:
 # Measured on the emulated WAN (4 peers, records every 2 s): 15 KB/s sent per peer for publishing alone,
 # 24 KB/s with the reads. These three run in the DHT process and move only what has to move.
 
-#: how many of a key's nearest nodes a network read of the background reader asks (hivemind asks up to 20)
+#: how many of a key's nearest nodes a network read asks (hivemind asks up to 20); SwarmNode.get_subkeys
+#: asks more only for a peer's first look at the run
 READ_BEAM = 2
 
 
@@ -300,12 +301,13 @@ class SwarmNode:
         except BaseException:
             release_identity(self.identity_path)
             raise
-        # A peer that stops answering is skipped for 3 s, then tried again: with hivemind's default (the
-        # ban doubles at every miss) the two sides of a healed partition would ignore each other for
-        # about as long again as the partition lasted.
-        kwargs: Dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=dht_client,
-                                      identity_path=key_path, record_validators=self.records.validators(),
-                                      blacklist_time=3.0, backoff_rate=1.0)
+        # A peer that stops answering is skipped for 3 s, then tried again: with hivemind's default (the ban
+        # doubles at every miss) the two sides of a healed partition would ignore each other for about as long
+        # again as the partition lasted. What a read finds stays with the reader: hivemind would push each
+        # dictionary found to one more node and re-read, wide, a cached key before it expires (every record).
+        kwargs: Dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=dht_client, identity_path=key_path,
+                                      record_validators=self.records.validators(), blacklist_time=3.0,
+                                      backoff_rate=1.0, cache_nearest=0, cache_refresh_before_expiry=0)
         # is our key file already running elsewhere (copied to another machine)? Asked here for every key
         # kind: hivemind's own check (check_if_identity_free) reads RSA keys only. A fresh random key
         # cannot be taken.
@@ -502,15 +504,22 @@ class SwarmNode:
     async def astore(self, key: str, value: Dict[str, Any], ttl: float, subkey: Optional[str] = None) -> bool:
         return bool(await self.dht.store(**self._record(key, value, ttl, subkey), return_future=True))
 
-    def get_subkeys(self, key: str, why: str = "other") -> Dict[str, Dict[str, Any]]:
+    def get_subkeys(self, key: str, why: str = "other", wide: bool = False) -> Dict[str, Dict[str, Any]]:
         """``{peer id: record}`` of every valid, owner-signed record under ``key`` (newest per owner).
-        ``why``: the caller's purpose, for :attr:`read_counts`."""
+        ``why``: the caller's purpose, for :attr:`read_counts`. The read asks the key's READ_BEAM nearest
+        nodes (every writer stores there), or, ``wide``, as many nodes as hivemind's lookup meets (up to
+        20): each node asked answers with every peer's record under the key, so a wide read costs up to
+        ten times the bytes; it is for a peer's first look at the run, before its routing table settled."""
         self._note_read(key, why)
-        return self.records.decode(key, self.dht.get(key, latest=True))
+        return self.records.decode(key, self.dht.get(key, latest=True, **self._beam(wide)))
 
-    async def aget_subkeys(self, key: str, why: str = "other") -> Dict[str, Dict[str, Any]]:
+    async def aget_subkeys(self, key: str, why: str = "other", wide: bool = False) -> Dict[str, Dict[str, Any]]:
         self._note_read(key, why)
-        return self.records.decode(key, await self.dht.get(key, latest=True, return_future=True))
+        return self.records.decode(key, await self.dht.get(key, latest=True, return_future=True, **self._beam(wide)))
+
+    @staticmethod
+    def _beam(wide: bool) -> Dict[str, int]:
+        return {} if wide else {"beam_size": READ_BEAM}
 
     def _note_read(self, key: str, why: str) -> None:
         if self._count_reads:
