@@ -1093,17 +1093,33 @@ def test_a_mismatch_after_a_split_history_is_not_reported_as_a_bug(caplog):
     got = types.SimpleNamespace(meta=meta, payload=flat.numpy().tobytes(), digest="theirs", donors={"D": [0, 1]})
     events = []
     lineage = {"g-ours"}
-    swarm = types.SimpleNamespace(set_give_way=lambda f: None, lineage=lambda last=None: lineage)
+    last = {0: {"D", "me"}, 1: {"D", "me"}}  # the members of our last sync of each fragment
+    swarm = types.SimpleNamespace(set_give_way=lambda f: None, lineage=lambda last=None: lineage,
+                                  last_members=lambda f: last.get(f, set()))
     metrics = types.SimpleNamespace(write=lambda event, **kw: events.append(dict(kw, event=event)))
     r = Recovery(RunConfig(), types.SimpleNamespace(short_id="me"), swarm, d, metrics)
     read = {"D": {"gid": "g-theirs"}}
+
+    def report() -> str:
+        caplog.clear()
+        r._report_mismatch(got, read)
+        return "bug" if "this is a bug" in caplog.text else "split" if "split history" in caplog.text else "?"
+
     with caplog.at_level("WARNING", logger="p2pdiloco.train.recovery"):
-        r._report_mismatch(got, read)
-        assert "split history" in caplog.text and "this is a bug" not in caplog.text
+        assert report() == "split"  # the donors' last group is none of ours
         lineage.add("g-theirs")  # we were in the donors' last group: the same bits were due
-        r._report_mismatch(got, read)
-        assert "this is a bug" in caplog.text
-    assert [e["cause"] for e in events] == ["split history", "same group"]
+        assert report() == "bug"
+        # the donors' last group was ours, but the differing fragment's last sync was a group of our own
+        # (we synced it alone after a timeout, they synced it together): a split of that fragment
+        last[0] = {"me"}
+        assert report() == "split"
+        last[0] = {"D", "me"}
+        got.meta = dict(meta, outer_steps=[s + 1 for s in meta["outer_steps"]])  # they synced it once more
+        assert report() == "split"
+        got.meta = meta
+        got.donors = {"D": [1], "E": [0]}  # fragment 0 came from E, not in our group of it
+        assert report() == "split"
+    assert [e["cause"] for e in events] == ["split history", "same group"] + ["split history"] * 3
     assert all(e["event"] == "digest_mismatch" and e["fragment"] == 0 for e in events)
 
 

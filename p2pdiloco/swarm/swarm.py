@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 
@@ -93,6 +93,8 @@ class Swarm:
         self._stop = threading.Event()
         self._publisher: Optional[threading.Thread] = None
         self._reader: Optional[threading.Thread] = None
+        #: per fragment, the members of the group of our last successful sync of it (since our last adoption)
+        self._last_members: Dict[int, FrozenSet[str]] = {}
 
     @property
     def peer_id(self) -> str:
@@ -145,12 +147,19 @@ class Swarm:
         self.matchmaker.add_lineage(group.gid)
         self.update_progress(gid=group.gid)
         self.matchmaker.set_companions(group.members)
+        self._last_members[frag] = frozenset(group.members)
+
+    def last_members(self, frag: int) -> FrozenSet[str]:
+        """The members of the group of our last successful sync of ``frag`` (empty: none since we started
+        or last adopted another state)."""
+        return self._last_members.get(frag, frozenset())
 
     def adopt_history(self, gids: List[str], donors: List[str]) -> None:
         """We adopted the donors' state: their last groups are our lineage now (else the lineage rule
         would see them as rivals again and again), and they are our companions."""
         self.matchmaker.adopt_lineage(gids)
         self.matchmaker.set_companions(donors)
+        self._last_members.clear()
 
     # ---- fingerprint ------------------------------------------------------------------------------
     def check_fingerprint(self, fp: str, fields: Dict[str, Any]) -> None:

@@ -237,9 +237,11 @@ class Recovery:
 
     def _report_mismatch(self, got, read: Peers) -> None:
         """A verified state of our own synced step with another digest. Peers of one group hold the same
-        bits, so when the donors' last group is one of ours this is a bug; when it is not, our recent
-        groups were not theirs (a split history: the majority's is adopted, as designed). Either way,
-        say where the states first differ before adopting."""
+        bits: when the donor of the differing fragment was in the group of our last sync of that fragment,
+        after as many syncs of it as ours, and the donors' last group is one of ours, this is a bug.
+        Otherwise our groups were not theirs, for that fragment or for all (a split history: a peer that
+        synced alone after its matchmaking timeout, a partition; the majority's is adopted, as designed).
+        Either way, say where the states first differ before adopting."""
         diloco = self.diloco
         diff = diloco.first_difference(got.meta, got.payload)
         if diff is None:
@@ -247,7 +249,11 @@ class Recovery:
         where = (f"first differing tensor: fragment {diff['fragment']} {diff['tensor']} ({diff['kind']}), "
                  f"{diff['differing']} of {diff['numel']} elements differ, max |diff| {diff['max_abs_diff']:.3g}")
         theirs = {read.get(d, {}).get("gid") for d in got.donors} - {None, ""}
-        split = bool(theirs) and not theirs & self.swarm.lineage(self.recent)
+        frag = diff["fragment"]
+        served = {d for d, frags in got.donors.items() if frag in frags}
+        same_group = (bool(served & self.swarm.last_members(frag))
+                      and int(got.meta["outer_steps"][frag]) == diloco.outer[frag].steps)
+        split = not same_group or (bool(theirs) and not theirs & self.swarm.lineage(self.recent))
         if split:
             logger.warning(f"[{self.me}] our state at step {diloco.synced_step} comes from groups the donors were "
                            f"not in (ours {diloco.digest()}, theirs {got.digest}): a split history; adopting the "
