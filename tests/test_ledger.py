@@ -124,6 +124,29 @@ def test_the_background_reader_takes_a_formation_read_as_its_read_of_the_period(
     assert swarm.node.network == [False, True] and swarm.peers_view() == {"b": {"step": 2}} and last >= now
 
 
+@pytest.mark.parametrize("live, period", [(1, 10.0), (16, 10.0), (17, 20.0), (40, 30.0), (1000, 630.0)])
+def test_the_background_network_reads_are_spaced_out_in_a_larger_swarm(live, period):
+    """A network read carries every live peer's record: one read per progress period per 16 live peers
+    keeps a peer's background bytes per second flat as the swarm grows."""
+    import threading
+    import time as _time
+
+    from p2pdiloco.swarm.swarm import Swarm, network_read_period
+
+    assert network_read_period(10.0, live) == period
+    swarm = Swarm.__new__(Swarm)
+    swarm.run_id, swarm.progress_period, swarm._progress_lock = "r", 10.0, threading.Lock()
+    records = {f"p{i}": {"step": 1} for i in range(live)}
+    swarm._view, swarm.node = dict(records), _Node(records)
+    swarm.matchmaker = type("MM", (), {"live_of": staticmethod(lambda recs: dict(recs))})()
+    swarm.matchmaker.last_read = (-float("inf"), {})
+    now = _time.monotonic()
+    for ago, due in [(period - 1.0, False), (period + 0.5, True)]:
+        swarm.node.network.clear()
+        swarm.read_view(now - ago)
+        assert swarm.node.network == [due], (live, ago)
+
+
 @pytest.mark.timeout(180)
 def test_a_read_asks_the_keys_nearest_nodes_and_keeps_what_it_found_to_itself(monkeypatch):
     """Every node asked answers with the whole dictionary (every peer's record): a read asks the key's

@@ -18,7 +18,8 @@ join protocol included: ``swarm/leading.py``, ``swarm/joining.py``) on a node of
   address times out), as libp2p's does.
 * **Background**, as ``Swarm.start_publishing`` does it: every ``progress_period`` each peer stores its
   progress record, and each peer that is not one of the progress key's nearest nodes reads the records
-  from ``READ_BEAM`` nodes.
+  from ``READ_BEAM`` nodes once per ``network_read_period`` (a progress period per 16 live peers it saw
+  at its last read).
 
 Time is virtual (an event loop whose clock jumps to the next timer), so the protocol's own timers
 (polls, backoffs, join grace, derived waits) decide the formation times, not this machine's CPU.
@@ -72,6 +73,7 @@ from ..swarm import formation, joining, leading, matchmaking, standing
 from ..swarm.keys import kind_of, progress_key, ready_key
 from ..swarm.matchmaking import Matchmaker
 from ..swarm.node import READ_BEAM
+from ..swarm.swarm import network_read_period
 
 __all__ = ["main", "simulate", "VirtualLoop", "format_table"]
 
@@ -189,9 +191,6 @@ class SimDHT:
         for s in expired:
             self.sizes[key] -= sub.pop(s)[2]
         return {s: v for s, (v, _, _) in sub.items()}, self.sizes[key]
-
-    def total(self, key: str) -> int:
-        return self.sizes.get(key, 0)
 
 
 class _Pipe:
@@ -427,12 +426,16 @@ class Sim:
     async def _background(self, peer: SimPeer) -> None:
         offset = self.rng.random() * self.progress_period
         await asyncio.sleep(offset)
+        last_read, live = -float("inf"), 0
         while not peer.gone:
             peer.publish()
-            if peer.pid not in self.nearest:
+            now = self.clock.time()
+            if peer.pid not in self.nearest and now - last_read >= network_read_period(self.progress_period, live):
                 await asyncio.sleep(self.dht_rtts * self.rtt)
+                records, size = self.dht.read(progress_key(RUN))
+                last_read, live = now, sum(1 for v in records.values() if not v.get("gone"))
                 peer.count("bg_msgs", READ_BEAM)
-                peer.count("bg_bytes", READ_BEAM * (self.dht.total(progress_key(RUN)) + REQUEST))
+                peer.count("bg_bytes", READ_BEAM * (size + REQUEST))
                 peer.count("read:progress:background")
             await asyncio.sleep(self.progress_period)
 

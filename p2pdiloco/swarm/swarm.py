@@ -37,7 +37,7 @@ from . import records
 from .records import run_fingerprint
 from .signing import plain_text
 
-__all__ = ["Swarm"]
+__all__ = ["Swarm", "network_read_period"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +48,20 @@ LOOKUP_PERIOD = 120.0
 #: seconds between two reads of the progress records from our own DHT storage (no network: see
 #: SwarmNode.read_near), so records published at a sync show within this, whatever the progress period
 LOCAL_READ_PERIOD = 2.0
+#: live peers per network read of the background reader per progress_period: such a read carries every live
+#: peer's record, so in a larger swarm the reads are spaced out (network_read_period) and a peer's background
+#: bytes per second stay flat as the swarm grows; matchmaking reads for itself as a formation starts
+READ_SHARE = 16
 #: progress-record stores allowed in flight at once (each can take seconds: see Swarm.publish_progress)
 MAX_STORES_IN_FLIGHT = 4
 #: a history record lives this many progress records' lifetimes (Swarm.history_lifetime)
 HISTORY_LIFETIMES = 10
+
+
+def network_read_period(progress_period: float, live: int) -> float:
+    """Seconds between two network reads of the progress records by the background reader of a peer that
+    does not hold the key, with ``live`` peers in its view: one progress period per READ_SHARE of them."""
+    return progress_period * max(1, math.ceil(live / READ_SHARE))
 
 
 class Swarm:
@@ -347,16 +357,18 @@ class Swarm:
 
     def read_view(self, last_network: float) -> float:
         """One pass of the background reader: refresh :meth:`peers_view` from our own DHT storage when we
-        hold the progress key (free), else over the network once per progress_period. A network read of
-        the records that matchmaking made (every record, from every node holding them) counts as that
-        period's read: its records become the view, and no second read follows within the period.
-        Returns the monotonic time of the last network read."""
+        hold the progress key (free), else over the network once per :func:`network_read_period` (one
+        progress_period per READ_SHARE live peers). A network read of the records that matchmaking made
+        counts as that period's read: its records become the view, and no second read follows within the
+        period. Returns the monotonic time of the last network read."""
         formed, live = self.matchmaker.last_read
         if formed > last_network:
             last_network = formed
             with self._progress_lock:
                 self._view = live
-        due = time.monotonic() - last_network >= self.progress_period
+        with self._progress_lock:
+            known = len(self._view or ())
+        due = time.monotonic() - last_network >= network_read_period(self.progress_period, known)
         records = self.node.read_near(progress_key(self.run_id), network=due)
         if records is None:
             return last_network
