@@ -148,11 +148,10 @@ def test_the_background_network_reads_are_spaced_out_in_a_larger_swarm(live, per
 
 
 @pytest.mark.timeout(180)
-def test_a_read_asks_the_keys_nearest_nodes_and_keeps_what_it_found_to_itself(monkeypatch):
-    """Every node asked answers with the whole dictionary (every peer's record): a read asks the key's
-    READ_BEAM nearest nodes, not every node hivemind's lookup meets, pushes no copy to another node and
-    does not read the key again by itself before its entries expire. Only the first look at a run
-    (``wide``) asks more."""
+def test_a_narrow_read_asks_the_keys_nearest_nodes_and_no_read_leaves_copies_behind(monkeypatch):
+    """Every node asked answers with the whole dictionary (every peer's record): a narrow read (status,
+    dashboard) asks the key's READ_BEAM nearest nodes, a default one every holder; no read pushes a copy
+    to another node or reads the key again by itself before its entries expire."""
     from p2pdiloco.swarm.node import READ_BEAM
 
     monkeypatch.setenv(ledger.ENV, "1")
@@ -173,13 +172,13 @@ def test_a_read_asks_the_keys_nearest_nodes_and_keeps_what_it_found_to_itself(mo
 
         one_copy = 8 * 300  # the pads alone: a copy of the dictionary is at least this, and under twice it
         before = found_bytes()
-        got = reader.get_subkeys("wide:progress", why="formation")
+        got = reader.get_subkeys("wide:progress", why="other", narrow=True)
         narrow = found_bytes() - before
         assert {d["step"] for d in got.values()} == set(range(8))
         before = found_bytes()
-        reader.get_subkeys("wide:progress", why="start", wide=True)
+        reader.get_subkeys("wide:progress", why="formation")
         wide = found_bytes() - before
-        # store_near put every record on the key's 5 nearest nodes: a wide read gets a copy from each
+        # store_near put every record on the key's 5 nearest nodes: a default read gets a copy from each
         assert wide >= 5 * one_copy and wide >= 2 * narrow, (narrow, wide)
         assert one_copy <= narrow <= (READ_BEAM + 1) * 2 * one_copy, (narrow, wide)
         stores = reader.dht_ledger().get("store:progress", [0, 0, 0])[0]

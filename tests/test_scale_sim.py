@@ -79,16 +79,16 @@ def test_peers_leaving_mid_round_are_left_out_and_the_round_never_splits():
 
 
 def test_a_read_counts_the_records_bytes_from_each_node_it_asks():
-    """A read asks the key's READ_BEAM nearest nodes (a wide one, every replica), each answering with
-    every record under the key, as SwarmNode.aget_subkeys does."""
+    """A read asks every replica (a narrow one, READ_BEAM of them), each answering with every record
+    under the key, as SwarmNode.aget_subkeys does."""
     sim = scale_sim.Sim(3, replicas=5)
     peers = list(sim.peers.values())
     try:
         size = sim.dht.store("sim:progress", peers[1].pid, {"step": 1}, ttl=10)
         size += sim.dht.store("sim:progress", peers[2].pid, {"step": 2}, ttl=10)
         got = sim.loop.run_until_complete(peers[0].node.aget_subkeys("sim:progress", why="formation"))
-        assert peers[0].stats["dht_bytes"] == READ_BEAM * (size + 64)
-        sim.loop.run_until_complete(peers[0].node.aget_subkeys("sim:progress", why="start", wide=True))
+        assert peers[0].stats["dht_bytes"] == 5 * (size + 64)
+        sim.loop.run_until_complete(peers[0].node.aget_subkeys("sim:progress", why="other", narrow=True))
     finally:
         sim.loop.close()
     assert set(got) == {peers[1].pid, peers[2].pid}

@@ -7,9 +7,8 @@ Each simulated peer is a real :class:`~p2pdiloco.swarm.matchmaking.Matchmaker` (
 join protocol included: ``swarm/leading.py``, ``swarm/joining.py``) on a node of this module:
 
 * **DHT**: one dictionary shared by all. A read answers every live record under the key from
-  ``READ_BEAM`` nodes (what ``SwarmNode.aget_subkeys`` asks: the key's nearest nodes, each answering
-  its whole dictionary), a store sends one record to ``--replicas`` nodes; each costs ``--dht-rtts``
-  round trips.
+  ``--replicas`` nodes (what ``SwarmNode.aget_subkeys`` asks: the nodes holding the key, each answering
+  its whole dictionary), a store sends one record to as many; each costs ``--dht-rtts`` round trips.
   A record's bytes are what our nodes put on the wire: the msgpack record, its owner subkey and its
   ed25519 signature (:mod:`p2pdiloco.swarm.signing`), plus a small envelope.
 * **Streams** (join requests, the leader's answers, the link check): in-memory pipes delivering each
@@ -268,11 +267,11 @@ class SimNode:
     def add_handler(self, name: str, handler) -> None:
         self.handler = handler
 
-    async def aget_subkeys(self, key: str, why: str = "other", wide: bool = False) -> Dict[str, Dict[str, Any]]:
+    async def aget_subkeys(self, key: str, why: str = "other", narrow: bool = False) -> Dict[str, Dict[str, Any]]:
         sim = self.sim
         await asyncio.sleep(sim.dht_rtts * sim.rtt)
         records, size = sim.dht.read(key)
-        asked = sim.replicas if wide else min(READ_BEAM, sim.replicas)
+        asked = min(READ_BEAM, sim.replicas) if narrow else sim.replicas
         self.peer.count(f"read:{kind_of(key)}:{why}")
         self.peer.count("dht_msgs", asked)
         self.peer.count("dht_bytes", asked * (size + REQUEST))
@@ -691,7 +690,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--churn", type=float, default=0.05, help="share of the peers leaving during each round")
     ap.add_argument("--rtt", type=float, default=0.05, help="round trip between two peers, seconds")
     ap.add_argument("--dht-rtts", type=float, default=2.0, help="round trips of one DHT read or store")
-    ap.add_argument("--replicas", type=int, default=5, help="nodes a DHT store writes to (a read asks READ_BEAM of them)")
+    ap.add_argument("--replicas", type=int, default=5, help="nodes a DHT read asks (and a store writes to)")
     ap.add_argument("--train-s", type=float, default=60.0, help="seconds of training between two syncs")
     ap.add_argument("--sync-s", type=float, default=5.0, help="seconds a sync takes once the group formed")
     ap.add_argument("--spread", type=float, default=0.2, help="peers are up to this much slower than the fastest")

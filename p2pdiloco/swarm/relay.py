@@ -240,10 +240,10 @@ async def pipe(a_reader, a_writer, b_reader, b_writer, budget: int, count: Calla
             if not data:
                 return
             last = loop.time()
+            moved += len(data)
+            count(len(data))  # before the write: whoever receives these bytes finds them counted
             dst.write(data)
             await dst.drain()
-            moved += len(data)
-            count(len(data))
 
     tasks = [asyncio.ensure_future(one(a_reader, b_writer)), asyncio.ensure_future(one(b_reader, a_writer))]
     try:

@@ -183,16 +183,16 @@ class Swarm:
             self.node.lookup_near(progress_key(self.run_id)).result(timeout=10)
         except Exception as e:
             logger.debug(f"lookup near the progress key failed: {e}")
-        claims = self.node.get_subkeys(key, why="start", wide=True)
+        claims = self.node.get_subkeys(key, why="start")
         if not claims:
             self.node.store(key, mine, ttl=FINGERPRINT_TTL, subkey=self.peer_id)
             time.sleep(0.2)  # two first peers racing: read back what the other one published
-            claims = self.node.get_subkeys(key, why="start", wide=True)
+            claims = self.node.get_subkeys(key, why="start")
         claims.pop(self.peer_id, None)
         self.run_existed = bool(claims)
         self._claimed_since = [v.get("since") for v in claims.values()]
         # whose claims count: peers that trained in the run first (records.run_fingerprint)
-        progress = self.node.get_subkeys(progress_key(self.run_id), why="start", wide=True) if claims else {}
+        progress = self.node.get_subkeys(progress_key(self.run_id), why="start") if claims else {}
         existing = run_fingerprint(claims, mine, progress)
         if existing.get("fp") != fp:
             theirs = existing.get("fields") if isinstance(existing.get("fields"), dict) else {}
