@@ -148,10 +148,10 @@ def test_the_background_network_reads_are_spaced_out_in_a_larger_swarm(live, per
 
 
 @pytest.mark.timeout(180)
-def test_a_narrow_read_asks_the_keys_nearest_nodes_and_no_read_leaves_copies_behind(monkeypatch):
-    """Every node asked answers with the whole dictionary (every peer's record): a narrow read (status,
-    dashboard) asks the key's READ_BEAM nearest nodes, a default one every holder; no read pushes a copy
-    to another node or reads the key again by itself before its entries expire."""
+def test_a_read_asks_every_holder_and_no_read_leaves_copies_behind(monkeypatch):
+    """Every node asked answers with the whole dictionary (every peer's record): the background reader's
+    network read asks the key's READ_BEAM nearest nodes, matchmaking's every holder; no read pushes a
+    copy to another node or reads the key again by itself before its entries expire."""
     from p2pdiloco.swarm.node import READ_BEAM
 
     monkeypatch.setenv(ledger.ENV, "1")
@@ -172,7 +172,7 @@ def test_a_narrow_read_asks_the_keys_nearest_nodes_and_no_read_leaves_copies_beh
 
         one_copy = 8 * 300  # the pads alone: a copy of the dictionary is at least this, and under twice it
         before = found_bytes()
-        got = reader.get_subkeys("wide:progress", why="other", narrow=True)
+        got = reader.read_near("wide:progress")  # not a holder (a DHT client): over the network
         narrow = found_bytes() - before
         assert {d["step"] for d in got.values()} == set(range(8))
         before = found_bytes()

@@ -267,14 +267,13 @@ class SimNode:
     def add_handler(self, name: str, handler) -> None:
         self.handler = handler
 
-    async def aget_subkeys(self, key: str, why: str = "other", narrow: bool = False) -> Dict[str, Dict[str, Any]]:
+    async def aget_subkeys(self, key: str, why: str = "other") -> Dict[str, Dict[str, Any]]:
         sim = self.sim
         await asyncio.sleep(sim.dht_rtts * sim.rtt)
         records, size = sim.dht.read(key)
-        asked = min(READ_BEAM, sim.replicas) if narrow else sim.replicas
         self.peer.count(f"read:{kind_of(key)}:{why}")
-        self.peer.count("dht_msgs", asked)
-        self.peer.count("dht_bytes", asked * (size + REQUEST))
+        self.peer.count("dht_msgs", sim.replicas)
+        self.peer.count("dht_bytes", sim.replicas * (size + REQUEST))
         return records
 
     async def astore(self, key: str, value: Dict[str, Any], ttl: float, subkey: str) -> None:

@@ -87,8 +87,7 @@ async def _serve_dht(initial_peers: List[str], _dht: Any, node: Any) -> int:
 # Measured on the emulated WAN (4 peers, records every 2 s): 15 KB/s sent per peer for publishing alone,
 # 24 KB/s with the reads. These three run in the DHT process and move only what has to move.
 
-#: how many of a key's nearest nodes a network read of the background reader (or a narrow get_subkeys) asks
-#: (hivemind asks up to 20)
+#: how many of a key's nearest nodes a network read of the background reader asks (hivemind asks up to 20)
 READ_BEAM = 2
 
 
@@ -504,22 +503,17 @@ class SwarmNode:
     async def astore(self, key: str, value: Dict[str, Any], ttl: float, subkey: Optional[str] = None) -> bool:
         return bool(await self.dht.store(**self._record(key, value, ttl, subkey), return_future=True))
 
-    def get_subkeys(self, key: str, why: str = "other", narrow: bool = False) -> Dict[str, Dict[str, Any]]:
+    def get_subkeys(self, key: str, why: str = "other") -> Dict[str, Dict[str, Any]]:
         """``{peer id: record}`` of every valid, owner-signed record under ``key`` (newest per owner).
         ``why``: the caller's purpose, for :attr:`read_counts`. The read asks every node hivemind's lookup
         meets that holds a copy (up to 20), each answering with every peer's record under the key: right
-        after a partition heals, the writer's own node may be the only one holding its newest record.
-        ``narrow``: only the key's READ_BEAM nearest nodes (a reader that only shows what it read)."""
+        after a partition heals, the writer's own node may be the only one holding its newest record."""
         self._note_read(key, why)
-        return self.records.decode(key, self.dht.get(key, latest=True, **self._beam(narrow)))
+        return self.records.decode(key, self.dht.get(key, latest=True))
 
-    async def aget_subkeys(self, key: str, why: str = "other", narrow: bool = False) -> Dict[str, Dict[str, Any]]:
+    async def aget_subkeys(self, key: str, why: str = "other") -> Dict[str, Dict[str, Any]]:
         self._note_read(key, why)
-        return self.records.decode(key, await self.dht.get(key, latest=True, return_future=True, **self._beam(narrow)))
-
-    @staticmethod
-    def _beam(narrow: bool) -> Dict[str, int]:
-        return {"beam_size": READ_BEAM} if narrow else {}
+        return self.records.decode(key, await self.dht.get(key, latest=True, return_future=True))
 
     def _note_read(self, key: str, why: str) -> None:
         if self._count_reads:
