@@ -201,6 +201,94 @@ def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(
 
 
 
+def _counting(mm) -> List[str]:
+    """The keys ``mm`` reads from the DHT, in order."""
+    reads: List[str] = []
+    aget = mm.node.aget_subkeys
+
+    async def counting_aget(key, why="other"):
+        reads.append(key)
+        return await aget(key)
+
+    mm.node.aget_subkeys = counting_aget
+    return reads
+
+
+@pytest.mark.parametrize("view", ["presumes a", "presumes us", "none"])
+def test_a_follower_enters_with_its_fresh_view_and_only_the_presumable_leader_reads_the_live_peers(view):
+    """Every peer of a round reading every live peer's record as it enters is the control traffic that
+    grows with the swarm. A follower whose fresh background view makes another peer the presumable leader
+    takes that view: it reads only the round's group record and asks that leader. A view that presumes us
+    (we may lead, and a leader must know whom to wait for) or no fresh view: the network read, as before."""
+    records = {"t:progress": _due("a", "me")}
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=2.0)
+    views = {"presumes a": _due("a", "me"), "presumes us": _due("me", "z"), "none": None}
+    mm.fresh_view = lambda: views[view]
+    reads = _counting(mm)
+    asked: List[str] = []
+
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
+        asked.append(leader)
+        watch.taken.set()
+        return _group(("a", "me")), None
+
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset(), grace=None):
+        raise AssertionError("a leads this round")
+
+    mm._join, mm._lead = join, lead
+    group = asyncio.run(mm.form_group(0, 5, 2, sync_step=100))
+    assert (asked, group.members) == (["a"], ("a", "me"))
+    assert reads == (["t:group:0:5"] if view == "presumes a" else ["t:progress", "t:group:0:5"])
+
+
+def test_a_follower_whose_view_missed_the_leader_reads_the_live_peers_when_refused():
+    """A view is up to a read period old: here it lacks "a", the best-ranked peer due (its record came
+    after the view was read), and presumes b. b follows a and refuses without a hint: the first poll
+    reads the live peers over the network, and the follower asks a. A view never decides a group; it
+    only spares a read to a follower whose presumable leader answers."""
+    records = {"t:progress": _due("a", "b", "me"), "t:mm:0:5": {"a": {"t": 1.0}, "b": {"t": 1.0}}}
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=2.0)
+    mm.fresh_view = lambda: _due("b", "me")
+    reads = _counting(mm)
+    asked: List[str] = []
+
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
+        asked.append(leader)
+        return (_group(("a", "b", "me")), None) if leader == "a" else (None, None)
+
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset(), grace=None):
+        raise AssertionError("a leads this round")
+
+    mm._join, mm._lead = join, lead
+    group = asyncio.run(mm.form_group(0, 5, 3, sync_step=100))
+    assert group.members == ("a", "b", "me") and asked[0] == "b" and "a" in asked
+    assert reads[0] == "t:group:0:5" and "t:progress" in reads[1:4]  # the first poll: ready, live, group
+
+
+def test_a_stale_view_does_not_hide_that_the_round_is_over():
+    """A straggler whose view is fresh by its clock but says nothing of the swarm's sync past our step
+    asks the leader it presumes, which closed the round: its refusal ("closed", our history) is the
+    RoundMissed the network read would have raised at once; nothing is synced alone."""
+    records = {"t:progress": {p: {"synced_step": 120, "digest": DIGEST, "next_sync": 140, "t": 1.0, "gid": "g"}
+                              for p in ("a", "b")}}
+    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=2.0)
+    mm.add_lineage("g-ours")
+    mm.fresh_view = lambda: _due("a", "b", "me")
+    asked: List[str] = []
+
+    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
+        asked.append(leader)
+        raise RoundMissed(f"missed the group for fragment {frag}, round {round_} (it closed before we joined)")
+
+    async def lead(slot, frag, round_, expected_joiners, unseen=frozenset(), due=None, skip=frozenset(), grace=None):
+        raise AssertionError("synced alone")
+
+    mm._join, mm._lead = join, lead
+    with pytest.raises(RoundMissed):
+        asyncio.run(mm.form_group(0, 5, 3, sync_step=100))
+    assert asked == ["a"]
+
+
 def test_a_follower_polls_while_the_dial_to_the_presumable_leader_is_still_tried():
     """The presumable leader "a" left right after our read of the live peers (its goodbye shows a moment
     later) and our dial to it fails only after the dial wait; meanwhile "b" leads and closes its group

@@ -72,7 +72,7 @@ from ..swarm import formation, joining, leading, matchmaking, standing
 from ..swarm.keys import kind_of, progress_key, ready_key
 from ..swarm.matchmaking import Matchmaker
 from ..swarm.node import READ_BEAM
-from ..swarm.swarm import network_read_period
+from ..swarm.swarm import LOCAL_READ_PERIOD, network_read_period
 
 __all__ = ["main", "simulate", "VirtualLoop", "format_table"]
 
@@ -305,6 +305,21 @@ class SimPeer:
         self.pipes: List[_Pipe] = []
         self.handlers: Set[asyncio.Task] = set()
         self.progress: Dict[str, Any] = {}
+        #: the live peers at our background reader's last network read, and when (virtual seconds)
+        self.view: Optional[Dict[str, Dict[str, Any]]] = None
+        self.view_at = -float("inf")
+        self.mm.fresh_view = self.fresh_view
+
+    def fresh_view(self) -> Optional[Dict[str, Dict[str, Any]]]:
+        """As :meth:`Swarm.fresh_view`: one of the key's nearest nodes reads its own storage (free, current);
+        any other peer has its background reader's last network read while it is no older than the
+        reader's period plus LOCAL_READ_PERIOD."""
+        if self.pid in self.sim.nearest:
+            return self.mm.live_of(self.sim.dht.read(progress_key(RUN))[0])
+        if self.view is None:
+            return None
+        limit = network_read_period(self.sim.progress_period, len(self.view)) + LOCAL_READ_PERIOD
+        return self.view if self.sim.clock.time() - self.view_at <= limit else None
 
     def count(self, what: str, n: int = 1) -> None:
         self.stats[what] += n
@@ -432,6 +447,7 @@ class Sim:
                 await asyncio.sleep(self.dht_rtts * self.rtt)
                 records, size = self.dht.read(progress_key(RUN))
                 last_read, live = now, sum(1 for v in records.values() if not v.get("gone"))
+                peer.view, peer.view_at = peer.mm.live_of(records), self.clock.time()
                 peer.count("bg_msgs", READ_BEAM)
                 peer.count("bg_bytes", READ_BEAM * (size + REQUEST))
                 peer.count("read:progress:background")

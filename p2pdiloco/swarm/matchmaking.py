@@ -81,6 +81,12 @@
    and another peer may lead meanwhile. A refusal, or no answer by the peer's own deadline, sends it
    back to polling; a presumable leader that cannot be reached, breaks the stream or falls silent
    (item 11) is replaced at once by the next one (the best rank among the others due).
+   For the same reason a peer enters a round with a network read of the live peers only when it may
+   lead it: one whose background view (``Swarm.fresh_view``: read within the background reader's own
+   period) makes another peer the presumable leader takes that view, reads the round's group record
+   alone, and asks that leader; its first poll, should it poll, reads the live peers. The view never
+   decides a group: the presumable leader reads for itself, a view that missed a better-ranked peer
+   costs a hint or a refusal, and a round closed without us is refused as ``closed``.
 10. Links are warmed before the round. When the leader closes a group it first sends
    every joiner the *proposed* members and owners (``warm``); each member, the leader too, opens a
    connection to every owner it will send parts to (:func:`~p2pdiloco.swarm.dialing.ensure_connected`:
@@ -290,6 +296,9 @@ class Matchmaker(Leading, JoinRequests):
         self._overdue: Dict[str, _Overdue] = {}
         #: each peer's draw for a round (formation.draw): a function so rules tests can rank by id alone
         self._draw: Callable[[str, str], bytes] = formation.draw
+        #: set by the swarm: the live peers as its background reader last read them, while that read is no
+        #: older than the reader's own period allows (else None): what a follower enters a round with (item 9)
+        self.fresh_view: Optional[Callable[[], Optional[Dict[str, Dict[str, Any]]]]] = None
         #: set by the training loop: given the live peers' records, a reason to stop matchmaking and adopt
         #: a rival history's state instead (see the module docstring, item 6), or None
         self.give_way: Optional[Callable[[Dict[str, Dict[str, Any]]], Optional[str]]] = None
@@ -476,6 +485,8 @@ class Matchmaker(Leading, JoinRequests):
         as many ready peers as expected (records or requests)     stop polling
         a live peer due now is not ready yet                      wait for it until its derived ETA, never
                                                                   past ``matchmaking_timeout``
+        we enter, and our fresh background view makes another     take that view (no network read of the
+        peer the presumable leader                                live peers); our first poll reads them
         the presumable leader (best rank of us and the peers      ask it to admit us at once; once it took
         due now) is another peer                                  the request read nothing more until it
                                                                   answers (peers asking us meanwhile get
@@ -557,14 +568,17 @@ class Matchmaker(Leading, JoinRequests):
         unresponsive node); ask the presumable leader to admit us (item 9)."""
         me = self.node.peer_id_str
         t_enter = time.monotonic()
-        live, groups = await asyncio.gather(self._live_peers(check=True) if sync_step is not None else _nothing(),
-                                            self.node.aget_subkeys(self._group_key(frag, round_), why="formation"))
+        key = self._key(frag, round_)
+        entered, groups = await asyncio.gather(
+            self._entry_peers(key, sync_step) if sync_step is not None else _nothing(),
+            self.node.aget_subkeys(self._group_key(frag, round_), why="formation"))
+        live, viewed = entered if sync_step is not None else ({}, False)
         if sync_step is not None:
             self._check_not_behind(live, frag, round_, sync_step)
         self._raise_if_missed(groups, frag, round_, expected)
         start = time.monotonic()
         a = _Attempt(me=me, frag=frag, round=round_, sync_step=sync_step, expected=expected,
-                     slot=self._slot(frag, round_), key=self._key(frag, round_), t_enter=t_enter, start=start,
+                     slot=self._slot(frag, round_), key=key, t_enter=t_enter, start=start,
                      hard_deadline=start + self.matchmaking_timeout)
         a.deadline = a.hard_deadline
         ttl = self.matchmaking_timeout * 3
@@ -573,22 +587,45 @@ class Matchmaker(Leading, JoinRequests):
         self._background(self.node.astore(a.key, {"t": time.time(), **self._my_reach_fields()}, ttl=ttl, subkey=me),
                          "ready record")
         if sync_step is not None:
-            self._evaluate(a, live)  # read just now
-        if sync_step is not None:
+            self._evaluate(a, live)  # read just now, or the background reader's fresh view
+            if viewed:
+                a.last_eval = -float("inf")  # should we poll after all, the first poll reads the live peers
             self._ask_presumed(a)
         return a
+
+    async def _entry_peers(self, key: str, sync_step: int) -> Tuple[Dict[str, Dict[str, Any]], bool]:
+        """The live peers as we enter the round under ``key``, and whether they are the background
+        reader's view (item 9): a fresh view (:attr:`fresh_view`) that makes another peer the presumable
+        leader stands in for a network read, which every peer of the round would otherwise make, each
+        carrying every live peer's record; the peer the view presumes (us), or a peer without a fresh view,
+        reads over the network."""
+        me = self.node.peer_id_str
+        view = self.fresh_view() if self.fresh_view is not None else None
+        if view is not None:
+            live = {pid: v for pid, v in view.items() if not self.node.gate.banned(pid)}
+            overdue = {pid for pid, entry in self._overdue.items() if entry.skip > 0}
+            if self._presumable(live, key, sync_step, overdue) != me:
+                self._live_count = len(set(live) | {me})
+                if self.give_way is not None and (why := self.give_way(live)):
+                    raise RoundMissed(why)
+                return live, True
+        return await self._live_peers(check=True), False
+
+    def _presumable(self, peers: Dict[str, Dict[str, Any]], key: str, sync_step: int, skip: Set[str]) -> str:
+        """The presumable leader of the round under ``key``: the best rank among us and the live ``peers``
+        due at ``sync_step``, ``skip`` left out; us when that peer is private (nobody can dial it)."""
+        me = self.node.peer_id_str
+        due = self._unbanned(expected_peers(peers, me, sync_step)) - skip
+        best = min(due | {me}, key=self._ranking(key))
+        return me if self._private(best) else best
 
     def _ask_presumed(self, a: "_Attempt", delay: float = 0.0) -> None:
         """Ask the presumable leader to admit us (item 9): the best rank among us and the live peers due
         now (the last read), not counting peers that fell silent on our request this round. Nothing is
         decided by this early request: when the poll picks another leader, we hang up and the presumable
         one does not admit us. ``delay``: seconds before the request goes out."""
-        me = a.me
-        due = self._unbanned(expected_peers(a.peers, me, a.sync_step)) - a.dropped - a.unreached - self._not_waited(a)
-        a.presumed = min(due | {me}, key=self._ranking(a.key))
-        if self._private(a.presumed):
-            a.presumed = me  # no public peer due: nobody to ask (a private peer cannot be dialed)
-        if a.presumed != me:
+        a.presumed = self._presumable(a.peers, a.key, a.sync_step, a.dropped | a.unreached | self._not_waited(a))
+        if a.presumed != a.me:
             a.watch, a.dial_waited = JoinWatch(), False
             a.early = asyncio.ensure_future(self._join_after(delay, a.presumed, a.frag, a.round, a.expected, a.watch))
 

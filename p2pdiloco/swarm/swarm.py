@@ -87,6 +87,8 @@ class Swarm:
             self._progress["via"] = node.via
         self._progress_lock = threading.Lock()
         self._view: Optional[Dict[str, Dict[str, Any]]] = None
+        self._view_at = -float("inf")  # monotonic time of the read that gave _view
+        self.matchmaker.fresh_view = self.fresh_view
         self._fingerprint: Optional[Dict[str, Any]] = None
         self._fingerprint_stored = 0.0  # monotonic time of our last fingerprint store
         self._in_flight: Set[concurrent.futures.Future] = set()  # progress stores not finished yet
@@ -365,7 +367,7 @@ class Swarm:
         if formed > last_network:
             last_network = formed
             with self._progress_lock:
-                self._view = live
+                self._view, self._view_at = live, formed
         with self._progress_lock:
             known = len(self._view or ())
         due = time.monotonic() - last_network >= network_read_period(self.progress_period, known)
@@ -374,8 +376,19 @@ class Swarm:
             return last_network
         view = self.matchmaker.live_of(records)
         with self._progress_lock:
-            self._view = view
+            self._view, self._view_at = view, time.monotonic()
         return time.monotonic() if due else last_network
+
+    def fresh_view(self) -> Optional[Dict[str, Dict[str, Any]]]:
+        """:meth:`peers_view` while the background reader keeps it current: read within its own period
+        (:func:`network_read_period`, or LOCAL_READ_PERIOD from our own storage) plus LOCAL_READ_PERIOD;
+        None when it is older (the reader is stuck on a slow read, or the process was paused)."""
+        with self._progress_lock:
+            view, at = self._view, self._view_at
+        if view is None:
+            return None
+        limit = network_read_period(self.progress_period, len(view)) + LOCAL_READ_PERIOD
+        return view if time.monotonic() - at <= limit else None
 
     def peers_view(self) -> Optional[Dict[str, Dict[str, Any]]]:
         """The live peers as of the background reader's last read (None before its first), without waiting."""
