@@ -65,10 +65,10 @@ ROWS: List[Dict[str, Any]] = [
          records={"t:progress": _due("a", private="a"), "t:mm:0:5": {"a": {"t": 1.0, "reach": "private"}}},
          me_private=True,
          raises=MatchmakingFailed),
-    # (a, the best-ranked peer due, is asked at once while we poll, and again as the first candidate)
-    dict(case="a candidate says it follows a peer we see ready: that peer is asked next",
+    # (a, the best-ranked peer due, is asked at once: its hint is followed at once too)
+    dict(case="the presumable leader says it follows another peer: that peer is asked next, at once",
          records={"t:progress": _due("a", "b"), "t:mm:0:5": {"b": {"t": 1.0}, "a": {"t": 1.0}}},
-         answers={"a": "hint:b", "b": ("b", "me")}, asked=["a", "a", "b"], result=("b", "me")),
+         answers={"a": "hint:b", "b": ("b", "me")}, asked=["a", "b"], result=("b", "me")),
     dict(case="a candidate refuses without a hint: the next candidate (here, we lead)",
          records={"t:progress": _due("a"), "t:mm:0:5": {"a": {"t": 1.0}}}, answers={"a": "refuse"},
          asked=["a", "a"], result="lead: unseen []"),
@@ -167,9 +167,10 @@ def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(
     """The presumable leader polls the round for everyone who asked it: a follower reads the live peers
     and the group record once as it enters, then nothing until the leader answers (every read would
     carry every ready or progress record of the round, per follower: the traffic that grows with the
-    swarm). When the leader refuses without a hint, the follower polls the round itself again."""
+    swarm), and it stores no ready record (the leader counts the request as one). When the leader refuses
+    without a hint, the follower stores its ready record and polls the round itself again."""
     records = {"t:progress": _due("a", "me")}
-    mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=3.0)
+    mm = _fake_matchmaker(records, announce=True, join_grace=3.0, matchmaking_timeout=3.0)  # answered within grace/2
     reads: List[str] = []
     aget = mm.node.aget_subkeys
 
@@ -193,11 +194,13 @@ def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(
     mm._join, mm._lead = join, lead
     group = asyncio.run(mm.form_group(0, 5, 2, sync_step=100))
     first = ["t:progress", "t:group:0:5"]  # as it enters
-    if answer == "group":
+    if answer == "group":  # the leader counted the request as our ready record: we stored none
         assert (asked, group.members, reads) == (["a"], ("a", "me"), first)
+        assert "me" not in records.get("t:mm:0:5", {})
     else:  # refused after a second: then it polls the ready and group records itself, and leads
         assert asked[0] == "a" and group.gid == "lead"
         assert reads[:2] == first and "t:mm:0:5" in reads[2:]
+        assert "me" in records["t:mm:0:5"]  # polling, it is ready for the others to see
 
 
 
@@ -238,7 +241,7 @@ def test_a_follower_enters_with_its_fresh_view_and_only_the_presumable_leader_re
     mm._join, mm._lead = join, lead
     group = asyncio.run(mm.form_group(0, 5, 2, sync_step=100))
     assert (asked, group.members) == (["a"], ("a", "me"))
-    assert reads == (["t:group:0:5"] if view == "presumes a" else ["t:progress", "t:group:0:5"])
+    assert reads == ([] if view == "presumes a" else ["t:progress", "t:group:0:5"])
 
 
 def test_a_follower_whose_view_missed_the_leader_reads_the_live_peers_when_refused():
@@ -262,7 +265,7 @@ def test_a_follower_whose_view_missed_the_leader_reads_the_live_peers_when_refus
     mm._join, mm._lead = join, lead
     group = asyncio.run(mm.form_group(0, 5, 3, sync_step=100))
     assert group.members == ("a", "b", "me") and asked[0] == "b" and "a" in asked
-    assert reads[0] == "t:group:0:5" and "t:progress" in reads[1:4]  # the first poll: ready, live, group
+    assert sorted(reads[:3]) == ["t:group:0:5", "t:mm:0:5", "t:progress"]  # no entry read; the first poll
 
 
 def test_a_stale_view_does_not_hide_that_the_round_is_over():

@@ -1,7 +1,8 @@
 """Group formation for one (fragment, round): the DHT says who is ready, a leader makes it final.
 
 1. A peer ready to sync fragment ``f`` of round ``r`` stores a *ready* record under
-   ``<run>:mm:<f>:<r>`` (subkey: its peer id) and polls that key until as many peers are ready as
+   ``<run>:mm:<f>:<r>`` (subkey: its peer id; a follower whose request a leader holds does not, item 9)
+   and polls that key until as many peers are ready as
    the caller expects (the live peers at this round) or ``matchmaking_timeout`` passes. The polls
    back off (``POLL_MIN_S`` doubling to ``POLL_MAX_S``) while they find nobody new: a join request
    (item 9) or the leader's answer ends the pause at once.
@@ -81,12 +82,17 @@
    and another peer may lead meanwhile. A refusal, or no answer by the peer's own deadline, sends it
    back to polling; a presumable leader that cannot be reached, breaks the stream or falls silent
    (item 11) is replaced at once by the next one (the best rank among the others due).
-   For the same reason a peer enters a round with a network read of the live peers only when it may
-   lead it: one whose background view (``Swarm.fresh_view``: read within the background reader's own
-   period) makes another peer the presumable leader takes that view, reads the round's group record
-   alone, and asks that leader; its first poll, should it poll, reads the live peers. The view never
-   decides a group: the presumable leader reads for itself, a view that missed a better-ranked peer
-   costs a hint or a refusal, and a round closed without us is refused as ``closed``.
+   For the same reason a peer enters a round with a network read of the live peers and the round's
+   group record only when it may lead it: one whose background view (``Swarm.fresh_view``: read within
+   the background reader's own period) makes another peer the presumable leader takes that view and
+   asks that leader, and stores its ready record only if it polls or that leader holds it for half the
+   join grace (a store's lookup fetches the round's dictionary from every node it asks, and the leader
+   counts the request instead; a longer wait is one where the others' reads must see us ready, item
+   11). A refusal with a hint sends the request to the hinted peer at once (up to ``HINTS_FOLLOWED``
+   times a round: the peers deferring to it stored no ready record, so a poll would not show them
+   ready); a refusal without one makes the next poll re-read the live peers. The view never decides a group: the presumable leader
+   reads for itself, a view that missed a better-ranked peer costs a hint or a refusal, and a round
+   closed without us is refused as ``closed`` (or found by a poll's read of the group record).
 10. Links are warmed before the round. When the leader closes a group it first sends
    every joiner the *proposed* members and owners (``warm``); each member, the leader too, opens a
    connection to every owner it will send parts to (:func:`~p2pdiloco.swarm.dialing.ensure_connected`:
@@ -167,6 +173,8 @@ EARLY_DIAL_S = 0.5
 #: how soon a candidate that still waits on a leader we dropped is asked again (seconds): well within
 #: its join grace once it leads
 HINT_RETRY_S = 0.3
+#: how many refusing leaders' hints a follower's early request follows in one round (item 9); then it polls
+HINTS_FOLLOWED = 3
 #: how long a peer stays overdue (item 12) without missing a round we waited for it in (seconds)
 OVERDUE_S = 3600.0
 
@@ -214,6 +222,8 @@ class _Attempt:
     stalled: Set[str] = field(default_factory=set)  # held it, every peer due ready, proposed nothing in time
     gone: Set[str] = field(default_factory=set)     # took it, then its stream broke (it left or crashed)
     unreached: Set[str] = field(default_factory=set)  # presumable leaders our early request could not reach
+    ready_stored: bool = False              # our ready record went out (Matchmaker._store_ready)
+    hints: int = 0                          # early requests sent to a refusing leader's hint
 
     @property
     def dropped(self) -> Set[str]:
@@ -486,7 +496,11 @@ class Matchmaker(Leading, JoinRequests):
         a live peer due now is not ready yet                      wait for it until its derived ETA, never
                                                                   past ``matchmaking_timeout``
         we enter, and our fresh background view makes another     take that view (no network read of the
-        peer the presumable leader                                live peers); our first poll reads them
+        peer the presumable leader                                live peers or the group record); store
+                                                                  our ready record only if we poll, or
+                                                                  defer for half the join grace
+        the presumable leader refuses our request with a hint     ask the hinted peer at once (at most
+                                                                  HINTS_FOLLOWED times a round)
         the presumable leader (best rank of us and the peers      ask it to admit us at once; once it took
         due now) is another peer                                  the request read nothing more until it
                                                                   answers (peers asking us meanwhile get
@@ -563,16 +577,21 @@ class Matchmaker(Leading, JoinRequests):
         return {pid for pid, entry in self._overdue.items() if entry.skip > 0} - a.ready
 
     async def _enter(self, frag: int, round_: int, expected: int, sync_step: Optional[int]) -> "_Attempt":
-        """Read the live peers and the round's group record; refuse a round we are behind on or that is
-        over without us; store our ready record (in the background: a store can wait seconds on an
-        unresponsive node); ask the presumable leader to admit us (item 9)."""
+        """Read the live peers and the round's group record (a follower with a fresh view: neither, item 9);
+        refuse a round we are behind on or that is over without us; ask the presumable leader to admit us
+        (item 9), or store our ready record (in the background: a store can wait seconds on an
+        unresponsive node) when we are that leader."""
         me = self.node.peer_id_str
         t_enter = time.monotonic()
         key = self._key(frag, round_)
-        entered, groups = await asyncio.gather(
-            self._entry_peers(key, sync_step) if sync_step is not None else _nothing(),
-            self.node.aget_subkeys(self._group_key(frag, round_), why="formation"))
-        live, viewed = entered if sync_step is not None else ({}, False)
+        live = self._entry_view(key, sync_step) if sync_step is not None else None
+        viewed = live is not None
+        if viewed:
+            groups: Dict[str, Dict[str, Any]] = {}
+        else:
+            live, groups = await asyncio.gather(
+                self._live_peers(check=True) if sync_step is not None else _nothing(),
+                self.node.aget_subkeys(self._group_key(frag, round_), why="formation"))
         if sync_step is not None:
             self._check_not_behind(live, frag, round_, sync_step)
         self._raise_if_missed(groups, frag, round_, expected)
@@ -581,35 +600,44 @@ class Matchmaker(Leading, JoinRequests):
                      slot=self._slot(frag, round_), key=key, t_enter=t_enter, start=start,
                      hard_deadline=start + self.matchmaking_timeout)
         a.deadline = a.hard_deadline
-        ttl = self.matchmaking_timeout * 3
-        self._ready_stored = {k: e for k, e in self._ready_stored.items() if e > start}
-        self._ready_stored[a.key] = start + ttl
-        self._background(self.node.astore(a.key, {"t": time.time(), **self._my_reach_fields()}, ttl=ttl, subkey=me),
-                         "ready record")
         if sync_step is not None:
             self._evaluate(a, live)  # read just now, or the background reader's fresh view
-            if viewed:
-                a.last_eval = -float("inf")  # should we poll after all, the first poll reads the live peers
             self._ask_presumed(a)
+        if a.early is None:
+            self._store_ready(a)
         return a
 
-    async def _entry_peers(self, key: str, sync_step: int) -> Tuple[Dict[str, Dict[str, Any]], bool]:
-        """The live peers as we enter the round under ``key``, and whether they are the background
-        reader's view (item 9): a fresh view (:attr:`fresh_view`) that makes another peer the presumable
-        leader stands in for a network read, which every peer of the round would otherwise make, each
-        carrying every live peer's record; the peer the view presumes (us), or a peer without a fresh view,
-        reads over the network."""
+    def _store_ready(self, a: "_Attempt") -> None:
+        """Store our ready record for the round (once; in the background). A follower whose request the
+        presumable leader takes never does: the leader counts the request as its ready record (item 9),
+        and the store would fetch the round's whole dictionary from every node its lookup asks."""
+        if a.ready_stored:
+            return
+        a.ready_stored = True
+        ttl = self.matchmaking_timeout * 3
+        now = time.monotonic()
+        self._ready_stored = {k: e for k, e in self._ready_stored.items() if e > now}
+        self._ready_stored[a.key] = now + ttl
+        self._background(self.node.astore(a.key, {"t": time.time(), **self._my_reach_fields()}, ttl=ttl,
+                                          subkey=a.me), "ready record")
+
+    def _entry_view(self, key: str, sync_step: int) -> Optional[Dict[str, Dict[str, Any]]]:
+        """The live peers as we enter the round under ``key`` from the background reader's view, when
+        there is a fresh one (:attr:`fresh_view`) and it makes another peer the presumable leader (item
+        9); else None: the peer the view presumes (us), or a peer without a fresh view, reads over the
+        network, as each peer of the round once did, every read carrying every live peer's record."""
         me = self.node.peer_id_str
         view = self.fresh_view() if self.fresh_view is not None else None
-        if view is not None:
-            live = {pid: v for pid, v in view.items() if not self.node.gate.banned(pid)}
-            overdue = {pid for pid, entry in self._overdue.items() if entry.skip > 0}
-            if self._presumable(live, key, sync_step, overdue) != me:
-                self._live_count = len(set(live) | {me})
-                if self.give_way is not None and (why := self.give_way(live)):
-                    raise RoundMissed(why)
-                return live, True
-        return await self._live_peers(check=True), False
+        if view is None:
+            return None
+        live = {pid: v for pid, v in view.items() if not self.node.gate.banned(pid)}
+        overdue = {pid for pid, entry in self._overdue.items() if entry.skip > 0}
+        if self._presumable(live, key, sync_step, overdue) == me:
+            return None
+        self._live_count = len(set(live) | {me})
+        if self.give_way is not None and (why := self.give_way(live)):
+            raise RoundMissed(why)
+        return live
 
     def _presumable(self, peers: Dict[str, Dict[str, Any]], key: str, sync_step: int, skip: Set[str]) -> str:
         """The presumable leader of the round under ``key``: the best rank among us and the live ``peers``
@@ -678,6 +706,7 @@ class Matchmaker(Leading, JoinRequests):
                 finally:
                     taken.cancel()
                 continue
+            self._store_ready(a)  # we poll: the peers that poll too must see us ready
             # the three reads of one poll run side by side: each waits a round trip or more on a WAN
             reeval = a.sync_step is not None and (at_deadline or time.monotonic() - a.last_eval >= a.reeval_gap)
             reads = asyncio.ensure_future(asyncio.gather(
@@ -734,7 +763,9 @@ class Matchmaker(Leading, JoinRequests):
         held until that leader's group has closed. At our deadline the caller reads the round once: a
         fresher progress record can move the deadline (the leader reads it too), and the read says
         whether every peer due is ready: then an honest leader closes within its join grace, and one
-        that does not is given up on (_ask)."""
+        that does not is given up on (_ask). That read needs the ready records of the peers deferring
+        with us, so a deferral that lasts half the join grace stores ours (an honest leader that holds
+        every request closes sooner; one that stalls is seen to by the time our wait ends)."""
         slot = a.slot
         if not slot.decided.is_set():
             slot.leader = a.presumed
@@ -745,7 +776,11 @@ class Matchmaker(Leading, JoinRequests):
             return "ready"
         if now >= a.deadline:
             return "deadline"
-        await self._wait_for_news(a.deadline - now, slot, a.early)
+        store_at = a.start + self.join_grace / 2
+        if not a.ready_stored and now >= store_at:
+            self._store_ready(a)
+        wait = a.deadline - now if a.ready_stored else min(a.deadline, store_at) - now
+        await self._wait_for_news(wait, slot, a.early)
         return "answered" if a.early.done() else "news"
 
     def _early_group(self, a: "_Attempt") -> Optional[Group]:
@@ -757,6 +792,8 @@ class Matchmaker(Leading, JoinRequests):
         if group is None and not a.slot.leading:
             a.slot.leader = None  # we no longer follow it (the deferral in _poll did)
             a.slot.decided.clear()
+        if group is None:
+            a.last_eval = -float("inf")  # our presumption was wrong: the next poll re-reads the live peers
         if a.watch.unanswered or a.watch.unreached:  # it fell silent, went away or was never reached:
             self._note_unanswered(a, a.presumed, a.watch)  # ask the next one
             self._ask_presumed(a)
@@ -764,11 +801,25 @@ class Matchmaker(Leading, JoinRequests):
             # it still follows a peer we dropped: it drops that one too, within its own SILENT_S, and then
             # leads or follows the next; ask it again shortly rather than poll the round meanwhile
             self._ask_presumed(a, delay=HINT_RETRY_S)
+        elif group is None and self._may_follow_hint(a, hint):
+            # it follows that peer: so do we, at once (the peers that defer to it store no ready record, so
+            # a poll would not show them ready, and we would wait for them until our deadline)
+            a.hints += 1
+            a.presumed, a.watch, a.dial_waited = hint, JoinWatch(), False
+            a.early = asyncio.ensure_future(self._join_after(0.0, hint, a.frag, a.round, a.expected, a.watch))
         if group is None:
             return None
         a.slot.leader, a.slot.final = a.presumed, group
         a.slot.decided.set()
         return self._remember(group, a.t_enter)
+
+    def _may_follow_hint(self, a: "_Attempt", hint: Any) -> bool:
+        """Is ``hint``, the peer our refusing presumable leader follows, worth an early request of its own:
+        another peer, not dropped or found unreachable this round, dialable, within HINTS_FOLLOWED, before
+        our deadline."""
+        return (isinstance(hint, str) and hint not in a.dropped | a.unreached | {a.me, a.presumed}
+                and not self.node.gate.banned(hint) and not self._private(hint) and a.hints < HINTS_FOLLOWED
+                and time.monotonic() < a.deadline)
 
     async def _last_look(self, a: "_Attempt") -> None:
         """The partners of our last group whose record we cannot see at all count as unseen: crashed, or
@@ -788,6 +839,7 @@ class Matchmaker(Leading, JoinRequests):
         """Ask the candidates in rank order (live peers due now that we did not see ready and whose rank
         is better than ours may be leading already: DHT views differ), or lead when our turn comes."""
         me, slot, frag, round_ = a.me, a.slot, a.frag, a.round
+        self._store_ready(a)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(f"[{self.node.short_id}] frag {frag} round {round_}: poll done after "
                          f"{time.monotonic() - a.start:.2f}s (first reads {a.start - a.t_enter:.2f}s); ready "
