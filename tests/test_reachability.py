@@ -73,6 +73,33 @@ def test_the_dial_back_says_public_when_the_helper_connects_and_private_when_it_
     assert reach == "private" and "no helper answered" in why, why
 
 
+def test_a_check_nobody_answered_is_asked_again_before_it_says_private(monkeypatch):
+    """A swarm that starts at once keeps its helpers busy (each dials back one asker at a time and
+    refuses more than MAX_WAITING): a check that did not run says nothing of our reachability, so the
+    helpers are asked once more after a short pause; only two rounds without an answer say private."""
+    from types import SimpleNamespace
+
+    from p2pdiloco.swarm import reachability
+
+    asked = []
+
+    async def busy_then(answer):
+        async def ask(node, helper, ports, timeout):
+            asked.append(helper)
+            return None if len(asked) == 1 else answer  # the first round: refused as busy
+        return ask
+
+    node = SimpleNamespace(short_id="me", peer_id_str="me")
+    monkeypatch.setattr(reachability, "RETRY_PAUSE_S", (0.0, 0.01))
+    monkeypatch.setattr(reachability, "_ask", asyncio.run(busy_then({"t": "reach", "ok": True, "addr": "x"})))
+    reach, why = asyncio.run(detect(node, ["h"], [4000]))
+    assert (reach, asked) == ("public", ["h", "h"]) and "dialed us back" in why, why
+    asked.clear()
+    monkeypatch.setattr(reachability, "_ask", asyncio.run(busy_then(None)))
+    reach, why = asyncio.run(detect(node, ["h"], [4000]))
+    assert (reach, asked) == ("private", ["h", "h"]) and "twice" in why, why
+
+
 def test_the_verdict_needs_several_helpers_unless_there_is_only_one():
     """public iff at least two yes and a strict majority of the answers; one yes only as our only candidate."""
     table = [

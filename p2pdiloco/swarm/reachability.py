@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from multiaddr import Multiaddr
@@ -83,6 +84,10 @@ MAX_PORTS = 4
 MAX_HELPERS = 5
 #: dial-back requests a helper holds waiting for its dialer (one dials at a time); more are refused
 MAX_WAITING = 8
+#: when no helper answered (busy with a swarm that starts at once, or too slow to answer in time), the
+#: helpers are asked once more after a pause drawn from this range (seconds): a check that did not run
+#: says nothing of our reachability, and a peer taken for private is relayed for its whole run
+RETRY_PAUSE_S = (1.0, 5.0)
 
 
 def is_private(reach: Optional[str]) -> bool:
@@ -266,10 +271,16 @@ async def detect(node, helpers: Sequence[str], ports: Sequence[int], timeout: fl
         return "public", "no other peer to ask (the first peer of a swarm is dialed by everyone else)"
     if not ports:
         return "private", "this peer listens on no TCP port"
-    replies = await asyncio.gather(*(_ask(node, h, ports, timeout) for h in helpers))
-    answered = [(h, r) for h, r in zip(helpers, replies) if r is not None]
-    if not answered:
-        return "private", "no helper answered the reachability check; assuming private (safe side)"
+    for attempt in range(2):
+        if attempt:
+            await asyncio.sleep(random.uniform(*RETRY_PAUSE_S))
+            logger.info(f"[{node.short_id}] no reachability helper answered; asking again")
+        replies = await asyncio.gather(*(_ask(node, h, ports, timeout) for h in helpers))
+        answered = [(h, r) for h, r in zip(helpers, replies) if r is not None]
+        if answered:
+            break
+    else:
+        return "private", "no helper answered the reachability check, twice; assuming private (safe side)"
     yes = [(h, r) for h, r in answered if r["ok"]]
     no = [(h, r) for h, r in answered if not r["ok"]]
     tally = f"{len(yes)} of {len(answered)} helper(s) that answered ({len(helpers)} asked) dialed us back"
