@@ -162,6 +162,19 @@ def test_a_leader_that_vanishes_after_proposing_our_group_fails_our_round(monkey
     assert asyncio.run(mm._join("a", 0, 5)) == (None, None)
 
 
+def _counting(mm) -> List[str]:
+    """The keys ``mm`` reads from the DHT, in order."""
+    reads: List[str] = []
+    aget = mm.node.aget_subkeys
+
+    async def counting_aget(key, why="other"):
+        reads.append(key)
+        return await aget(key)
+
+    mm.node.aget_subkeys = counting_aget
+    return reads
+
+
 @pytest.mark.parametrize("answer", ["group", "refuse"])
 def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(answer):
     """The presumable leader polls the round for everyone who asked it: a follower reads the live peers
@@ -171,14 +184,7 @@ def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(
     without a hint, the follower stores its ready record and polls the round itself again."""
     records = {"t:progress": _due("a", "me")}
     mm = _fake_matchmaker(records, announce=True, join_grace=3.0, matchmaking_timeout=3.0)  # answered within grace/2
-    reads: List[str] = []
-    aget = mm.node.aget_subkeys
-
-    async def counting_aget(key, why="other"):
-        reads.append(key)
-        return await aget(key)
-
-    mm.node.aget_subkeys = counting_aget
+    reads = _counting(mm)
     asked: List[str] = []
 
     async def join(leader, frag, round_, due=None, timeout=None, watch=None):
@@ -201,20 +207,6 @@ def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(
         assert asked[0] == "a" and group.gid == "lead"
         assert reads[:2] == first and "t:mm:0:5" in reads[2:]
         assert "me" in records["t:mm:0:5"]  # polling, it is ready for the others to see
-
-
-
-def _counting(mm) -> List[str]:
-    """The keys ``mm`` reads from the DHT, in order."""
-    reads: List[str] = []
-    aget = mm.node.aget_subkeys
-
-    async def counting_aget(key, why="other"):
-        reads.append(key)
-        return await aget(key)
-
-    mm.node.aget_subkeys = counting_aget
-    return reads
 
 
 @pytest.mark.parametrize("view", ["presumes a", "presumes us", "none"])
