@@ -72,7 +72,7 @@ from ..swarm import formation, joining, leading, matchmaking, standing
 from ..swarm.keys import kind_of, progress_key, ready_key
 from ..swarm.matchmaking import Matchmaker
 from ..swarm.node import READ_BEAM
-from ..swarm.swarm import LOCAL_READ_PERIOD, network_read_period
+from ..swarm.swarm import network_read_period, view_lifetime
 
 __all__ = ["main", "simulate", "VirtualLoop", "format_table"]
 
@@ -312,14 +312,14 @@ class SimPeer:
 
     def fresh_view(self) -> Optional[Dict[str, Dict[str, Any]]]:
         """As :meth:`Swarm.fresh_view`: one of the key's nearest nodes reads its own storage (free, current);
-        any other peer has its background reader's last network read while it is no older than the
-        reader's period plus LOCAL_READ_PERIOD."""
+        any other peer has its background reader's last network read while it is no older than
+        :func:`~p2pdiloco.swarm.swarm.view_lifetime`."""
         if self.pid in self.sim.nearest:
             return self.mm.live_of(self.sim.dht.read(progress_key(RUN))[0])
         if self.view is None:
             return None
-        limit = network_read_period(self.sim.progress_period, len(self.view)) + LOCAL_READ_PERIOD
-        return self.view if self.sim.clock.time() - self.view_at <= limit else None
+        fresh = self.sim.clock.time() - self.view_at <= view_lifetime(self.sim.progress_period, len(self.view))
+        return self.view if fresh else None
 
     def count(self, what: str, n: int = 1) -> None:
         self.stats[what] += n

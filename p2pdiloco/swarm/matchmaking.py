@@ -90,9 +90,10 @@
    counts the request instead; a longer wait is one where the others' reads must see us ready, item
    11). A refusal with a hint sends the request to the hinted peer at once (up to ``HINTS_FOLLOWED``
    times a round: the peers deferring to it stored no ready record, so a poll would not show them
-   ready); a refusal without one makes the next poll re-read the live peers. The view never decides a group: the presumable leader
-   reads for itself, a view that missed a better-ranked peer costs a hint or a refusal, and a round
-   closed without us is refused as ``closed`` (or found by a poll's read of the group record).
+   ready); a refusal without one makes the next poll re-read the live peers. The view never decides
+   a group: the presumable leader reads for itself, a view that missed a better-ranked peer costs a
+   hint or a refusal, and a round closed without us is refused as ``closed`` (or found by a poll's
+   read of the group record).
 10. Links are warmed before the round. When the leader closes a group it first sends
    every joiner the *proposed* members and owners (``warm``); each member, the leader too, opens a
    connection to every owner it will send parts to (:func:`~p2pdiloco.swarm.dialing.ensure_connected`:
@@ -572,9 +573,13 @@ class Matchmaker(Leading, JoinRequests):
             logger.info(f"[{self.node.short_id}] waited for {short_ids(missing)} at fragment {a.frag} round "
                         f"{a.round}, not ready when it closed: not waited for in the next round(s)")
 
+    def _skipping(self) -> Set[str]:
+        """The overdue peers whose rounds without a wait are not over (item 12)."""
+        return {pid for pid, entry in self._overdue.items() if entry.skip > 0}
+
     def _not_waited(self, a: "_Attempt") -> Set[str]:
         """The overdue peers whose rounds without a wait are not over, not seen ready in this round (item 12)."""
-        return {pid for pid, entry in self._overdue.items() if entry.skip > 0} - a.ready
+        return self._skipping() - a.ready
 
     async def _enter(self, frag: int, round_: int, expected: int, sync_step: Optional[int]) -> "_Attempt":
         """Read the live peers and the round's group record (a follower with a fresh view: neither, item 9);
@@ -631,8 +636,7 @@ class Matchmaker(Leading, JoinRequests):
         if view is None:
             return None
         live = {pid: v for pid, v in view.items() if not self.node.gate.banned(pid)}
-        overdue = {pid for pid, entry in self._overdue.items() if entry.skip > 0}
-        if self._presumable(live, key, sync_step, overdue) == me:
+        if self._presumable(live, key, sync_step, self._skipping()) == me:
             return None
         self._live_count = len(set(live) | {me})
         if self.give_way is not None and (why := self.give_way(live)):
@@ -654,8 +658,12 @@ class Matchmaker(Leading, JoinRequests):
         one does not admit us. ``delay``: seconds before the request goes out."""
         a.presumed = self._presumable(a.peers, a.key, a.sync_step, a.dropped | a.unreached | self._not_waited(a))
         if a.presumed != a.me:
-            a.watch, a.dial_waited = JoinWatch(), False
-            a.early = asyncio.ensure_future(self._join_after(delay, a.presumed, a.frag, a.round, a.expected, a.watch))
+            self._send_early(a, a.presumed, delay)
+
+    def _send_early(self, a: "_Attempt", leader: str, delay: float = 0.0) -> None:
+        """Our early request to ``leader`` (item 9), ``delay`` seconds from now, watched afresh."""
+        a.presumed, a.watch, a.dial_waited = leader, JoinWatch(), False
+        a.early = asyncio.ensure_future(self._join_after(delay, leader, a.frag, a.round, a.expected, a.watch))
 
     async def _join_after(self, delay: float, leader: str, frag: int, round_: int, due: Optional[int],
                           watch: JoinWatch) -> Tuple[Optional[Group], Optional[str]]:
@@ -805,8 +813,7 @@ class Matchmaker(Leading, JoinRequests):
             # it follows that peer: so do we, at once (the peers that defer to it store no ready record, so
             # a poll would not show them ready, and we would wait for them until our deadline)
             a.hints += 1
-            a.presumed, a.watch, a.dial_waited = hint, JoinWatch(), False
-            a.early = asyncio.ensure_future(self._join_after(0.0, hint, a.frag, a.round, a.expected, a.watch))
+            self._send_early(a, hint)
         if group is None:
             return None
         a.slot.leader, a.slot.final = a.presumed, group

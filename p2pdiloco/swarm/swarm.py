@@ -37,7 +37,7 @@ from . import records
 from .records import run_fingerprint
 from .signing import plain_text
 
-__all__ = ["Swarm", "network_read_period"]
+__all__ = ["Swarm", "network_read_period", "view_lifetime"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,12 @@ def network_read_period(progress_period: float, live: int) -> float:
     """Seconds between two network reads of the progress records by the background reader of a peer that
     does not hold the key, with ``live`` peers in its view: one progress period per READ_SHARE of them."""
     return progress_period * max(1, math.ceil(live / READ_SHARE))
+
+
+def view_lifetime(progress_period: float, live: int) -> float:
+    """How old (seconds) the background reader's view of ``live`` peers may be and still stand in for a
+    network read as a follower enters a round: the reader's own period, plus LOCAL_READ_PERIOD."""
+    return network_read_period(progress_period, live) + LOCAL_READ_PERIOD
 
 
 class Swarm:
@@ -380,15 +386,13 @@ class Swarm:
         return time.monotonic() if due else last_network
 
     def fresh_view(self) -> Optional[Dict[str, Dict[str, Any]]]:
-        """:meth:`peers_view` while the background reader keeps it current: read within its own period
-        (:func:`network_read_period`, or LOCAL_READ_PERIOD from our own storage) plus LOCAL_READ_PERIOD;
-        None when it is older (the reader is stuck on a slow read, or the process was paused)."""
+        """:meth:`peers_view` while the background reader keeps it current (:func:`view_lifetime`); None
+        when it is older (the reader is stuck on a slow read, or the process was paused)."""
         with self._progress_lock:
             view, at = self._view, self._view_at
         if view is None:
             return None
-        limit = network_read_period(self.progress_period, len(view)) + LOCAL_READ_PERIOD
-        return view if time.monotonic() - at <= limit else None
+        return view if time.monotonic() - at <= view_lifetime(self.progress_period, len(view)) else None
 
     def peers_view(self) -> Optional[Dict[str, Dict[str, Any]]]:
         """The live peers as of the background reader's last read (None before its first), without waiting."""
