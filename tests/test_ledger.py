@@ -147,45 +147,57 @@ def test_the_background_network_reads_are_spaced_out_in_a_larger_swarm(live, per
         assert swarm.node.network == [due], (live, ago)
 
 
-@pytest.mark.timeout(180)
-def test_a_read_asks_every_holder_and_no_read_leaves_copies_behind(monkeypatch):
-    """Every node asked answers with the whole dictionary (every peer's record): the background reader's
-    network read asks the key's READ_BEAM nearest nodes, matchmaking's every holder; no read pushes a
-    copy to another node or reads the key again by itself before its entries expire."""
-    from p2pdiloco.swarm.node import READ_BEAM
+@pytest.mark.timeout(240)
+def test_reads_and_stores_ask_the_keys_nearest_nodes_only_and_leave_no_copies_behind(monkeypatch):
+    """Every node asked answers with the whole dictionary (every peer's record): in a swarm of more DHT
+    servers than REPLICAS, the background reader's network read asks the key's READ_BEAM nearest nodes,
+    matchmaking's read searches REPLICAS wide (every copy on the nodes it asks, not every node of the
+    swarm), and a store's node lookup downloads no record at all. No read pushes a copy to another node
+    or reads the key again by itself before its entries expire."""
+    from p2pdiloco.swarm.node import READ_BEAM, REPLICAS
 
     monkeypatch.setenv(ledger.ENV, "1")
     first = SwarmNode([], host_maddrs=LOOP)
     nodes = [first]
     try:
-        nodes += [SwarmNode(first.visible_maddrs(), host_maddrs=LOOP) for _ in range(7)]
+        nodes += [SwarmNode(first.visible_maddrs(), host_maddrs=LOOP) for _ in range(13)]
         for n in nodes:
             n.lookup_near("wide:progress").result(timeout=30)
-        for i, n in enumerate(nodes):
+        for i, n in enumerate(nodes[:8]):
             assert n.store_near("wide:progress", {"step": i, "pad": "x" * 300}, ttl=12) >= 3
         reader = SwarmNode(first.visible_maddrs(), host_maddrs=LOOP, client_mode=True)  # holds no copy itself
         nodes.append(reader)
 
-        def found_bytes() -> int:
-            row = reader.dht_ledger().get("find:progress", [0, 0, 0])
-            return row[2]
+        def found(node: SwarmNode, rpc: str = "find:progress") -> list:
+            return node.dht_ledger().get(rpc, [0, 0, 0])
 
         one_copy = 8 * 300  # the pads alone: a copy of the dictionary is at least this, and under twice it
-        before = found_bytes()
+        before = found(reader)
         got = reader.read_near("wide:progress")  # not a holder (a DHT client): over the network
-        narrow = found_bytes() - before
+        narrow = found(reader)[2] - before[2]
         assert {d["step"] for d in got.values()} == set(range(8))
-        before = found_bytes()
-        reader.get_subkeys("wide:progress", why="formation")
-        wide = found_bytes() - before
-        # store_near put every record on the key's 5 nearest nodes: a default read gets a copy from each
-        assert wide >= 5 * one_copy and wide >= 2 * narrow, (narrow, wide)
+        before = found(reader)
+        got = reader.get_subkeys("wide:progress", why="formation")
+        asked, wide = found(reader)[0] - before[0], found(reader)[2] - before[2]
+        assert {d["step"] for d in got.values()} == set(range(8))
+        # store_near put every record on the key's 5 nearest nodes: the read gets a copy from each of them
+        assert wide >= REPLICAS * one_copy and wide >= 2 * narrow, (narrow, wide)
         assert one_copy <= narrow <= (READ_BEAM + 1) * 2 * one_copy, (narrow, wide)
-        stores = reader.dht_ledger().get("store:progress", [0, 0, 0])[0]
+        # hivemind's default search (20 wide) asks every one of the 14 servers
+        assert asked <= 2 * REPLICAS < len(nodes) - 1, asked
+        stores = found(reader, "store:progress")[0]
         assert stores == 0, "a read pushed the dictionary it found to another node"
-        finds = reader.dht_ledger()["find:progress"][0]
+
+        writer = nodes[9]  # stores through a node lookup, not hivemind's store (which reads the key first)
+        before, stored = found(writer), found(writer, "store:progress")[0]
+        assert writer.store("wide:progress", {"step": 9, "pad": "x" * 300}, ttl=12)
+        assert found(writer) == before, "the store's lookup downloaded the records under the key"
+        assert 1 <= found(writer, "store:progress")[0] - stored <= REPLICAS
+        assert {d["step"] for d in reader.get_subkeys("wide:progress").values()} == set(range(8)) | {9}
+
+        finds = found(reader)[0]
         time.sleep(9)  # past expiration - 5 s, when hivemind's cache refresh would read the key again
-        assert reader.dht_ledger()["find:progress"][0] == finds, "the key was read again in the background"
+        assert found(reader)[0] == finds, "the key was read again in the background"
     finally:
         for n in nodes:
             n.shutdown()

@@ -71,7 +71,7 @@ from ..errors import MatchmakingFailed, RoundMissed
 from ..swarm import formation, joining, leading, matchmaking, standing
 from ..swarm.keys import kind_of, progress_key, ready_key
 from ..swarm.matchmaking import Matchmaker
-from ..swarm.node import READ_BEAM
+from ..swarm.node import READ_BEAM, REPLICAS
 from ..swarm.swarm import network_read_period, view_lifetime
 
 __all__ = ["main", "simulate", "VirtualLoop", "format_table"]
@@ -337,7 +337,7 @@ class SimPeer:
 class Sim:
     """One swarm of simulated peers (see the module docstring)."""
 
-    def __init__(self, n: int, *, seed: int = 0, rtt: float = 0.05, dht_rtts: float = 2.0, replicas: int = 5,
+    def __init__(self, n: int, *, seed: int = 0, rtt: float = 0.05, dht_rtts: float = 2.0, replicas: int = REPLICAS,
                  train_s: float = 60.0, sync_s: float = 5.0, spread: float = 0.2, churn: float = 0.0,
                  progress_period: float = 10.0, matchmaking_timeout: float = 30.0, silent: int = 0,
                  stalling: int = 0, claiming: int = 0, rank_by_id: bool = False, cap: int = 0) -> None:
@@ -705,7 +705,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--churn", type=float, default=0.05, help="share of the peers leaving during each round")
     ap.add_argument("--rtt", type=float, default=0.05, help="round trip between two peers, seconds")
     ap.add_argument("--dht-rtts", type=float, default=2.0, help="round trips of one DHT read or store")
-    ap.add_argument("--replicas", type=int, default=5, help="nodes a DHT read asks (and a store writes to)")
+    ap.add_argument("--replicas", type=int, default=REPLICAS, help="nodes a DHT read asks (and a store writes to)")
     ap.add_argument("--train-s", type=float, default=60.0, help="seconds of training between two syncs")
     ap.add_argument("--sync-s", type=float, default=5.0, help="seconds a sync takes once the group formed")
     ap.add_argument("--spread", type=float, default=0.2, help="peers are up to this much slower than the fastest")

@@ -87,8 +87,15 @@ async def _serve_dht(initial_peers: List[str], _dht: Any, node: Any) -> int:
 # Measured on the emulated WAN (4 peers, records every 2 s): 15 KB/s sent per peer for publishing alone,
 # 24 KB/s with the reads. These three run in the DHT process and move only what has to move.
 
-#: how many of a key's nearest nodes a network read of the background reader asks (hivemind asks up to 20)
+#: how many of a key's nearest nodes a network read of the background reader asks
 READ_BEAM = 2
+
+#: how many of a key's nearest nodes hold each record (hivemind's default), and how wide the other reads and
+#: the stores' node lookups search. hivemind searches 20 wide (its bucket size): with every peer a DHT
+#: server, a read of 24 peers' records asked ~20 nodes, each answering with the whole dictionary, and a
+#: store's lookup downloaded the dictionary from each node it met. A search this wide still ends at the
+#: key's nearest nodes, which are where every writer stores.
+REPLICAS = 5
 
 
 def _key_id(key: str) -> Any:
@@ -169,6 +176,17 @@ async def _read_near(key: str, _dht: Any, node: Any) -> Any:
             value_bytes = proto.record_validator.strip_value(record)
         out[subkey] = ValueWithExpiration(proto.serializer.loads(value_bytes), expiration)
     return True, (ValueWithExpiration(out, max(e for _, e in entries.values())) if out else None)
+
+
+async def _store_found(key: str, subkey: bytes, value: bytes, expiration: float, _dht: Any, node: Any) -> int:
+    """Runs in the DHT process: a node lookup next to ``key`` (as :func:`_lookup_near`, REPLICAS wide:
+    the replies name nodes and carry no record), then :func:`_store_near` on the nearest nodes it met.
+    hivemind's store looks the key itself up, and every node it asks answers with every record it
+    holds under the key (a ready record store at 24 peers downloaded 24 peers' records from ~20 nodes)."""
+    from hivemind.dht.routing import DHTID
+
+    await node.find_nearest_nodes([DHTID(int(_key_id(key)) ^ 1)], k_nearest=node.num_replicas, beam_size=REPLICAS)
+    return await _store_near(key, subkey, value, expiration, _dht, node)
 
 
 async def _lookup_near(key: str, initial_peers: List[str], _dht: Any, node: Any) -> int:
@@ -306,7 +324,8 @@ class SwarmNode:
         # dictionary found to one more node and re-read, wide, a cached key before it expires (every record).
         kwargs: Dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=dht_client, identity_path=key_path,
                                       record_validators=self.records.validators(), blacklist_time=3.0,
-                                      backoff_rate=1.0, cache_nearest=0, cache_refresh_before_expiry=0)
+                                      backoff_rate=1.0, cache_nearest=0, cache_refresh_before_expiry=0,
+                                      num_replicas=REPLICAS)
         # is our key file already running elsewhere (copied to another machine)? Asked here for every key
         # kind: hivemind's own check (check_if_identity_free) reads RSA keys only. A fresh random key
         # cannot be taken.
@@ -497,23 +516,27 @@ class SwarmNode:
                     expiration_time=get_dht_time() + ttl)
 
     def store(self, key: str, value: Dict[str, Any], ttl: float, subkey: Optional[str] = None) -> bool:
-        """Publish our record under ``key`` (signed; readers see it under our peer id)."""
-        return bool(self.dht.store(**self._record(key, value, ttl, subkey)))
+        """Publish our record under ``key`` (signed; readers see it under our peer id) on the key's
+        REPLICAS nearest nodes, found by a node lookup (:func:`_store_found`)."""
+        return self.call(self.astore(key, value, ttl, subkey), timeout=60)
 
     async def astore(self, key: str, value: Dict[str, Any], ttl: float, subkey: Optional[str] = None) -> bool:
-        return bool(await self.dht.store(**self._record(key, value, ttl, subkey), return_future=True))
+        rec = self._record(key, value, ttl, subkey)
+        return bool(await self.dht.run_coroutine(
+            partial(_store_found, key, rec["subkey"], rec["value"], rec["expiration_time"]), return_future=True))
 
     def get_subkeys(self, key: str, why: str = "other") -> Dict[str, Dict[str, Any]]:
         """``{peer id: record}`` of every valid, owner-signed record under ``key`` (newest per owner).
-        ``why``: the caller's purpose, for :attr:`read_counts`. The read asks every node hivemind's lookup
-        meets that holds a copy (up to 20), each answering with every peer's record under the key: right
-        after a partition heals, the writer's own node may be the only one holding its newest record."""
+        ``why``: the caller's purpose, for :attr:`read_counts`. The read searches REPLICAS wide and takes
+        the copies of every node it asks (the key's nearest nodes and those met on the way; each answers
+        with every peer's record under the key), not only the first: right after a partition heals, the
+        writer's own node may be the only one near the key that holds its newest record."""
         self._note_read(key, why)
-        return self.records.decode(key, self.dht.get(key, latest=True))
+        return self.records.decode(key, self.dht.get(key, latest=True, beam_size=REPLICAS))
 
     async def aget_subkeys(self, key: str, why: str = "other") -> Dict[str, Dict[str, Any]]:
         self._note_read(key, why)
-        return self.records.decode(key, await self.dht.get(key, latest=True, return_future=True))
+        return self.records.decode(key, await self.dht.get(key, latest=True, beam_size=REPLICAS, return_future=True))
 
     def _note_read(self, key: str, why: str) -> None:
         if self._count_reads:
