@@ -124,6 +124,38 @@ def test_the_background_reader_takes_a_formation_read_as_its_read_of_the_period(
     assert swarm.node.network == [False, True] and swarm.peers_view() == {"b": {"step": 2}} and last >= now
 
 
+class _SlowNode(_Node):
+    def read_near(self, key, network=True):
+        import time as _time
+
+        _time.sleep(0.3)
+        return super().read_near(key, network)
+
+
+def test_a_view_stays_fresh_while_the_next_read_takes_as_long_as_the_last():
+    """A follower enters a round with the background view while the reader keeps to its period: the view's
+    age bound covers the reader's tick and its reads' own duration (a view read by a 0.3 s read stays
+    fresh until period + tick + 0.6 s), and no more."""
+    import threading
+    import time as _time
+
+    from p2pdiloco.swarm.swarm import LOCAL_READ_PERIOD, Swarm
+
+    swarm = Swarm.__new__(Swarm)
+    swarm.run_id, swarm.progress_period, swarm._progress_lock, swarm._view = "r", 1.0, threading.Lock(), None
+    swarm._view_at, swarm._read_s = -float("inf"), 0.0
+    swarm.node = _SlowNode({"b": {"step": 2}})
+    swarm.matchmaker = type("MM", (), {"live_of": staticmethod(lambda recs: dict(recs))})()
+    swarm.matchmaker.last_read = (-float("inf"), {})
+    swarm.read_view(-float("inf"))
+    assert swarm.node.network == [True] and 0.3 <= swarm._read_s < 1.0
+    swarm._read_s = 0.3  # as measured, without this machine's scheduling on top
+    bound = 1.0 + LOCAL_READ_PERIOD
+    for age, fresh in [(bound - 0.2, True), (bound + 0.4, True), (bound + 0.8, False)]:
+        swarm._view_at = _time.monotonic() - age
+        assert (swarm.fresh_view() is not None) == fresh, age
+
+
 @pytest.mark.parametrize("live, period", [(1, 10.0), (16, 10.0), (17, 20.0), (40, 30.0), (1000, 630.0)])
 def test_the_background_network_reads_are_spaced_out_in_a_larger_swarm(live, period):
     """A network read carries every live peer's record: one read per progress period per 16 live peers

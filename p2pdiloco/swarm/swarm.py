@@ -64,10 +64,14 @@ def network_read_period(progress_period: float, live: int) -> float:
     return progress_period * max(1, math.ceil(live / READ_SHARE))
 
 
-def view_lifetime(progress_period: float, live: int) -> float:
+def view_lifetime(progress_period: float, live: int, read_s: float = 0.0) -> float:
     """How old (seconds) the background reader's view of ``live`` peers may be and still stand in for a
-    network read as a follower enters a round: the reader's own period, plus LOCAL_READ_PERIOD."""
-    return network_read_period(progress_period, live) + LOCAL_READ_PERIOD
+    network read as a follower enters a round: the reader's own period, plus LOCAL_READ_PERIOD (its
+    tick), plus twice its last network read's duration ``read_s`` (the next read takes about as long
+    before the view is new again; at most one more period). A reader that keeps to its period never
+    leaves an older view; one stuck on a slow read, or a paused process, does."""
+    period = network_read_period(progress_period, live)
+    return period + LOCAL_READ_PERIOD + min(2.0 * read_s, period)
 
 
 class Swarm:
@@ -94,6 +98,7 @@ class Swarm:
         self._progress_lock = threading.Lock()
         self._view: Optional[Dict[str, Dict[str, Any]]] = None
         self._view_at = -float("inf")  # monotonic time of the read that gave _view
+        self._read_s = 0.0  # how long the background reader's last network read took (view_lifetime)
         self.matchmaker.fresh_view = self.fresh_view
         self._fingerprint: Optional[Dict[str, Any]] = None
         self._fingerprint_stored = 0.0  # monotonic time of our last fingerprint store
@@ -376,23 +381,26 @@ class Swarm:
                 self._view, self._view_at = live, formed
         with self._progress_lock:
             known = len(self._view or ())
-        due = time.monotonic() - last_network >= network_read_period(self.progress_period, known)
+        start = time.monotonic()
+        due = start - last_network >= network_read_period(self.progress_period, known)
         records = self.node.read_near(progress_key(self.run_id), network=due)
         if records is None:
             return last_network
-        view = self.matchmaker.live_of(records)
+        view, now = self.matchmaker.live_of(records), time.monotonic()
         with self._progress_lock:
-            self._view, self._view_at = view, time.monotonic()
-        return time.monotonic() if due else last_network
+            self._view, self._view_at = view, now
+            if due:
+                self._read_s = now - start
+        return now if due else last_network
 
     def fresh_view(self) -> Optional[Dict[str, Dict[str, Any]]]:
         """:meth:`peers_view` while the background reader keeps it current (:func:`view_lifetime`); None
         when it is older (the reader is stuck on a slow read, or the process was paused)."""
         with self._progress_lock:
-            view, at = self._view, self._view_at
+            view, at, read_s = self._view, self._view_at, self._read_s
         if view is None:
             return None
-        return view if time.monotonic() - at <= view_lifetime(self.progress_period, len(view)) else None
+        return view if time.monotonic() - at <= view_lifetime(self.progress_period, len(view), read_s) else None
 
     def peers_view(self) -> Optional[Dict[str, Dict[str, Any]]]:
         """The live peers as of the background reader's last read (None before its first), without waiting."""
