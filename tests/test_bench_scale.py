@@ -57,10 +57,10 @@ def test_summarize_leaves_each_peers_start_out_of_the_traffic_after_its_first_sy
     less that one, per later ok sync; reads by purpose likewise (a purpose a peer never read counts 0)."""
     first = {"find:progress": [4, 400, 3600], "find:ready": [2, 200, 300]}
     final = {"find:progress": [10, 1000, 9000], "find:ready": [8, 800, 1200], "find:node": [3, 300, 300]}
-    a = [_sync(0, 1, "d1"), {"event": "dht_ledger", "dht_ledger": first,
+    a = [_sync(0, 1, "d1"), {"event": "dht_ledger", "dht_ledger": first, "time": 100.0,
                              "dht_reads": {"progress:start": 3, "progress:formation": 1}},
          _sync(1, 1, "e1"), _sync(0, 2, "d2"),
-         {"event": "summary", "dht_ledger": final,
+         {"event": "summary", "dht_ledger": final, "time": 140.0,
           "dht_reads": {"progress:start": 3, "progress:formation": 3, "ready:ready poll": 4}}]
     b = [_sync(0, 1, "d1"), _sync(1, 1, "e1"), {"event": "summary", "dht_ledger": final}]  # no first-sync ledger
     row = summarize(2, [a, b], {})
@@ -71,7 +71,20 @@ def test_summarize_leaves_each_peers_start_out_of_the_traffic_after_its_first_sy
     assert row["reads_per_sync_after_first"] == {"progress:formation": 1.0, "progress:start": 0.0,
                                                  "ready:ready poll": 2.0}
     assert row["dht_bytes_per_sync"] == round((12600 / 3 + 12600 / 2) / 2, 1)  # the whole run, as before
+    # and per second: 8,100 bytes over the 40 s from a's first sync to its end, 20 s between its syncs
+    assert row["dht_bytes_per_s_after_first"] == round(8100 / 40, 1) and row["seconds_per_sync_after_first"] == 20.0
     table = format_table([row])
-    assert "| 4.0 KB | 3.0 KB / 0.0 KB / 0.8 KB / 0.0 KB / 0.3 KB |" in table
+    assert "| 4.0 KB | 3.0 KB / 0.0 KB / 0.8 KB / 0.0 KB / 0.3 KB | 20.0 | 0.2 KB |" in table
     assert "| peers | progress:formation | progress:start | ready:ready poll |" in table
     assert "| 2 | 1.00 | 0.00 | 2.00 |" in table
+
+
+def test_slow_volunteers_get_the_fault_hooks_slow_rule():
+    """--slow F: every volunteer's environment carries a rule the fault hook accepts (each inner step F times
+    slower, every step); without it, only the ledger."""
+    from p2pdiloco.bench.scale import _peer_env
+    from p2pdiloco.faults import ENV_VAR, parse_faults
+
+    assert _peer_env(1.0) == {"P2PDILOCO_DHT_LEDGER": "1"}
+    (rule,) = parse_faults(_peer_env(3.5)[ENV_VAR])
+    assert (rule.phase, rule.action, rule.factor, rule.times) == ("step", "slow", 3.5, 0)

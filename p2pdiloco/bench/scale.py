@@ -11,7 +11,11 @@ outer steps, each keeping a ledger of its DHT calls (``P2PDILOCO_DHT_LEDGER=1``,
   for lookups), requests and responses together, protobuf sizes (without stream framing and TCP/IP);
   over the whole run, and after each peer's first sync (the ledger it wrote then subtracted: joining,
   waiting for ``min_peers_to_start`` peers and the first formation left out, so what a running swarm
-  costs per sync);
+  costs per sync), and the same per second (bytes after the first sync over the seconds from it to the
+  peer's end) with the seconds between two syncs: the background records go by the clock, so a peer's
+  bytes per sync grow with the time between its syncs, which on one machine grows with N (the peers
+  share its cores). ``--slow F`` makes every volunteer's inner steps F times slower (the fault hook's
+  ``slow``), to run a small swarm at a larger one's sync interval;
 * after the first sync, the network reads of records per sync by kind and purpose (``progress:formation``,
   ``progress:background``, ``progress:catch-up``, ``ready:ready poll``, ...: the callers' tags,
   :attr:`~p2pdiloco.swarm.node.SwarmNode.read_counts`);
@@ -38,6 +42,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import ConfigError, UserError
+from ..faults import ENV_VAR as FAULTS_ENV
 from .procs import LocalProcs
 from .run import _read_jsonl
 
@@ -70,6 +75,7 @@ def summarize(n: int, runs: List[List[Dict[str, Any]]], connections: Dict[int, i
     steady_kind: Dict[str, List[float]] = {k: [] for k in KINDS}
     steady_reads: Dict[str, List[float]] = {}
     dht_total, steady_total, ar_bytes, waits, secs, sizes = [], [], [], [], [], []
+    steady_rate, steady_interval = [], []
     ok = failed = 0
     digests: Dict[tuple, set] = {}
     for recs in runs:
@@ -101,6 +107,10 @@ def summarize(n: int, runs: List[List[Dict[str, Any]]], connections: Dict[int, i
                 for k in KINDS:
                     steady_kind[k].append(later[k] / (len(good) - 1))
                 steady_total.append(sum(later.values()) / (len(good) - 1))
+                span = (summary or {}).get("time", 0.0) - first.get("time", 0.0)
+                if span > 0:
+                    steady_rate.append(sum(later.values()) / span)
+                    steady_interval.append(span / (len(good) - 1))
                 reads_end, reads_first = (summary or {}).get("dht_reads") or {}, first.get("dht_reads") or {}
                 for why in set(reads_end) | set(reads_first):
                     steady_reads.setdefault(why, []).append(
@@ -116,6 +126,7 @@ def summarize(n: int, runs: List[List[Dict[str, Any]]], connections: Dict[int, i
         # record kind and purpose ("progress:formation", ...), means over the peers that reported both
         "dht_bytes_per_sync_after_first": mean(steady_total),
         "dht_bytes_per_sync_after_first_by_kind": {k: mean(v) for k, v in steady_kind.items()},
+        "dht_bytes_per_s_after_first": mean(steady_rate), "seconds_per_sync_after_first": mean(steady_interval),
         "reads_per_sync_after_first": {why: round(statistics.fmean(v + [0.0] * (len(steady_total) - len(v))), 2)
                                        for why, v in sorted(steady_reads.items())},
         "allreduce_bytes_per_sync": mean(ar_bytes),
@@ -162,7 +173,7 @@ def run_one(n: int, args: argparse.Namespace) -> Dict[str, Any]:
                     f"data.num_shards={n}", f"data.shard={i}", f"train.max_outer_steps={args.outer_steps}",
                     f"train.run_dir={os.path.join(work, f'p{i}')}"]
             procs.start(f"p{i}", "join", "--initial-peers", addr, "--config", args.config,
-                        *sum((["--set", s] for s in sets), []), env={"P2PDILOCO_DHT_LEDGER": "1"})
+                        *sum((["--set", s] for s in sets), []), env=_peer_env(args.slow))
         peers = procs.procs[1:]
         conns = _Connections({i: p.pid for i, p in enumerate(peers)})
         conns.start()
@@ -194,6 +205,13 @@ def run_one(n: int, args: argparse.Namespace) -> Dict[str, Any]:
     return row
 
 
+def _peer_env(slow: float) -> Dict[str, str]:
+    env = {"P2PDILOCO_DHT_LEDGER": "1"}
+    if slow > 1.0:
+        env[FAULTS_ENV] = json.dumps({"phase": "step", "action": "slow", "factor": slow, "times": 0})
+    return env
+
+
 def _kb(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{x / 1000:.1f} KB"
 
@@ -201,15 +219,17 @@ def _kb(x: Optional[float]) -> str:
 def format_table(rows: List[Dict[str, Any]]) -> str:
     lines = ["| peers | ok / failed / split syncs | group sizes | DHT per peer per sync | of which progress / history / "
              "ready / group / node | after the first sync | of which progress / history / ready / group / node | "
+             "s between syncs | DHT per peer per s | "
              "all-reduce sent per sync | formation s (median) | sync s (median) | connections per peer (max) |",
-             "|---" * 11 + "|"]
+             "|---" * 13 + "|"]
     kinds = ("progress", "history", "ready", "group", "node")
     for r in rows:
         k, later = r["dht_bytes_per_sync_by_kind"], r.get("dht_bytes_per_sync_after_first_by_kind") or {}
         lines.append(f"| {r['peers']} | {r['ok_syncs']} / {r['failed_syncs']} / {r['split_rounds']} | "
                      f"{', '.join(map(str, r['group_sizes'])) or '-'} | {_kb(r['dht_bytes_per_sync'])} | "
                      f"{' / '.join(_kb(k.get(x)) for x in kinds)} | {_kb(r.get('dht_bytes_per_sync_after_first'))} | "
-                     f"{' / '.join(_kb(later.get(x)) for x in kinds)} | "
+                     f"{' / '.join(_kb(later.get(x)) for x in kinds)} | {r.get('seconds_per_sync_after_first', 'n/a')} | "
+                     f"{_kb(r.get('dht_bytes_per_s_after_first'))} | "
                      f"{_kb(r['allreduce_bytes_per_sync'])} | {r['group_formation_s_median']} | {r['sync_s_median']} | "
                      f"{r['connections_max'] if r['connections_max'] is not None else 'n/a'} |")
     purposes = sorted({why for r in rows for why in r.get("reads_per_sync_after_first") or {}})
@@ -266,6 +286,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="settings of every volunteer (e.g. inner.sync_every=60)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per swarm size before it is cut off")
+    ap.add_argument("--slow", type=float, default=1.0, metavar="F",
+                    help="every volunteer's inner steps F times slower (a small swarm at a larger one's sync interval)")
     ap.add_argument("--out", default="runs/scale")
     args = ap.parse_args(argv)
     try:
@@ -277,6 +299,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if args.outer_steps < 1:
         print("error: --outer-steps must be at least 1", file=sys.stderr)
+        return 2
+    if not args.slow >= 1.0:
+        print(f"error: --slow takes a factor of at least 1; got {args.slow}", file=sys.stderr)
         return 2
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
