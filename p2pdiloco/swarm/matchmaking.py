@@ -86,8 +86,8 @@
    group record only when it may lead it: one whose background view (``Swarm.fresh_view``: read within
    the background reader's own period) makes another peer the presumable leader takes that view and
    asks that leader, and stores its ready record only if it polls or that leader holds it for half the
-   join grace (a store's lookup fetches the round's dictionary from every node it asks, and the leader
-   counts the request instead; a longer wait is one where the others' reads must see us ready, item
+   join grace (a store costs a node lookup and a store on each of the key's nearest nodes, and the
+   leader counts the request instead; a longer wait is one where the others' reads must see us ready, item
    11). A refusal with a hint sends the request to the hinted peer at once (up to ``HINTS_FOLLOWED``
    times a round: the peers deferring to it stored no ready record, so a poll would not show them
    ready); a refusal without one makes the next poll re-read the live peers. The view never decides
