@@ -88,3 +88,65 @@ def test_slow_volunteers_get_the_fault_hooks_slow_rule():
     assert _peer_env(1.0) == {"P2PDILOCO_DHT_LEDGER": "1"}
     (rule,) = parse_faults(_peer_env(3.5)[ENV_VAR])
     assert (rule.phase, rule.action, rule.factor, rule.times) == ("step", "slow", 3.5, 0)
+
+
+@pytest.mark.timeout(240)
+def test_a_benchmark_stopped_by_a_kill_stops_its_volunteers(tmp_path):
+    """SIGTERM to the benchmark (each volunteer runs in a session of its own: the signal reaches none of
+    them) ends the run through its cleanup: every volunteer, its DHT process and p2p daemon end too."""
+    import signal
+    import time
+
+    import psutil
+
+    p = subprocess.Popen([sys.executable, "-m", "p2pdiloco.bench.scale", "--peers", "2", "--outer-steps", "50",
+                          "--set", "inner.sync_every=20", "--out", str(tmp_path / "scale")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    tag = f"swarm.run_id=scale-2-{p.pid}"
+
+    def volunteers(mark: str = tag):
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            if any(mark in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        return found
+
+    try:
+        deadline = time.time() + 150
+        while len(volunteers()) < 2 and time.time() < deadline and p.poll() is None:
+            time.sleep(0.5)
+        started = volunteers()
+        assert len(started) == 2, "the volunteers did not start"
+        while time.time() < deadline and not all(v.children(recursive=True) for v in started):
+            time.sleep(0.5)  # their DHT processes and daemons up
+        boot = volunteers(str(tmp_path / "scale" / "n2" / "boot.key"))  # the bootstrap peer (its identity file)
+        family = {v.pid for v in started + boot}
+        for v in started:
+            family |= {c.pid for c in v.children(recursive=True)}
+        assert boot and len(family) > 4  # its DHT process and daemon, the volunteers' own children too
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 130 and "interrupted" in err, err[-2000:]
+
+        def alive():
+            left = []
+            for pid in family:
+                try:
+                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                        left.append(pid)
+                except psutil.NoSuchProcess:
+                    pass
+            return left
+
+        # killed at once; a daemon whose parent was killed ends by itself (lifeline.py) within seconds
+        deadline = time.time() + 15
+        while alive() and time.time() < deadline:
+            time.sleep(0.5)
+        assert not alive(), f"still running after the benchmark ended: {alive()}"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for v in volunteers() + volunteers(str(tmp_path / "scale" / "n2" / "boot.key")):
+            v.kill()

@@ -205,6 +205,10 @@ def run_one(n: int, args: argparse.Namespace) -> Dict[str, Any]:
     return row
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def _peer_env(slow: float) -> Dict[str, str]:
     env = {"P2PDILOCO_DHT_LEDGER": "1"}
     if slow > 1.0:
@@ -307,6 +311,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     rows: List[Dict[str, Any]] = []
     load = os.getloadavg()
+    # Ctrl-C, and a kill, end the run through run_one's cleanup: every volunteer runs in its own session
+    # (nothing signals it with us), and a shell starts a background job with SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         for n in sizes:
             print(f"[scale] N={n}: starting a bootstrap and {n} volunteers", file=sys.stderr, flush=True)
@@ -320,6 +328,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: the volunteers are stopped; finished sizes in {args.out}", file=sys.stderr)
+        return 130
     _plot(rows, args.out)
     print(format_table(rows))
     return 0 if all(r["ok_syncs"] > 0 for r in rows) else 1
