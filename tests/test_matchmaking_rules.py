@@ -209,68 +209,6 @@ def test_a_follower_reads_nothing_while_the_presumable_leader_holds_its_request(
         assert "me" in records["t:mm:0:5"]  # polling, it is ready for the others to see
 
 
-def test_the_early_dial_wait_follows_how_long_early_requests_took_to_be_taken():
-    """EARLY_DIAL_S before any request was taken; then EARLY_DIAL_FACTOR times the running mean of how long
-    they took, between EARLY_DIAL_S and EARLY_DIAL_MAX_S; each request counted once."""
-    from p2pdiloco.swarm.joining import JoinWatch
-    from p2pdiloco.swarm.matchmaking import EARLY_DIAL_FACTOR, EARLY_DIAL_MAX_S, EARLY_DIAL_S
-
-    mm = _fake_matchmaker({})
-    assert mm.early_dial_wait() == EARLY_DIAL_S
-
-    def taken(after: float) -> JoinWatch:
-        w = JoinWatch()
-        w.taken_at = 100.0 + after
-        return w
-
-    w = taken(0.4)
-    mm._note_taken(w, 100.0)
-    mm._note_taken(w, 100.0)  # the same request again: not counted twice
-    assert mm.early_dial_wait() == pytest.approx(EARLY_DIAL_FACTOR * 0.4)
-    mm._note_taken(taken(5.0), 100.0)
-    assert mm.early_dial_wait() == EARLY_DIAL_MAX_S
-    for _ in range(30):
-        mm._note_taken(taken(0.01), 100.0)
-    assert mm.early_dial_wait() == EARLY_DIAL_S
-    mm._note_taken(JoinWatch(), 100.0)  # never taken: nothing to count
-    assert mm.early_dial_wait() == EARLY_DIAL_S
-
-
-def test_a_follower_whose_requests_take_long_to_reach_the_leader_waits_for_them_instead_of_polling():
-    """Each early request reaches the presumable leader 0.8 s after it went out (a long round trip, a
-    loaded machine). In the first round the follower gives it EARLY_DIAL_S and then polls the round (a
-    read of every ready record); in the next it waits as long as such requests took lately, and reads
-    nothing before the leader answers."""
-    records = {"t:progress": _due("a", "me"), "t:mm:0:5": {}, "t:mm:0:6": {}}
-    mm = _fake_matchmaker(records, announce=True, join_grace=3.0, matchmaking_timeout=6.0)
-    mm.fresh_view = lambda: _due("a", "me")  # a is the presumable leader: no read as we enter
-    reads = _counting(mm)
-
-    async def join(leader, frag, round_, due=None, timeout=None, watch=None):
-        await asyncio.sleep(0.8)
-        watch.taken_at = time.monotonic()
-        watch.taken.set()
-        await asyncio.sleep(0.3)  # the leader closes its group
-        members = ("a", "me")
-        return Group(gid=f"g{round_}", members=members, my_index=1, frag=frag, round=round_), None
-
-    async def lead(*args, **kwargs):
-        raise AssertionError("a leads these rounds")
-
-    mm._join, mm._lead = join, lead
-
-    async def two_rounds():
-        first = await mm.form_group(0, 5, 2, sync_step=100)
-        polled = list(reads)
-        reads.clear()
-        second = await mm.form_group(0, 6, 2, sync_step=100)
-        return first, polled, second
-
-    first, polled, second = asyncio.run(two_rounds())
-    assert first.round == 5 and "t:mm:0:5" in polled
-    assert second.round == 6 and reads == []
-
-
 @pytest.mark.parametrize("view", ["presumes a", "presumes us", "none"])
 def test_a_follower_enters_with_its_fresh_view_and_only_the_presumable_leader_reads_the_live_peers(view):
     """Every peer of a round reading every live peer's record as it enters is the control traffic that
@@ -538,10 +476,10 @@ def test_a_candidate_that_still_follows_a_dropped_leader_is_asked_until_it_leads
 @pytest.mark.parametrize("how", ["silent", "stall"])
 def test_leading_in_place_of_a_dropped_peer_admits_for_longer_and_never_waits_for_it(how):
     """We are next after a, which left our request unanswered: the others drop a too, each after its own
-    wait, so we admit joiners for longer than the join grace (silent: the longest early dial wait and SILENT_S more;
+    wait, so we admit joiners for longer than the join grace (silent: one early dial and SILENT_S more;
     stalled: up to matchmaking_timeout and the patience), and a is not among the joiners we wait for."""
     from p2pdiloco.swarm.joining import SILENT_S
-    from p2pdiloco.swarm.matchmaking import EARLY_DIAL_MAX_S
+    from p2pdiloco.swarm.matchmaking import EARLY_DIAL_S
 
     records = {"t:progress": _due("a", "b", "me"), "t:mm:0:5": _ready("a", "b")}
     mm = _fake_matchmaker(records, announce=True, join_grace=0.1, matchmaking_timeout=1.0)
@@ -553,7 +491,7 @@ def test_leading_in_place_of_a_dropped_peer_admits_for_longer_and_never_waits_fo
     asyncio.run(mm.form_group(0, 5, 3, sync_step=100))
     (lead,) = led
     assert asked == ["a"] and "a" not in lead["joiners"]
-    assert lead["grace"] == pytest.approx(0.1 + EARLY_DIAL_MAX_S + SILENT_S if how == "silent" else 1.0 + 0.2)
+    assert lead["grace"] == pytest.approx(0.1 + EARLY_DIAL_S + SILENT_S if how == "silent" else 1.0 + 0.2)
 
 
 def _frames(data: bytes) -> List[Dict[str, Any]]:

@@ -48,8 +48,6 @@ class JoinWatch:
     """What a joiner learns of its request while it is out (:meth:`JoinRequests._join`)."""
 
     taken: asyncio.Event = field(default_factory=asyncio.Event)     # on a stream the leader's handler opened
-    taken_at: Optional[float] = None  # when (monotonic) it was taken
-    counted: bool = False  # its time to be taken is in the follower's running mean (Matchmaker._note_taken)
     proposed: asyncio.Event = field(default_factory=asyncio.Event)  # the leader proposed a group with us
     silent: bool = False  # the holder said nothing for SILENT_S: the request ended unanswered
     broken: bool = False  # the holder's stream broke before it answered (it left, crashed, or hung up on us)
@@ -96,7 +94,6 @@ class JoinRequests:
         try:
             await write_frame(writer, {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_,
                                        **self._my_reach_fields()}, traffic=traffic)
-            watch.taken_at = time.monotonic()
             watch.taken.set()
             reply = await self._first_reply(reader, leader, timeout or self._request_timeout, watch)
             if reply.get("t") == "warm":  # the group is closing: warm our links first (matchmaking item 10)

@@ -169,16 +169,8 @@ REEVAL_MAX_S = 2.0
 #: how long a follower waits for its early request to reach the presumable leader before it polls the
 #: round itself (seconds): a dial to a live peer takes a few round trips, and once the leader holds the
 #: request the follower reads nothing (item 9); a dial still tried after this (the leader left or
-#: crashed since our read, or its address is cold) must not keep us from seeing who leads instead.
-#: The wait is EARLY_DIAL_S, or EARLY_DIAL_FACTOR times how long our early requests took to be taken
-#: lately where that is longer (long round trips, a loaded machine), up to EARLY_DIAL_MAX_S: a wait
-#: shorter than a live leader takes makes every follower poll the round once (a read of every live
-#: peer's record) although its request is on its way
+#: crashed since our read, or its address is cold) must not keep us from seeing who leads instead
 EARLY_DIAL_S = 0.5
-EARLY_DIAL_FACTOR = 3.0
-EARLY_DIAL_MAX_S = 2.0
-#: weight of the newest request in that running mean
-EARLY_DIAL_WEIGHT = 0.3
 #: how soon a candidate that still waits on a leader we dropped is asked again (seconds): well within
 #: its join grace once it leads
 HINT_RETRY_S = 0.3
@@ -226,8 +218,7 @@ class _Attempt:
     early: Optional[asyncio.Future] = None  # our request to the presumable leader, while it is open
     watch: JoinWatch = field(default_factory=JoinWatch)  # the early request: taken, proposed, silent
     quiet_polls: int = 0                    # polls in a row that found no new ready peer (the backoff)
-    dial_waited: bool = False               # we gave the early request its dial wait to reach the leader
-    early_at: float = 0.0                   # when (monotonic) the early request went out
+    dial_waited: bool = False               # we gave the early request EARLY_DIAL_S to reach the leader
     silent: Set[str] = field(default_factory=set)   # took our request, then said nothing for SILENT_S
     stalled: Set[str] = field(default_factory=set)  # held it, every peer due ready, proposed nothing in time
     gone: Set[str] = field(default_factory=set)     # took it, then its stream broke (it left or crashed)
@@ -319,8 +310,6 @@ class Matchmaker(Leading, JoinRequests):
         #: set by the swarm: the live peers as its background reader last read them, while that read is no
         #: older than the reader's own period allows (else None): what a follower enters a round with (item 9)
         self.fresh_view: Optional[Callable[[], Optional[Dict[str, Dict[str, Any]]]]] = None
-        #: running mean of the seconds our early requests took to be taken (None before the first)
-        self._taken_s: Optional[float] = None
         #: set by the training loop: given the live peers' records, a reason to stop matchmaking and adopt
         #: a rival history's state instead (see the module docstring, item 6), or None
         self.give_way: Optional[Callable[[Dict[str, Dict[str, Any]]], Optional[str]]] = None
@@ -519,9 +508,8 @@ class Matchmaker(Leading, JoinRequests):
                                                                   its id as hint): its group is ours;
                                                                   refused, or no answer by our deadline:
                                                                   poll
-        the dial to the presumable leader is still tried          poll: it may have left, and another peer
-        after its wait (EARLY_DIAL_S, or 3x how long our early    lead
-        requests took lately, up to EARLY_DIAL_MAX_S)
+        the dial to the presumable leader is still tried          poll (after <= EARLY_DIAL_S): it may have
+        after EARLY_DIAL_S                                        left, and another peer lead
         alone while others are live, or partners of our last      look once more (after <= 1 s): behind?
         group cannot be seen at all                               missed? more ready records?
         candidates                                                ready peers, plus unseen due peers and
@@ -675,7 +663,6 @@ class Matchmaker(Leading, JoinRequests):
     def _send_early(self, a: "_Attempt", leader: str, delay: float = 0.0) -> None:
         """Our early request to ``leader`` (item 9), ``delay`` seconds from now, watched afresh."""
         a.presumed, a.watch, a.dial_waited = leader, JoinWatch(), False
-        a.early_at = time.monotonic() + delay
         a.early = asyncio.ensure_future(self._join_after(delay, leader, a.frag, a.round, a.expected, a.watch))
 
     async def _join_after(self, delay: float, leader: str, frag: int, round_: int, due: Optional[int],
@@ -722,7 +709,7 @@ class Matchmaker(Leading, JoinRequests):
                 a.dial_waited = True  # once: then we poll while the dial is tried
                 taken = asyncio.ensure_future(a.watch.taken.wait())
                 try:
-                    await self._wait_for_news(min(self.early_dial_wait(), max(0.0, a.deadline - time.monotonic())),
+                    await self._wait_for_news(min(EARLY_DIAL_S, max(0.0, a.deadline - time.monotonic())),
                                               slot, a.early, taken)
                 finally:
                     taken.cancel()
@@ -791,7 +778,6 @@ class Matchmaker(Leading, JoinRequests):
         if not slot.decided.is_set():
             slot.leader = a.presumed
             slot.decided.set()
-        self._note_taken(a.watch, a.early_at)
         now = time.monotonic()
         a.ready |= self._unbanned(slot.arrivals)
         if len(a.ready) >= a.expected:
@@ -805,26 +791,10 @@ class Matchmaker(Leading, JoinRequests):
         await self._wait_for_news(wait, slot, a.early)
         return "answered" if a.early.done() else "news"
 
-    def early_dial_wait(self) -> float:
-        """How long a follower gives its early request to be taken before it polls (EARLY_DIAL_S)."""
-        if self._taken_s is None:
-            return EARLY_DIAL_S
-        return min(EARLY_DIAL_MAX_S, max(EARLY_DIAL_S, EARLY_DIAL_FACTOR * self._taken_s))
-
-    def _note_taken(self, watch: JoinWatch, sent_at: float) -> None:
-        """Count how long an early request took to be taken (once per request) in the running mean."""
-        if watch.taken_at is None or watch.counted:
-            return
-        watch.counted = True
-        took = max(0.0, watch.taken_at - sent_at)
-        self._taken_s = took if self._taken_s is None else (
-            (1 - EARLY_DIAL_WEIGHT) * self._taken_s + EARLY_DIAL_WEIGHT * took)
-
     def _early_group(self, a: "_Attempt") -> Optional[Group]:
         """The presumable leader's answer to our early request: its group (ours now), or None when it
         refused (it follows another peer, or is not the leader). A RoundMissed (closed without us) ends
         matchmaking here."""
-        self._note_taken(a.watch, a.early_at)
         group, hint = a.early.result()
         a.early = None
         if group is None and not a.slot.leading:
@@ -971,7 +941,7 @@ class Matchmaker(Leading, JoinRequests):
         if better & a.stalled:
             return self.matchmaking_timeout + self._patience
         if better:
-            return self.join_grace + EARLY_DIAL_MAX_S + SILENT_S
+            return self.join_grace + EARLY_DIAL_S + SILENT_S
         return None
 
     def _retry_until(self, a: "_Attempt", dropped: str) -> float:
@@ -981,7 +951,7 @@ class Matchmaker(Leading, JoinRequests):
         deadline (within matchmaking_timeout from now) and patience."""
         if dropped in a.stalled:
             return time.monotonic() + self.matchmaking_timeout + self._patience
-        return time.monotonic() + EARLY_DIAL_MAX_S + SILENT_S + self.join_grace
+        return time.monotonic() + EARLY_DIAL_S + SILENT_S + self.join_grace
 
     @staticmethod
     def _note_unanswered(a: "_Attempt", peer: str, watch: JoinWatch) -> None:
