@@ -368,7 +368,10 @@ def test_reducer_state_survives_a_checkpoint(tmp_path, sets):
     a = steps(m, opt, d, 2, seed=2)
     torch.set_rng_state(rng)
     b = steps(m2, opt2, d2, 2, seed=2)
-    assert a[-1].digest == b[-1].digest and a[-1].extra == b[-1].extra
+    # the report's extra fields beside the reducer's (ranks, error norms, ...) include a wall-clock wait
+    untimed = [{k: v for k, v in r.extra.items() if not k.endswith("_seconds")} for r in (a[-1], b[-1])]
+    assert untimed[0]  # the reducer reported something to compare
+    assert a[-1].digest == b[-1].digest and untimed[0] == untimed[1]
 
 
 def test_adopting_swarm_state_resets_residuals():
