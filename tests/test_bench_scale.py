@@ -104,6 +104,7 @@ def test_a_benchmark_stopped_by_a_kill_stops_its_volunteers(tmp_path):
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
     tag = f"swarm.run_id=scale-2-{p.pid}"
+    boot_key = str(tmp_path / "scale" / "n2" / "boot.key")  # on the bootstrap peer's command line
 
     def volunteers(mark: str = tag):
         found = []
@@ -120,7 +121,7 @@ def test_a_benchmark_stopped_by_a_kill_stops_its_volunteers(tmp_path):
         assert len(started) == 2, "the volunteers did not start"
         while time.time() < deadline and not all(v.children(recursive=True) for v in started):
             time.sleep(0.5)  # their DHT processes and daemons up
-        boot = volunteers(str(tmp_path / "scale" / "n2" / "boot.key"))  # the bootstrap peer (its identity file)
+        boot = volunteers(boot_key)
         family = {v.pid for v in started + boot}
         for v in started:
             family |= {c.pid for c in v.children(recursive=True)}
@@ -148,5 +149,5 @@ def test_a_benchmark_stopped_by_a_kill_stops_its_volunteers(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
-        for v in volunteers() + volunteers(str(tmp_path / "scale" / "n2" / "boot.key")):
+        for v in volunteers() + volunteers(boot_key):
             v.kill()

@@ -83,8 +83,8 @@
    back to polling; a presumable leader that cannot be reached, breaks the stream or falls silent
    (item 11) is replaced at once by the next one (the best rank among the others due).
    For the same reason a peer enters a round with a network read of the live peers and the round's
-   group record only when it may lead it: one whose background view (``Swarm.fresh_view``: read within
-   the background reader's own period) makes another peer the presumable leader takes that view and
+   group record only when it may lead it: one whose background view (``Swarm.fresh_view``: no older than
+   the background reader's own period allows) makes another peer the presumable leader takes that view and
    asks that leader, and stores its ready record only if it polls or that leader holds it for half the
    join grace (a store costs a node lookup and a store on each of the key's nearest nodes, and the
    leader counts the request instead; a longer wait is one where the others' reads must see us ready, item

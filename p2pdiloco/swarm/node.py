@@ -104,6 +104,14 @@ def _key_id(key: str) -> Any:
     return DHTID.generate(source=key)
 
 
+def _beside(key: str) -> Any:
+    """The id next to ``key``'s (its lowest bit flipped): nobody stores under it, so a node lookup for it
+    meets the key's nearest nodes and no node answers with the key's records."""
+    from hivemind.dht.routing import DHTID
+
+    return DHTID(int(_key_id(key)) ^ 1)
+
+
 def _nearest(node: Any, key_id: Any) -> List[Any]:
     """(node id, peer id) of the key's ``num_replicas`` nearest nodes we know (ourselves included as
     ``(our id, None)`` when a full node), nearest first, skipping nodes that did not answer lately."""
@@ -183,9 +191,7 @@ async def _store_found(key: str, subkey: bytes, value: bytes, expiration: float,
     the replies name nodes and carry no record), then :func:`_store_near` on the nearest nodes it met.
     hivemind's store looks the key itself up, and every node it asks answers with every record it
     holds under the key (a ready record store at 24 peers downloaded 24 peers' records from ~20 nodes)."""
-    from hivemind.dht.routing import DHTID
-
-    await node.find_nearest_nodes([DHTID(int(_key_id(key)) ^ 1)], k_nearest=node.num_replicas, beam_size=REPLICAS)
+    await node.find_nearest_nodes([_beside(key)], k_nearest=node.num_replicas, beam_size=REPLICAS)
     return await _store_near(key, subkey, value, expiration, _dht, node)
 
 
@@ -199,7 +205,6 @@ async def _lookup_near(key: str, initial_peers: List[str], _dht: Any, node: Any)
     calling us) brings it back: after a partition heals, each side meets the other through a node that
     kept both (a bootstrap peer, which never calls out). Initial peers missing from the table are
     pinged first (an isolated node's table can be empty: nothing to start a lookup from)."""
-    from hivemind.dht.routing import DHTID
     from hivemind.p2p import PeerID
 
     proto = node.protocol
@@ -207,7 +212,7 @@ async def _lookup_near(key: str, initial_peers: List[str], _dht: Any, node: Any)
     missing = [p for p in missing if p not in proto.routing_table.peer_id_to_uid]
     if missing:
         await asyncio.gather(*(proto.call_ping(p) for p in missing), return_exceptions=True)
-    found = await node.find_nearest_nodes([DHTID(int(_key_id(key)) ^ 1)], k_nearest=node.num_replicas)
+    found = await node.find_nearest_nodes([_beside(key)], k_nearest=node.num_replicas)
     return sum(len(v) for v in found.values())
 
 
