@@ -296,3 +296,37 @@ def test_a_waiting_formation_rereads_the_live_peers_less_often_while_nothing_cha
 def quiet_cap(period):
     from p2pdiloco.swarm.matchmaking import REEVAL_MAX_S
     return max(REEVAL_MAX_S, period)
+
+
+@pytest.mark.timeout(120)
+def test_the_periodic_store_is_left_out_while_syncs_keep_the_record_fresh(nodes):
+    """A sync stores our progress record (as its formation starts and when its result lands); the periodic
+    publisher stores it only when no store went out in the last half period, so frequent syncs do not add
+    a store per period on top of theirs, and it stores every period again once they stop."""
+    from p2pdiloco.swarm.keys import progress_key
+
+    peer = nodes[1]
+    run = f"quietskip{next(_runs)}"
+    swarm = Swarm(peer, run, matchmaking_timeout=2, allreduce_timeout=5, progress_period=1.0)
+    swarm.check_fingerprint("fp", {"a": 1})
+    stores = []
+    store = peer.astore_near
+
+    async def counting(key, value, ttl):
+        if key == progress_key(run):
+            stores.append(value["step"])
+        return await store(key, value, ttl)
+
+    peer.astore_near = counting
+    try:
+        swarm.start_publishing()
+        for step in range(16):  # a sync's store every 0.25 s for 4 s: 4 periods
+            swarm.update_progress(step=step)
+            swarm.publish_progress()
+            time.sleep(0.25)
+        assert stores == list(range(16)), stores  # each of ours, nothing periodic in between
+        time.sleep(3.3)  # no sync: the periodic publisher stores the record every period again
+        assert stores[16:] and len(stores[16:]) >= 2 and set(stores[16:]) == {15}, stores
+    finally:
+        peer.astore_near = store
+        swarm.shutdown()

@@ -17,8 +17,8 @@ join protocol included: ``swarm/leading.py``, ``swarm/joining.py``) on a node of
   address times out), as libp2p's does.
 * **Background**, as ``Swarm.start_publishing`` does it: every ``progress_period`` each peer stores its
   progress record, and each peer that is not one of the progress key's nearest nodes reads the records
-  from ``READ_BEAM`` nodes once per ``network_read_period`` (a progress period per 16 live peers it saw
-  at its last read).
+  from ``READ_BEAM`` nodes once per ``network_read_period`` (a progress period per ``READ_SHARE`` live
+  peers it saw at its last read).
 
 Time is virtual (an event loop whose clock jumps to the next timer), so the protocol's own timers
 (polls, backoffs, join grace, derived waits) decide the formation times, not this machine's CPU.

@@ -51,7 +51,7 @@ LOCAL_READ_PERIOD = 2.0
 #: live peers per network read of the background reader per progress_period: such a read carries every live
 #: peer's record, so in a larger swarm the reads are spaced out (network_read_period) and a peer's background
 #: bytes per second stay flat as the swarm grows; matchmaking reads for itself as a formation starts
-READ_SHARE = 16
+READ_SHARE = 8
 #: progress-record stores allowed in flight at once (each can take seconds: see Swarm.publish_progress)
 MAX_STORES_IN_FLIGHT = 4
 #: a history record lives this many progress records' lifetimes (Swarm.history_lifetime)
@@ -105,6 +105,7 @@ class Swarm:
         self._in_flight: Set[concurrent.futures.Future] = set()  # progress stores not finished yet
         self._reached: List[Tuple[float, int]] = []  # (when, how many nodes took it) of recent progress stores
         self._dirty = False  # a publish was put off because too many stores were in flight
+        self._published_at = -float("inf")  # monotonic time of our last progress store (started)
         #: our history record (records.HistoryRecord), kept apart from the progress record that every
         #: peer reads at every matchmaking poll; stored by the publisher when it changed or ages
         self._history: Dict[str, Any] = {}
@@ -296,6 +297,7 @@ class Swarm:
                 self._dirty = True
                 return
             self._dirty = False
+            self._published_at = time.monotonic()
             value = dict(self._progress, t=time.time())
             relayed = getattr(self.node, "relay_stats", {}).get("bytes", 0)
             if relayed:  # bytes we sent on relayed streams (status, dashboard)
@@ -309,6 +311,13 @@ class Swarm:
                 fut.result(timeout=30)
             except Exception as e:
                 logger.debug(f"progress publish failed: {e}")
+
+    def published_lately(self) -> bool:
+        """Our progress record was stored less than half a progress period ago (a sync publishes it twice:
+        as its formation starts and when its result lands). The periodic publisher then leaves its store
+        out: the record lives 3 periods + 5 s, and the next tick is at most 1.5 periods after that store."""
+        with self._progress_lock:
+            return time.monotonic() - self._published_at < self.progress_period / 2
 
     def _store_done(self, fut) -> None:
         if not fut.cancelled() and fut.exception() is not None:
@@ -349,7 +358,8 @@ class Swarm:
                         next_lookup = time.monotonic() + LOOKUP_PERIOD
                         lookup = self.node.lookup_near(progress_key(self.run_id))
                         self.node.lookup_near(history_key(self.run_id))  # where publish_history stores
-                    self.publish_progress()
+                    if not self.published_lately():
+                        self.publish_progress()
                     self.publish_history()
                     self._refresh_fingerprint()
                 except Exception as e:  # the DHT may be shutting down
