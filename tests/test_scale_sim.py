@@ -134,3 +134,23 @@ def test_an_identity_claiming_to_be_due_and_slow_holds_up_fewer_and_fewer_rounds
         assert r["peers"] == 12 and r["group_sizes"] == [12] and r["missed"] == 0, r
         if r["round"] not in slow:
             assert r["formation_seconds"]["median"] < 10, r
+
+
+@pytest.mark.parametrize("silent,stalling,churn,seed", [(1, 0, 0.05, 0), (1, 0, 0.05, 1), (0, 1, 0.0, 2)])
+def test_a_leader_waiting_for_an_identity_its_followers_skip_as_overdue_is_no_stall_and_the_round_never_splits(
+        silent, stalling, churn, seed):
+    """A silent (or stalling) identity and one claiming to be due every round, among 100 peers (5% leaving
+    each round, or none). The peers that waited for the claiming one in round 0 skip it in round 1; a peer
+    that did not (its record said it was no longer due when that peer last read it) waits for it as round
+    1's leader, up to the matchmaking timeout. Its followers give it that long rather than dropping it as
+    stalled after their own wait and the patience: dropped, they led groups of their own, and two groups
+    synced round 1 (53 + 31 peers with the silent one, the formation ~350 s, until the leader's group
+    record expired; 67 + 27 with the stalling one)."""
+    run = scale_sim.simulate(100, 2, verbose=False, churn=churn, silent=silent, stalling=stalling, claiming=1,
+                             seed=seed)
+    r = run["rounds"][1]
+    assert r["left"] == round(churn * 100) and r["held"] >= 1  # the faults fired: peers left, requests were held
+    assert not r["split"] and len(r["group_sizes"]) == 1, r["group_sizes"]
+    assert r["in_main_group"] + r["missed"] == r["peers"] - r["left"]
+    assert r["in_main_group"] >= 0.8 * (r["peers"] - r["left"]), r
+    assert r["formation_seconds"]["median"] < 60, r["formation_seconds"]

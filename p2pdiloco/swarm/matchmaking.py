@@ -116,7 +116,11 @@
    every ``WAIT_S``) until it answers; a holder silent for ``SILENT_S`` (or whose stream breaks) is
    *dropped* for the round: not presumed, not asked again. A holder that keeps talking and proposes
    nothing is dropped when every peer due is ready and ``_patience`` (twice the join grace, the longest
-   an honest leader admits joiners) has passed since our own wait ended (*stalled*). Every honest peer
+   an honest leader admits joiners) has passed since our own wait ended (*stalled*), unless a live peer
+   due by its record is one we skip as overdue (item 12): strikes are each peer's own, and a holder that
+   did not see that peer miss a round waits for it, up to its matchmaking timeout; it then gets as long
+   as our request allows. (Dropped, an honest leader was replaced by leaders of their own until its group
+   record expired: two groups per round in the simulator.) Every honest peer
    drops a silent or stalled identity, at different moments (a broken stream breaks for all at once):
    so a peer that leads in place of a better-ranked one admits joiners longer (``_fallback_grace``), a
    candidate that answers "I follow <such a peer>" is asked again (``HINT_RETRY_S``) for as long as it
@@ -527,7 +531,8 @@ class Matchmaker(Leading, JoinRequests):
         the presumable leader cannot be reached                   ask the next presumable one (it stays a
                                                                   candidate)
         every peer due is ready, our wait is over, and the        dropped (stalled) after _patience; the
-        presumable leader holding our request proposed nothing    next candidate
+        presumable leader holding our request proposed nothing    next candidate (no drop while we skip a
+                                                                  due peer as overdue: it may wait for it)
         a candidate's hint names a peer we dropped as silent or   ask it again shortly, however often, for
         stalled                                                   as long as that peer takes to drop it too
         we lead in place of a better-ranked silent or stalled     admit for _fallback_grace, not the join
@@ -576,6 +581,14 @@ class Matchmaker(Leading, JoinRequests):
     def _skipping(self) -> Set[str]:
         """The overdue peers whose rounds without a wait are not over (item 12)."""
         return {pid for pid, entry in self._overdue.items() if entry.skip > 0}
+
+    def _skipped_due(self, a: "_Attempt") -> Set[str]:
+        """The live peers due now by their records that we do not wait for as overdue (item 12). Another peer
+        counts its own strikes, from the rounds it waited in: a leader that did not see them miss a round
+        waits for them, which is no stall."""
+        if a.sync_step is None:
+            return set()
+        return expected_peers(a.peers, a.me, a.sync_step) & self._not_waited(a)
 
     def _not_waited(self, a: "_Attempt") -> Set[str]:
         """The overdue peers whose rounds without a wait are not over, not seen ready in this round (item 12)."""
@@ -980,6 +993,8 @@ class Matchmaker(Leading, JoinRequests):
             bound: Optional[float] = 2 * self.join_grace
         else:
             bound = self._patience if early and len(a.ready) >= a.expected and not a.dropped else None
+            if bound is not None and self._skipped_due(a):
+                bound = None  # it may still wait for a peer we skip as overdue: its strikes are its own
         try:
             if early:  # we asked it already: wait for that answer
                 answer = await self._answer(a.early, bound, a.watch.proposed)
