@@ -99,6 +99,9 @@ MODES: Dict[str, Tuple[str, ...]] = {
                                          "compression.rank_fraction=0.125", "compression.adaptive=false",
                                          "compression.dense_params=emb", "compression.error_feedback=true",
                                          "compression.feedback_form=model"),
+    # the default scheme with dense 2-bit values and the quantization residual kept in each peer's model
+    "streaming4-tau4-q2-keep": ("scheme=streaming", "compression.codec=q2", "compression.error_feedback=true",
+                                "compression.feedback_form=model"),
     "streaming4-eager-nf4": ("streaming.fragments=4", "streaming.mode=eager", "compression.codec=nf4"),
     # the same as their all-public namesakes with every odd-numbered peer private (HALF_PRIVATE)
     "diloco-fp32-halfprivate": (),
