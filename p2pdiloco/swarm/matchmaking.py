@@ -119,8 +119,8 @@
    an honest leader admits joiners) has passed since our own wait ended (*stalled*), unless a live peer
    due by its record is one we skip as overdue (item 12): strikes are each peer's own, and a holder that
    did not see that peer miss a round waits for it, up to its matchmaking timeout; it then gets as long
-   as our request allows. (Dropped, an honest leader was replaced by leaders of their own until its group
-   record expired: two groups per round in the simulator.) Every honest peer
+   as our request allows: followers that drop an honest leader lead groups of their own, and a round
+   that outlasts a group record's lifetime can then close twice. Every honest peer
    drops a silent or stalled identity, at different moments (a broken stream breaks for all at once):
    so a peer that leads in place of a better-ranked one admits joiners longer (``_fallback_grace``), a
    candidate that answers "I follow <such a peer>" is asked again (``HINT_RETRY_S``) for as long as it
