@@ -16,7 +16,9 @@ pytestmark = pytest.mark.timeout(60)
 
 QUANT4 = ["e3m0", "nf4", "fp4"]
 #: absmax-per-64 codecs: the 4-bit ones and the 2-bit q2
-BLOCKWISE = QUANT4 + ["q2"]
+ABSMAX = QUANT4 + ["q2"]
+#: every codec with a scale per 64 values: those and the 1-bit q1 (its scale is the mean magnitude)
+BLOCKWISE = ABSMAX + ["q1"]
 ALL = ["fp32", "fp16"] + BLOCKWISE
 SIZES = [1, 2, 5, 63, 64, 65, 127, 128, 1001, 4099]
 
@@ -44,7 +46,7 @@ def _block_absmax(x: torch.Tensor) -> torch.Tensor:
 
 def test_registry_ids_are_stable():
     assert {n: c.codec_id for n, c in CODECS.items()} == {"fp32": 0, "fp16": 1, "e3m0": 2, "nf4": 3, "fp4": 4,
-                                                          "q2": 5, "sparse": 8}
+                                                          "q2": 5, "q1": 6, "sparse": 8}
     assert codec_by_id(2) is get_codec("e3m0")
 
 
@@ -81,7 +83,7 @@ def test_roundtrip_within_bound(name, kind):
         assert worst > 0.5 * c.relative_error_bound  # the bound is not vacuous
 
 
-@pytest.mark.parametrize("name", BLOCKWISE)
+@pytest.mark.parametrize("name", ABSMAX)
 def test_bound_is_attained_near_widest_gap(name):
     """Values just past the midpoint of the widest gap err by about the bound."""
     c = get_codec(name)
@@ -118,6 +120,26 @@ def test_q2_layout_size_and_codebook():
     ours = (c.roundtrip(x.reshape(-1)).view(2000, 64) / x.abs().amax(1, keepdim=True) - xn).pow(2).mean().item()
     assert ours == pytest.approx(mse([-1, -0.25, 0.25, 1]), rel=1e-4)
     assert ours < mse([-1, -1 / 3, 1 / 3, 1]) and ours < mse([-1, -0.2, 0.2, 1]) and ours < 0.5 * mse([-1, 0, 1])
+
+
+def test_q1_layout_size_and_scale():
+    """q1: fp32 scales (each block's mean magnitude), then eight sign bits per byte, first value in the
+    highest bit, zero encoded as +; the mean magnitude has the lowest squared error of any ±s."""
+    c = get_codec("q1")
+    for n in [0] + SIZES:
+        assert c.encoded_size(n) == 4 * math.ceil(n / 64) + math.ceil(n / 8)
+        assert len(c.encode(torch.randn(n))) == c.encoded_size(n)
+    x = torch.tensor([-2.0, 1.0, 0.0, -1.0, 4.0, -0.5, 0.5, 1.0, -3.0])  # mean magnitude 13/9
+    data = c.encode(x)
+    scale = torch.tensor([13.0 / 9.0]).numpy().tobytes()
+    assert data[:4] == scale and data[4:] == bytes([0b01101011, 0b01111111])  # padding bits are 1
+    s = torch.tensor([13.0 / 9.0]).item()
+    assert c.decode(data, 9).tolist() == [-s, s, s, -s, s, -s, s, s, -s]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, generator=g) * torch.rand(64, generator=g)
+    err = (c.roundtrip(x) - x).pow(2).sum().item()
+    for f in (0.8, 0.95, 1.05, 1.25):
+        assert err < (x.sign() * x.abs().mean() * f - x).pow(2).sum().item()
 
 
 def test_e3m0_grid_and_value_domain_rounding():
@@ -160,7 +182,7 @@ def test_decode_rejects_wrong_length(name):
         with pytest.raises(WireError):
             c.decode(bad, 101, sender="peerX")
     with pytest.raises(WireError):
-        c.decode(data, 100)
+        c.decode(data, 93)  # a count whose encoding is shorter for every codec (q1's 100 would still fit 101's bytes)
 
 
 @pytest.mark.parametrize("name", BLOCKWISE)

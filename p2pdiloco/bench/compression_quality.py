@@ -74,6 +74,13 @@ def _sparse(k: int, bits: int = 2, chunk: int = 4096, decay: float = 0.95) -> Tu
             "outer.lr=1", "outer.momentum=0")
 
 
+def _sparse_keep(k: int, decay: float = 1.0) -> Tuple[str, ...]:
+    """Top-k of Δ with what was not sent kept in each peer's model, and the profile's outer Nesterov."""
+    return ("compression.codec=sparse", "compression.error_feedback=true", "compression.feedback_form=model", *_PLAIN,
+            f"compression.sparse_k={k}", "compression.sparse_chunk=4096", "compression.sparse_bits=2",
+            f"compression.sparse_decay={decay}")
+
+
 SETTINGS: Dict[str, Tuple[str, ...]] = {
     "fp32": ("compression.codec=fp32", "compression.error_feedback=false", *_PLAIN),
     "fp16": ("compression.codec=fp16", "compression.error_feedback=false", *_PLAIN),
@@ -106,6 +113,14 @@ SETTINGS: Dict[str, Tuple[str, ...]] = {
     "sparse": _sparse(64),
     "sparse-k32": _sparse(32),
     "sparse-k16": _sparse(16),
+    #: every value in 2 bits (q2) or 1 bit (q1), what the codec drops kept in each peer's model
+    "q2-keep": ("compression.codec=q2", "compression.error_feedback=true", "compression.feedback_form=model",
+                "compression.feedback_decay=1", *_PLAIN),
+    "q1-keep": ("compression.codec=q1", "compression.error_feedback=true", "compression.feedback_form=model",
+                "compression.feedback_decay=1", *_PLAIN),
+    #: top-k of Δ, the rest kept in each peer's model, the run's outer Nesterov
+    "sparse-k64-keep": _sparse_keep(64),
+    "sparse-k32-keep": _sparse_keep(32),
 }
 
 
