@@ -581,7 +581,7 @@ class RunConfig:
         momentum), and the shard owners relay parts, which only the plain mean can aggregate."""
         if self.compression.codec != "sparse":
             return
-        if self.compression.feedback_form == "resend" and (self.outer.lr != 1.0 or self.outer.momentum != 0.0):
+        if self.outer.lr != 1.0 or self.outer.momentum != 0.0:
             raise ConfigError(f"compression.codec=sparse applies the averaged top-k with outer lr 1 and no momentum "
                               f"(its error buffer is the momentum); set --set outer.lr=1 --set outer.momentum=0 "
                               f"(now lr {self.outer.lr:g}, momentum {self.outer.momentum:g})")
@@ -600,6 +600,9 @@ class RunConfig:
         SparseLoCo's buffer is its momentum, not a residual to hand over."""
         if self.compression.feedback_form != "model":
             return
+        if self.compression.codec == "sparse":
+            raise ConfigError("compression.feedback_form=model does not apply to compression.codec=sparse (its "
+                              "error buffer is the outer momentum); use compression.feedback_form=resend")
         if self.streaming.mode != "tau":
             raise ConfigError(f"compression.feedback_form=model needs streaming.mode=tau (blocking DiLoCo is tau 0), "
                               f"not {self.streaming.mode!r}: the residual is kept where a result is merged into the "

@@ -156,16 +156,10 @@ class SparseReducer:
     forgets. The shards'
     owners relay the parts instead of re-encoding the mean (:mod:`p2pdiloco.compression.sparse`),
     so the applied update is exactly the mean of what the members' buffers lost.
-
-    ``keep_in_model`` (``compression.feedback_form = "model"``): no buffer here. The peer's model
-    holds what it did not send (its next inner phase starts from θ − β·(Δ − s)), so Δ already
-    carries it; the reducer sends the top-k of Δ itself and hands β·(Δ − s) over through
-    :meth:`take_residual`. The outer step is then the run's own (Nesterov): the buffer is no
-    longer the momentum.
     """
 
-    def __init__(self, codec: Codec, decay: float, keep_in_model: bool = False):
-        self.codec, self.decay, self.keep_in_model = codec, float(decay), bool(keep_in_model)
+    def __init__(self, codec: Codec, decay: float):
+        self.codec, self.decay = codec, float(decay)
         self._lock = threading.Lock()
         self._e: Optional[torch.Tensor] = None
         self._saved: Optional[torch.Tensor] = None  # the buffer after the last completed sync (never modified)
@@ -177,16 +171,10 @@ class SparseReducer:
             e = self._e
             if e is not None and e.shape != delta.shape:
                 raise ValueError(f"sparse error buffer has {e.numel()} values, the pseudo-gradient {delta.numel()}")
-            if e is None or self.keep_in_model:  # kept in the model: Δ already holds what was not sent
-                acc = delta.clone()
-            else:
-                acc = torch.add(torch.mul(e.to(delta.device), self.decay), delta)
+            acc = delta.clone() if e is None else torch.add(torch.mul(e.to(delta.device), self.decay), delta)
             avg = allreduce(acc, "delta", self.codec)  # raises SyncFailed: the buffer stays as it was
             sent = self.codec.roundtrip(acc).to(acc.device)
-            self._e = torch.sub(acc, sent)
-            if self.keep_in_model and self.decay != 1.0:
-                self._e = torch.mul(self._e, self.decay)
-            self._saved = self._e
+            self._e = self._saved = torch.sub(acc, sent)
             self._info = {"error_norm": round(float(self._e.double().norm()), 6),
                           "sent_norm": round(float(sent.double().norm()), 6)}
             return avg
@@ -215,13 +203,7 @@ class SparseReducer:
         return dict(self._info)
 
     def take_residual(self) -> Optional[torch.Tensor]:
-        """With ``keep_in_model``: β·(Δ − s) of the last completed sync, then forgotten; else ``None``
-        (the buffer is the outer momentum and stays here)."""
-        if not self.keep_in_model:
-            return None
-        with self._lock:
-            r, self._e, self._saved = self._e, None, None
-            return r
+        return None  # the buffer is the outer momentum: it stays here (the config refuses the model form)
 
 
 class LowRankReducer:
@@ -370,8 +352,7 @@ def make_reducer(cfg, params: Sequence[torch.Tensor], names: Optional[Sequence[s
     """
     c = cfg.compression
     if c.codec == "sparse":
-        return SparseReducer(sparse_codec(c.sparse_chunk, c.sparse_k, c.sparse_bits), c.sparse_decay,
-                             keep_in_model=c.feedback_form == "model")
+        return SparseReducer(sparse_codec(c.sparse_chunk, c.sparse_k, c.sparse_bits), c.sparse_decay)
     codec = get_codec(c.codec)
     if c.lowrank:
         lr = LowRankConfig(rank=c.rank, min_rank=c.min_rank, adaptive=c.adaptive, energy_target=c.energy_target,
