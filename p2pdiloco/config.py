@@ -238,8 +238,8 @@ class CompressionConfig:
     low-rank factors for 2-D blocks (the factors then travel with ``codec``).
     """
 
-    #: fp32 (lossless), fp16, a 4-bit blockwise codec: e3m0 (Streaming DiLoCo), nf4, fp4, or the 2-bit q2 (for
-    #: low-rank factors with the residual kept in the model), or sparse (below)
+    #: fp32 (lossless), fp16, a 4-bit blockwise codec: e3m0 (Streaming DiLoCo), nf4, fp4, the 2-bit q2 or the
+    #: 1-bit q1 (for what the residual kept in the model follows), or sparse (below)
     codec: str = "e3m0"
     #: carry what a lossy codec / the low-rank projection dropped into the next round (per peer).
     #: Off by default: measured no gain with 4-bit and a loss with low-rank (docs/compression.md)

@@ -74,13 +74,6 @@ def _sparse(k: int, bits: int = 2, chunk: int = 4096, decay: float = 0.95) -> Tu
             "outer.lr=1", "outer.momentum=0")
 
 
-def _sparse_keep(k: int, decay: float = 1.0) -> Tuple[str, ...]:
-    """Top-k of Δ with what was not sent kept in each peer's model, and the profile's outer Nesterov."""
-    return ("compression.codec=sparse", "compression.error_feedback=true", "compression.feedback_form=model", *_PLAIN,
-            f"compression.sparse_k={k}", "compression.sparse_chunk=4096", "compression.sparse_bits=2",
-            f"compression.sparse_decay={decay}")
-
-
 SETTINGS: Dict[str, Tuple[str, ...]] = {
     "fp32": ("compression.codec=fp32", "compression.error_feedback=false", *_PLAIN),
     "fp16": ("compression.codec=fp16", "compression.error_feedback=false", *_PLAIN),
@@ -118,9 +111,6 @@ SETTINGS: Dict[str, Tuple[str, ...]] = {
                 "compression.feedback_decay=1", *_PLAIN),
     "q1-keep": ("compression.codec=q1", "compression.error_feedback=true", "compression.feedback_form=model",
                 "compression.feedback_decay=1", *_PLAIN),
-    #: top-k of Δ, the rest kept in each peer's model, the run's outer Nesterov
-    "sparse-k64-keep": _sparse_keep(64),
-    "sparse-k32-keep": _sparse_keep(32),
 }
 
 
