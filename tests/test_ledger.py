@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import pytest
 
@@ -180,13 +181,26 @@ def test_the_background_network_reads_are_spaced_out_in_a_larger_swarm(live, per
 
 
 @pytest.mark.timeout(240)
+async def _nodes_named(peer, _dht, node) -> int:
+    """Runs in the DHT process: how many nodes ``peer`` names in its reply to a lookup."""
+    from hivemind.dht.routing import DHTID
+
+    answer = await node.protocol.call_find(peer, [DHTID.generate(source="elsewhere")])
+    return len(next(iter(answer.values()))[1])
+
+
+async def _nodes_known(_dht, node) -> int:
+    """Runs in the DHT process: how many nodes our routing table holds."""
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
 def test_reads_and_stores_ask_the_keys_nearest_nodes_only_and_leave_no_copies_behind(monkeypatch):
     """Every node asked answers with the whole dictionary (every peer's record): in a swarm of more DHT
     servers than REPLICAS, the background reader's network read asks the key's READ_BEAM nearest nodes,
     matchmaking's read searches REPLICAS wide (every copy on the nodes it asks, not every node of the
     swarm), and a store's node lookup downloads no record at all. No read pushes a copy to another node
     or reads the key again by itself before its entries expire."""
-    from p2pdiloco.swarm.node import READ_BEAM, REPLICAS
+    from p2pdiloco.swarm.node import READ_BEAM, REPLICAS, REPLY_NODES
 
     monkeypatch.setenv(ledger.ENV, "1")
     first = SwarmNode([], host_maddrs=LOOP)
@@ -230,6 +244,12 @@ def test_reads_and_stores_ask_the_keys_nearest_nodes_only_and_leave_no_copies_be
         finds = found(reader)[0]
         time.sleep(9)  # past expiration - 5 s, when hivemind's cache refresh would read the key again
         assert found(reader)[0] == finds, "the key was read again in the background"
+
+        # a node answering a lookup names REPLY_NODES nodes, though its routing table knows all 14 others
+        for asker, answerer in ((reader, nodes[3]), (nodes[5], first)):
+            known = answerer.dht.run_coroutine(_nodes_known)
+            count = asker.dht.run_coroutine(partial(_nodes_named, answerer.dht.peer_id))
+            assert count == REPLY_NODES < known, (count, known)
     finally:
         for n in nodes:
             n.shutdown()

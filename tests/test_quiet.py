@@ -21,7 +21,7 @@ import pytest
 from p2pdiloco.swarm.formation import draw
 from p2pdiloco.swarm.keys import ready_key
 from p2pdiloco.swarm.node import SwarmNode
-from p2pdiloco.swarm.swarm import Swarm
+from p2pdiloco.swarm.swarm import HISTORY_PERIODS, Swarm
 
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
 _runs = iter(range(10**6))
@@ -106,8 +106,15 @@ def test_the_history_is_a_record_of_its_own(nodes):
     assert mine["vr"] == list(range(4, 20)) and mine["fw"] == ["owner left"] and mine["ff"] == [2]
     progress = client.get_subkeys(f"{run}:progress")[peers[0].peer_id_str]
     assert progress["step"] == 200 and not {"vr", "vl", "fr", "ff", "ft", "fw"} & set(progress), progress
-    swarm.note_val_loss(20, 2.9)  # a change is stored at the next publish
+    swarm.note_val_loss(20, 2.9)  # a new loss waits HISTORY_PERIODS progress periods after the last store
+    assert not swarm.publish_history()
+    swarm._history_stored -= (HISTORY_PERIODS - 0.5) * swarm.progress_period
+    assert not swarm.publish_history()
+    swarm._history_stored -= 0.5 * swarm.progress_period
     assert swarm.publish_history()
+    swarm.note_failure(21, 1, "owner left")  # a failed round goes out at the next publish
+    assert swarm.publish_history()
+    assert not swarm.publish_history()
     swarm._history_stored -= swarm.history_lifetime / 2  # half its lifetime later: stored again
     assert swarm.publish_history()
     swarm.shutdown()

@@ -97,6 +97,12 @@ READ_BEAM = 2
 #: key's nearest nodes, which are where every writer stores.
 REPLICAS = 5
 
+#: how many nodes a node names when it answers a lookup or a read (hivemind: its bucket size, 20). Our
+#: lookups want a key's REPLICAS nearest nodes; every reply naming 20 made the node lookups a sixth of a
+#: peer's DHT bytes at 24 peers. Kademlia deployments answer with 8 (BitTorrent's k); the routing table
+#: keeps hivemind's buckets of 20.
+REPLY_NODES = 8
+
 
 def _key_id(key: str) -> Any:
     from hivemind.dht.routing import DHTID
@@ -193,6 +199,14 @@ async def _store_found(key: str, subkey: bytes, value: bytes, expiration: float,
     holds under the key (a ready record store at 24 peers downloaded 24 peers' records from ~20 nodes)."""
     await node.find_nearest_nodes([_beside(key)], k_nearest=node.num_replicas, beam_size=REPLICAS)
     return await _store_near(key, subkey, value, expiration, _dht, node)
+
+
+async def _narrow_replies(_dht: Any, node: Any) -> int:
+    """Runs in the DHT process: answer lookups with REPLY_NODES nodes (the protocol's ``bucket_size`` is
+    what ``rpc_find`` names and the default width of hivemind's own searches; the routing table has its
+    own copy, unchanged)."""
+    node.protocol.bucket_size = REPLY_NODES
+    return REPLY_NODES
 
 
 async def _lookup_near(key: str, initial_peers: List[str], _dht: Any, node: Any) -> int:
@@ -346,6 +360,7 @@ class SwarmNode:
         quic = any("/quic-v1" in str(m) for m in host_maddrs)
         dial_peers = with_quic(initial_peers) if quic else [str(m) for m in initial_peers]
         self.dht = self._start_dht(dial_peers, list(host_maddrs), bootstrap_timeout, kwargs)
+        self.dht.run_coroutine(_narrow_replies)
         if ledger.enabled():  # benchmarks: count this node's DHT RPCs by record kind (ledger.py)
             self.dht.run_coroutine(ledger.install)
         if not self.identity_path:

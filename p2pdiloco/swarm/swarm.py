@@ -56,6 +56,10 @@ READ_SHARE = 8
 MAX_STORES_IN_FLIGHT = 4
 #: a history record lives this many progress records' lifetimes (Swarm.history_lifetime)
 HISTORY_LIFETIMES = 10
+#: a new validation loss alone waits for this many progress periods after our last history store (a failed
+#: round goes out at the next period): a peer validates every outer step, and a history store per step
+#: was a twentieth of a peer's DHT bytes at 24 peers, for a plot that moves by a point a minute
+HISTORY_PERIODS = 6
 
 
 def network_read_period(progress_period: float, live: int) -> float:
@@ -109,7 +113,8 @@ class Swarm:
         #: our history record (records.HistoryRecord), kept apart from the progress record that every
         #: peer reads at every matchmaking poll; stored by the publisher when it changed or ages
         self._history: Dict[str, Any] = {}
-        self._history_changed = False
+        self._history_changed = False  # a validation loss or a failure since the last store
+        self._history_failed = False  # a failure since the last store
         self._history_stored = -float("inf")  # monotonic time of our last history store
         #: other peers' fingerprint records were found when we joined: the run exists (or did, within FINGERPRINT_TTL)
         self.run_existed = False
@@ -252,7 +257,7 @@ class Swarm:
         reason = plain_text(reason, records.FAIL_REASON_CHARS)
         with self._progress_lock:
             records.note_failure(self._history, outer_step, fragment, reason)
-            self._history_changed = True
+            self._history_changed = self._history_failed = True
 
     @property
     def history_lifetime(self) -> float:
@@ -262,16 +267,20 @@ class Swarm:
         return HISTORY_LIFETIMES * self.record_lifetime
 
     def publish_history(self) -> bool:
-        """Store our history record when it changed since the last store, or when that store is half
-        its lifetime old (a dashboard started later still finds it); in the background, by the
+        """Store our history record when a round failed since the last store, when a new validation
+        loss came and the last store is HISTORY_PERIODS progress periods old, or when that store is
+        half its lifetime old (a dashboard started later still finds it); in the background, by the
         periodic publisher (at most once per progress period). True when a store was started."""
         now = time.monotonic()
         with self._progress_lock:
-            due = self._history_changed or now - self._history_stored >= self.history_lifetime / 2
+            age = now - self._history_stored
+            due = (self._history_failed or age >= self.history_lifetime / 2
+                   or (self._history_changed and age >= HISTORY_PERIODS * self.progress_period))
             if not self._history or not due:
                 return False
             value = dict(self._history, t=time.time())
-            self._history_changed, self._history_stored = False, now
+            self._history_changed = self._history_failed = False
+            self._history_stored = now
         self.node.submit(self.node.astore_near(history_key(self.run_id), value, ttl=self.history_lifetime))
         return True
 
