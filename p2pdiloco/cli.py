@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 from .errors import LocalWorkerLost, UserError
 

@@ -527,6 +527,25 @@ def test_a_peer_holding_a_join_request_says_wait_until_it_answers(monkeypatch):
     assert frames[-1] == {"t": "refuse", "reason": "group too small"}
 
 
+def test_a_leader_that_missed_the_round_says_so_to_its_joiners():
+    """A leader that finds, as it closes, that the round went on without it answers the joiners it held
+    'round missed' (they try the next candidate), not 'group too small' (its answer when too few came)."""
+    from p2pdiloco.errors import RoundMissed
+    from p2pdiloco.swarm.joining import JoinRequests
+    from p2pdiloco.swarm.leading import _answer_joiners
+
+    async def scenario():
+        mm = _fake_matchmaker({})
+        slot = mm._slot(0, 5)
+        slot.joiners["j"] = asyncio.get_running_loop().create_future()
+        _answer_joiners(slot, RoundMissed("fragment 0 round 5 went on without us"))
+        return slot.joiners["j"].result(), slot
+
+    answer, slot = asyncio.run(scenario())
+    assert JoinRequests._final_reply(answer, slot) == {"t": "refuse", "reason": "round missed"}
+    assert JoinRequests._final_reply(None, slot) == {"t": "refuse", "reason": "group too small"}
+
+
 def test_a_join_request_for_a_round_of_a_history_we_left_waits_for_that_round_in_ours():
     """A peer that ran ahead alone (the far side of a partition) and then adopted the swarm's state
     enters the same round numbers again. A join request for such a round is held until we enter it in

@@ -272,8 +272,10 @@ class JoinRequests:
         return None
 
     @staticmethod
-    def _final_reply(answer: Union[Group, LeftOut, str, None], slot: RoundSlot) -> Dict[str, Any]:
+    def _final_reply(answer: Union[Group, LeftOut, RoundMissed, str, None], slot: RoundSlot) -> Dict[str, Any]:
         """The leader's last word to an admitted joiner: the group, or why there is none for it."""
+        if isinstance(answer, RoundMissed):  # the round went on without us: the joiner tries the next candidate
+            return {"t": "refuse", "reason": "round missed"}
         if isinstance(answer, LeftOut):
             return {"t": "refuse", "reason": "left out", "why": str(answer)[:300]}
         if isinstance(answer, str):  # we stepped down: a better-ranked peer leads this round

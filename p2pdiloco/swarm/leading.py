@@ -62,7 +62,8 @@ def consume_outcome(fut: asyncio.Future) -> None:
 
 def _answer_joiners(slot: RoundSlot, answer: object) -> None:
     """Give every joiner still waiting for our answer ``answer``: a group, a proposal, the id of the
-    peer we stepped down for (their hint), or None (no group)."""
+    peer we stepped down for (their hint), the RoundMissed that stopped us (the round went on without
+    us), or None (too few peers for a group)."""
     for fut in slot.joiners.values():
         if not fut.done():
             fut.set_result(answer)
@@ -130,8 +131,8 @@ class Leading:
         slot.closed = True
         try:
             await self._check_not_missed(frag, round_, due)
-        except RoundMissed:
-            _answer_joiners(slot, None)
+        except RoundMissed as missed:
+            _answer_joiners(slot, missed)
             raise
         members = tuple(sorted({me, *slot.joiners}))
         if logger.isEnabledFor(logging.DEBUG):
