@@ -55,6 +55,8 @@ RUNS: Dict[str, tuple] = {
     "q2-lowrank-keep-tau": (["compression.codec=q2", "compression.lowrank=true", "compression.rank=4",
                              "compression.error_feedback=true", "compression.feedback_form=model",
                              "streaming.fragments=2", "streaming.tau=2"], ["default", "avx2"]),
+    "q1-keep-tau": (["compression.codec=q1", "compression.error_feedback=true", "compression.feedback_form=model",
+                     "streaming.fragments=2", "streaming.tau=2"], ["avx2", "default"]),
     # a group of 4 capped at 2: two subgroups of 2, each shard averaged across them by its column
     "capped-e3m0-tau": (["compression.codec=e3m0", "swarm.group_cap=2", "streaming.fragments=2", "streaming.tau=2"],
                         ["default", "avx2", "avx512", "avx2"]),

@@ -360,7 +360,6 @@ class SwarmNode:
         quic = any("/quic-v1" in str(m) for m in host_maddrs)
         dial_peers = with_quic(initial_peers) if quic else [str(m) for m in initial_peers]
         self.dht = self._start_dht(dial_peers, list(host_maddrs), bootstrap_timeout, kwargs)
-        self.dht.run_coroutine(_narrow_replies)
         if ledger.enabled():  # benchmarks: count this node's DHT RPCs by record kind (ledger.py)
             self.dht.run_coroutine(ledger.install)
         if not self.identity_path:
@@ -427,7 +426,9 @@ class SwarmNode:
         while True:
             attempt += 1
             try:
-                return start_dht(initial_peers=initial_peers or None, **kwargs)
+                dht = start_dht(initial_peers=initial_peers or None, **kwargs)
+                dht.run_coroutine(_narrow_replies)
+                return dht
             except P2PDaemonError as e:
                 msg = str(e)
                 if "bootstrap" in msg and time.monotonic() < deadline:
