@@ -10,13 +10,14 @@ Codec ids are part of the wire protocol (one byte in every part header): never r
 from __future__ import annotations
 
 import abc
-from typing import Dict, Type
+from typing import Dict, Optional, Tuple, Type
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError, WireError
 
-__all__ = ["Codec", "register_codec", "get_codec", "codec_by_id", "CODECS", "check_block_scales"]
+__all__ = ["Codec", "ScaledBlocks", "register_codec", "get_codec", "codec_by_id", "CODECS", "check_block_scales"]
 
 
 def check_block_scales(codec: str, scales: torch.Tensor, sender: str | None = None) -> None:
@@ -99,6 +100,64 @@ class Codec(abc.ABC):
 
 CODECS: Dict[str, Codec] = {}
 _BY_ID: Dict[int, Codec] = {}
+
+
+class ScaledBlocks(Codec):
+    """A codec whose bytes are one fp32 scale per block (little-endian), then the packed codes: its
+    subclass gives :meth:`quantize` (``(scales, packed uint8)``) and :meth:`dequantize`, and this class
+    turns them into bytes and back, validating the scales before anything is decoded. ``code_bits``
+    bits per value, the first value of a byte in its highest bits; ``_lut`` (set by the subclass) maps
+    a byte to its ``8 // code_bits`` codebook values."""
+
+    block_size = 64
+    code_bits = 8
+    _lut: torch.Tensor
+
+    def encoded_size(self, numel: int) -> int:
+        return 4 * (-(-numel // self.block_size)) + (numel * self.code_bits + 7) // 8
+
+    def _blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, int, torch.Tensor]:
+        """``(x flat fp32, number of blocks, x zero-padded to [nblocks, block_size])``."""
+        x = x.detach().reshape(-1).float()
+        nb = -(-x.numel() // self.block_size)
+        return x, nb, torch.nn.functional.pad(x, (0, nb * self.block_size - x.numel())).view(nb, self.block_size)
+
+    @abc.abstractmethod
+    def quantize(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(scales fp32 [nblocks], packed uint8)`` on ``x``'s device; ``ValueError`` on non-finite input."""
+
+    def dequantize(self, scales: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
+        """Inverse of :meth:`quantize` (on the tensors' device): fp32 ``[numel]``."""
+        nb, bs = scales.numel(), self.block_size
+        vals = self._lut.to(packed.device).index_select(0, packed.to(torch.int32)).view(-1)
+        vals = torch.nn.functional.pad(vals, (0, max(0, nb * bs - vals.numel())))[: nb * bs]
+        return vals.view(nb, bs).mul_(scales.view(nb, 1)).view(-1)[:numel]
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        scales, packed = self.quantize(x)
+        return scales.cpu().numpy().astype("<f4", copy=False).tobytes() + packed.cpu().numpy().tobytes()
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        scales, packed = self.quantize(x)
+        return self.dequantize(scales, packed, x.numel()).cpu()
+
+    def decode(self, data: bytes, numel: int, sender: Optional[str] = None) -> torch.Tensor:
+        """Validate then decode: the output is finite exactly when every scale is (the codebook is
+        bounded), so the scales alone are checked."""
+        self.check_length(data, numel, sender)
+        return self._decode(data, numel, sender)
+
+    def _decode(self, data: bytes, numel: int, sender: Optional[str] = None) -> torch.Tensor:
+        nb = -(-numel // self.block_size)
+        scales = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32))
+        check_block_scales(self.name, scales, sender)
+        packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=4 * nb).copy())
+        return self.dequantize(scales, packed, numel)
+
+    def decode_into(self, data: bytes, out: torch.Tensor, sender: Optional[str] = None) -> None:
+        self.check_length(data, out.numel(), sender)
+        if out.numel():
+            out.copy_(self._decode(data, out.numel(), sender))
 
 
 def register_codec(cls: Type[Codec]) -> Type[Codec]:

@@ -20,26 +20,25 @@ sends it again.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
-import numpy as np
 import torch
 
-from .base import Codec, check_block_scales, register_codec
+from .base import ScaledBlocks, register_codec
 
 __all__ = ["Q1Codec"]
 
-BLOCK_SIZE = 64
+BLOCK_SIZE = 64  # = ScaledBlocks.block_size
 _ROUNDING_SLACK = 2.0**-20
 
 
 @register_codec
-class Q1Codec(Codec):
+class Q1Codec(ScaledBlocks):
     """Blockwise sign codec with the block's mean magnitude as scale (layout in the module docstring)."""
 
     name = "q1"
     codec_id = 6
-    block_size = BLOCK_SIZE
+    code_bits = 1
     codebook = [-1.0, 1.0]
     relative_error_bound = 1.0 + _ROUNDING_SLACK
 
@@ -48,16 +47,11 @@ class Q1Codec(Codec):
         self._lut = torch.stack([((byte >> s) & 1).float() * 2 - 1 for s in range(7, -1, -1)], dim=1).contiguous()
         self._weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
-    def encoded_size(self, numel: int) -> int:
-        return 4 * (-(-numel // BLOCK_SIZE)) + (numel + 7) // 8
-
     def quantize(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(scales fp32 [nblocks], packed uint8 [ceil(n/8)])`` on ``x``'s device; ``ValueError`` on
         non-finite input."""
-        x = x.detach().reshape(-1).float()
+        x, nb, xb = self._blocks(x)
         n = x.numel()
-        nb = -(-n // BLOCK_SIZE)
-        xb = torch.nn.functional.pad(x, (0, nb * BLOCK_SIZE - n)).view(nb, BLOCK_SIZE)
         counts = torch.full((nb,), float(BLOCK_SIZE), dtype=torch.float64, device=x.device)
         if nb and n % BLOCK_SIZE:
             counts[-1] = n % BLOCK_SIZE
@@ -67,36 +61,3 @@ class Q1Codec(Codec):
         bits = torch.nn.functional.pad((x >= 0).to(torch.uint8), (0, -n % 8), value=1).view(-1, 8)
         packed = (bits * self._weights.to(x.device)).sum(dim=1, dtype=torch.int32).to(torch.uint8)
         return scales, packed
-
-    def dequantize(self, scales: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
-        """Inverse of :meth:`quantize` (on the tensors' device): fp32 ``[numel]``."""
-        nb = scales.numel()
-        vals = self._lut.to(packed.device).index_select(0, packed.to(torch.int32)).view(-1)
-        vals = torch.nn.functional.pad(vals, (0, max(0, nb * BLOCK_SIZE - vals.numel())))[: nb * BLOCK_SIZE]
-        return vals.view(nb, BLOCK_SIZE).mul_(scales.view(nb, 1)).view(-1)[:numel]
-
-    def encode(self, x: torch.Tensor) -> bytes:
-        scales, packed = self.quantize(x)
-        return scales.cpu().numpy().astype("<f4", copy=False).tobytes() + packed.cpu().numpy().tobytes()
-
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        scales, packed = self.quantize(x)
-        return self.dequantize(scales, packed, x.numel()).cpu()
-
-    def decode(self, data: bytes, numel: int, sender: Optional[str] = None) -> torch.Tensor:
-        """Validate then decode: the output is finite exactly when every scale is, so the scales
-        alone are checked."""
-        self.check_length(data, numel, sender)
-        return self._decode(data, numel, sender)
-
-    def _decode(self, data: bytes, numel: int, sender: Optional[str] = None) -> torch.Tensor:
-        nb = -(-numel // BLOCK_SIZE)
-        scales = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32))
-        check_block_scales(self.name, scales, sender)
-        packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=4 * nb).copy())
-        return self.dequantize(scales, packed, numel)
-
-    def decode_into(self, data: bytes, out: torch.Tensor, sender: Optional[str] = None) -> None:
-        self.check_length(data, out.numel(), sender)
-        if out.numel():
-            out.copy_(self._decode(data, out.numel(), sender))

@@ -22,27 +22,25 @@ model`` keeps what it drops in the peer's model).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
-import numpy as np
 import torch
 
-from .base import Codec, check_block_scales, register_codec
+from .base import ScaledBlocks, register_codec
 
 __all__ = ["Q2Codec", "CODEBOOK"]
 
-BLOCK_SIZE = 64
 CODEBOOK = (-1.0, -0.25, 0.25, 1.0)
 _ROUNDING_SLACK = 2.0**-20
 
 
 @register_codec
-class Q2Codec(Codec):
+class Q2Codec(ScaledBlocks):
     """Blockwise absmax 2-bit codec over (-1, -1/4, 1/4, 1) (layout in the module docstring)."""
 
     name = "q2"
     codec_id = 5
-    block_size = BLOCK_SIZE
+    code_bits = 2
     codebook = list(CODEBOOK)
     relative_error_bound = 0.375 + _ROUNDING_SLACK
 
@@ -51,18 +49,13 @@ class Q2Codec(Codec):
         self._codebook = cb
         self._midpoints = (cb[:-1] + cb[1:]) / 2  # bucketize: index of the nearest value, ties to the smaller
         byte = torch.arange(256)
-        self._quad_lut = torch.stack([cb[(byte >> s) & 3] for s in (6, 4, 2, 0)], dim=1).contiguous()
-
-    def encoded_size(self, numel: int) -> int:
-        return 4 * (-(-numel // BLOCK_SIZE)) + (numel + 3) // 4
+        self._lut = torch.stack([cb[(byte >> s) & 3] for s in (6, 4, 2, 0)], dim=1).contiguous()
 
     def quantize(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(scales fp32 [nblocks], packed uint8 [ceil(n/4)])`` on ``x``'s device; ``ValueError`` on
         non-finite input."""
-        x = x.detach().reshape(-1).float()
+        x, nb, xb = self._blocks(x)
         n = x.numel()
-        nb = -(-n // BLOCK_SIZE)
-        xb = torch.nn.functional.pad(x, (0, nb * BLOCK_SIZE - n)).view(nb, BLOCK_SIZE)
         absmax = xb.abs().amax(dim=1) if nb else x.new_zeros(0)
         if not bool(torch.isfinite(absmax).all()):
             raise ValueError("q2: cannot encode non-finite values")
@@ -71,36 +64,3 @@ class Q2Codec(Codec):
         codes = torch.nn.functional.pad(codes[:n], (0, -n % 4), value=1).view(-1, 4).to(torch.uint8)
         packed = (codes[:, 0] << 6) | (codes[:, 1] << 4) | (codes[:, 2] << 2) | codes[:, 3]
         return absmax, packed
-
-    def dequantize(self, scales: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
-        """Inverse of :meth:`quantize` (on the tensors' device): fp32 ``[numel]``."""
-        nb = scales.numel()
-        vals = self._quad_lut.to(packed.device).index_select(0, packed.to(torch.int32)).view(-1)
-        vals = torch.nn.functional.pad(vals, (0, max(0, nb * BLOCK_SIZE - vals.numel())))[: nb * BLOCK_SIZE]
-        return vals.view(nb, BLOCK_SIZE).mul_(scales.view(nb, 1)).view(-1)[:numel]
-
-    def encode(self, x: torch.Tensor) -> bytes:
-        scales, packed = self.quantize(x)
-        return scales.cpu().numpy().astype("<f4", copy=False).tobytes() + packed.cpu().numpy().tobytes()
-
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        scales, packed = self.quantize(x)
-        return self.dequantize(scales, packed, x.numel()).cpu()
-
-    def decode(self, data: bytes, numel: int, sender: Optional[str] = None) -> torch.Tensor:
-        """Validate then decode: the output is finite exactly when every scale is (codebook values lie
-        in [-1, 1]), so the scales alone are checked."""
-        self.check_length(data, numel, sender)
-        return self._decode(data, numel, sender)
-
-    def _decode(self, data: bytes, numel: int, sender: Optional[str] = None) -> torch.Tensor:
-        nb = -(-numel // BLOCK_SIZE)
-        scales = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32))
-        check_block_scales(self.name, scales, sender)
-        packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=4 * nb).copy())
-        return self.dequantize(scales, packed, numel)
-
-    def decode_into(self, data: bytes, out: torch.Tensor, sender: Optional[str] = None) -> None:
-        self.check_length(data, out.numel(), sender)
-        if out.numel():
-            out.copy_(self._decode(data, out.numel(), sender))
