@@ -106,12 +106,27 @@ class ScaledBlocks(Codec):
     """A codec whose bytes are one fp32 scale per block (little-endian), then the packed codes: its
     subclass gives :meth:`quantize` (``(scales, packed uint8)``) and :meth:`dequantize`, and this class
     turns them into bytes and back, validating the scales before anything is decoded. ``code_bits``
-    bits per value, the first value of a byte in its highest bits; ``_lut`` (set by the subclass) maps
-    a byte to its ``8 // code_bits`` codebook values."""
+    bits per value, the first value of a byte in its highest bits (:meth:`_pack`); code ``c`` decodes
+    to ``codebook[c] * scale``."""
 
     block_size = 64
     code_bits = 8
-    _lut: torch.Tensor
+    codebook: list = []
+
+    def __init__(self) -> None:
+        per, mask = 8 // self.code_bits, (1 << self.code_bits) - 1
+        shifts = [(per - 1 - i) * self.code_bits for i in range(per)]
+        book, byte = torch.tensor(self.codebook, dtype=torch.float32), torch.arange(256)
+        self._shifts = torch.tensor(shifts, dtype=torch.int32)
+        # a byte -> its 8 // code_bits codebook values, first value first
+        self._lut = torch.stack([book[(byte >> s) & mask] for s in shifts], dim=1).contiguous()
+
+    def _pack(self, codes: torch.Tensor, pad: int) -> torch.Tensor:
+        """``codes`` (integers below ``2**code_bits``, one per value) as bytes, the first value in the
+        highest bits; a last partial byte is filled with ``pad`` codes."""
+        per = 8 // self.code_bits
+        codes = torch.nn.functional.pad(codes.to(torch.int32), (0, -codes.numel() % per), value=pad).view(-1, per)
+        return (codes << self._shifts.to(codes.device)).sum(dim=1, dtype=torch.int32).to(torch.uint8)
 
     def encoded_size(self, numel: int) -> int:
         return 4 * (-(-numel // self.block_size)) + (numel * self.code_bits + 7) // 8

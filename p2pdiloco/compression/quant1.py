@@ -28,7 +28,6 @@ from .base import ScaledBlocks, register_codec
 
 __all__ = ["Q1Codec"]
 
-BLOCK_SIZE = 64  # = ScaledBlocks.block_size
 _ROUNDING_SLACK = 2.0**-20
 
 
@@ -42,22 +41,15 @@ class Q1Codec(ScaledBlocks):
     codebook = [-1.0, 1.0]
     relative_error_bound = 1.0 + _ROUNDING_SLACK
 
-    def __init__(self) -> None:
-        byte = torch.arange(256)
-        self._lut = torch.stack([((byte >> s) & 1).float() * 2 - 1 for s in range(7, -1, -1)], dim=1).contiguous()
-        self._weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
-
     def quantize(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(scales fp32 [nblocks], packed uint8 [ceil(n/8)])`` on ``x``'s device; ``ValueError`` on
         non-finite input."""
         x, nb, xb = self._blocks(x)
-        n = x.numel()
-        counts = torch.full((nb,), float(BLOCK_SIZE), dtype=torch.float64, device=x.device)
-        if nb and n % BLOCK_SIZE:
-            counts[-1] = n % BLOCK_SIZE
+        n, bs = x.numel(), self.block_size
+        counts = torch.full((nb,), float(bs), dtype=torch.float64, device=x.device)
+        if nb and n % bs:
+            counts[-1] = n % bs
         scales = (xb.double().abs().sum(dim=1) / counts).float() if nb else x.new_zeros(0)
         if not bool(torch.isfinite(scales).all()):
             raise ValueError("q1: cannot encode non-finite values")
-        bits = torch.nn.functional.pad((x >= 0).to(torch.uint8), (0, -n % 8), value=1).view(-1, 8)
-        packed = (bits * self._weights.to(x.device)).sum(dim=1, dtype=torch.int32).to(torch.uint8)
-        return scales, packed
+        return scales, self._pack(x >= 0, pad=1)

@@ -45,11 +45,9 @@ class Q2Codec(ScaledBlocks):
     relative_error_bound = 0.375 + _ROUNDING_SLACK
 
     def __init__(self) -> None:
+        super().__init__()
         cb = torch.tensor(CODEBOOK, dtype=torch.float32)
-        self._codebook = cb
         self._midpoints = (cb[:-1] + cb[1:]) / 2  # bucketize: index of the nearest value, ties to the smaller
-        byte = torch.arange(256)
-        self._lut = torch.stack([cb[(byte >> s) & 3] for s in (6, 4, 2, 0)], dim=1).contiguous()
 
     def quantize(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(scales fp32 [nblocks], packed uint8 [ceil(n/4)])`` on ``x``'s device; ``ValueError`` on
@@ -61,6 +59,4 @@ class Q2Codec(ScaledBlocks):
             raise ValueError("q2: cannot encode non-finite values")
         safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
         codes = torch.bucketize(xb / safe[:, None], self._midpoints.to(x.device), right=False).view(-1)
-        codes = torch.nn.functional.pad(codes[:n], (0, -n % 4), value=1).view(-1, 4).to(torch.uint8)
-        packed = (codes[:, 0] << 6) | (codes[:, 1] << 4) | (codes[:, 2] << 2) | codes[:, 3]
-        return absmax, packed
+        return absmax, self._pack(codes[:n], pad=1)
