@@ -97,10 +97,11 @@ class _Node:
     """read_near as the background reader calls it: records which reads went over the network."""
 
     def __init__(self, records):
-        self.records, self.network = records, []
+        self.records, self.network, self.expected = records, [], []
 
-    def read_near(self, key, network=True):
+    def read_near(self, key, network=True, expect=()):
         self.network.append(network)
+        self.expected.append(set(expect))
         return self.records if network else None  # not one of the key's nearest nodes: no local copy
 
 
@@ -123,14 +124,15 @@ def test_the_background_reader_takes_a_formation_read_as_its_read_of_the_period(
     swarm.matchmaker.last_read = (now - 20.0, {"a": {"step": 1}})       # long ago: the period's read is due
     last = swarm.read_view(now - 20.0)
     assert swarm.node.network == [False, True] and swarm.peers_view() == {"b": {"step": 2}} and last >= now
+    assert swarm.node.expected[-1] == {"a"}  # the view it held: peers whose records one node's answer must have
 
 
 class _SlowNode(_Node):
-    def read_near(self, key, network=True):
+    def read_near(self, key, network=True, expect=()):
         import time as _time
 
         _time.sleep(0.3)
-        return super().read_near(key, network)
+        return super().read_near(key, network, expect)
 
 
 def test_a_view_stays_fresh_while_the_next_read_takes_as_long_as_the_last():
@@ -196,11 +198,11 @@ async def _nodes_known(_dht, node) -> int:
 
 def test_reads_and_stores_ask_the_keys_nearest_nodes_only_and_leave_no_copies_behind(monkeypatch):
     """Every node asked answers with the whole dictionary (every peer's record): in a swarm of more DHT
-    servers than REPLICAS, the background reader's network read asks the key's READ_BEAM nearest nodes,
+    servers than REPLICAS, the background reader's network read asks one of the key's nearest nodes,
     matchmaking's read searches REPLICAS wide (every copy on the nodes it asks, not every node of the
     swarm), and a store's node lookup downloads no record at all. No read pushes a copy to another node
     or reads the key again by itself before its entries expire."""
-    from p2pdiloco.swarm.node import READ_BEAM, REPLICAS, REPLY_NODES
+    from p2pdiloco.swarm.node import REPLICAS, REPLY_NODES
 
     monkeypatch.setenv(ledger.ENV, "1")
     first = SwarmNode([], host_maddrs=LOOP)
@@ -217,10 +219,10 @@ def test_reads_and_stores_ask_the_keys_nearest_nodes_only_and_leave_no_copies_be
         def found(node: SwarmNode, rpc: str = "find:progress") -> list:
             return node.dht_ledger().get(rpc, [0, 0, 0])
 
-        one_copy = 8 * 300  # the pads alone: a copy of the dictionary is at least this, and under twice it
+        one_copy = 8 * 300  # the pads alone: a copy of the dictionary is at least this
         before = found(reader)
         got = reader.read_near("wide:progress")  # not a holder (a DHT client): over the network
-        narrow = found(reader)[2] - before[2]
+        narrow_asked, narrow = found(reader)[0] - before[0], found(reader)[2] - before[2]
         assert {d["step"] for d in got.values()} == set(range(8))
         before = found(reader)
         got = reader.get_subkeys("wide:progress", why="formation")
@@ -228,7 +230,7 @@ def test_reads_and_stores_ask_the_keys_nearest_nodes_only_and_leave_no_copies_be
         assert {d["step"] for d in got.values()} == set(range(8))
         # store_near put every record on the key's 5 nearest nodes: the read gets a copy from each of them
         assert wide >= REPLICAS * one_copy and wide >= 2 * narrow, (narrow, wide)
-        assert one_copy <= narrow <= (READ_BEAM + 1) * 2 * one_copy, (narrow, wide)
+        assert narrow_asked == 1 and one_copy <= narrow, (narrow_asked, narrow, wide)  # one node's answer
         # hivemind's default search (20 wide) asks every one of the 14 servers
         assert asked <= 2 * REPLICAS < len(nodes) - 1, asked
         stores = found(reader, "store:progress")[0]
@@ -250,6 +252,83 @@ def test_reads_and_stores_ask_the_keys_nearest_nodes_only_and_leave_no_copies_be
             known = answerer.dht.run_coroutine(_nodes_known)
             count = asker.dht.run_coroutine(partial(_nodes_named, answerer.dht.peer_id))
             assert count == REPLY_NODES < known, (count, known)
+    finally:
+        for n in nodes:
+            n.shutdown()
+
+
+async def _nearest_others(key, _dht, node) -> list:
+    """Runs in the DHT process: the peer ids of the key's nearest other nodes we know, nearest first."""
+    from p2pdiloco.swarm.node import _key_id, _nearest
+
+    return [p.to_base58() for _, p in _nearest(node, _key_id(key)) if p is not None]
+
+
+async def _store_on(key, subkey, value, expiration, peer, _dht, node) -> bool:
+    """Runs in the DHT process: store one signed record on one node only (a node the others' stores
+    reached and this one's did not)."""
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.p2p import PeerID
+
+    from p2pdiloco.swarm.node import _key_id
+
+    proto, key_id = node.protocol, _key_id(key)
+    record = DHTRecord(key_id.to_bytes(), proto.serializer.dumps(subkey), proto.serializer.dumps(value), expiration)
+    signed = proto.record_validator.sign_value(record)
+    ok = await proto.call_store(PeerID.from_base58(peer), keys=[key_id], values=[signed], expiration_time=[expiration],
+                                subkeys=[subkey])
+    return bool(ok and ok[0])
+
+
+@pytest.mark.timeout(180)
+def test_a_background_read_asks_a_second_node_only_when_the_first_answer_will_not_do(monkeypatch):
+    """One node near the key holds every record, so the background reader asks one (drawn among the
+    READ_BEAM nearest) and a second only when the first's answer lacks a peer the reader expects, holds
+    an older record than the reader has seen (a node that missed a store), or does not come."""
+    import p2pdiloco.swarm.node as node_mod
+
+    monkeypatch.setenv(ledger.ENV, "1")
+    first = SwarmNode([], host_maddrs=LOOP)
+    nodes = [first]
+    try:
+        nodes += [SwarmNode(first.visible_maddrs(), host_maddrs=LOOP) for _ in range(3)]
+        key = "one:progress"
+        for i, n in enumerate(nodes[1:]):
+            assert n.store_near(key, {"step": i}, ttl=60) >= 3
+        writers = {n.peer_id_str for n in nodes[1:]}
+        reader = SwarmNode(first.visible_maddrs(), host_maddrs=LOOP, client_mode=True)
+        nodes.append(reader)
+        order = []
+        monkeypatch.setattr(node_mod.random, "randrange", lambda n: order.pop(0))
+
+        def read(rank: int, expect=()) -> tuple:
+            order[:] = [rank]
+            before = reader.dht_ledger().get("find:progress", [0])[0]
+            got = reader.read_near(key, expect=expect)
+            return reader.dht_ledger()["find:progress"][0] - before, {p: v["step"] for p, v in got.items()}
+
+        asked, got = read(0)
+        assert asked == 1 and set(got) == writers
+        assert read(1, expect=writers)[0] == 1
+        asked, got = read(0, expect=writers | {"QmSomeoneElse"})  # a peer no node holds: both nodes asked
+        assert asked == 2 and set(got) == writers
+
+        # the nearest node gets a newer record of one writer that the second node missed
+        near = reader.dht.run_coroutine(partial(_nearest_others, key))
+        newer = nodes[1]._record(key, {"step": 100}, ttl=60, subkey=None)
+        assert nodes[1].dht.run_coroutine(partial(_store_on, key, newer["subkey"], newer["value"],
+                                                  newer["expiration_time"], near[0]))
+        assert read(0, expect=writers) == (1, {**got, nodes[1].peer_id_str: 100})
+        stale = reader.records.stale
+        asked, got = read(1, expect=writers)  # the second node answers with the older record
+        assert reader.records.stale > stale, "the second node's answer held no older record"
+        assert asked == 2 and got[nodes[1].peer_id_str] == 100
+
+        # the first node drawn is down: the next one answers
+        down = next(n for n in nodes[:4] if n.dht.peer_id.to_base58() == near[0])
+        down.shutdown()
+        asked, got = read(0, expect=writers - {down.peer_id_str})
+        assert asked == 2 and writers - {down.peer_id_str} <= set(got)
     finally:
         for n in nodes:
             n.shutdown()

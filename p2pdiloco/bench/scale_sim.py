@@ -17,8 +17,8 @@ join protocol included: ``swarm/leading.py``, ``swarm/joining.py``) on a node of
   address times out), as libp2p's does.
 * **Background**, as ``Swarm.start_publishing`` does it: every ``progress_period`` each peer stores its
   progress record, and each peer that is not one of the progress key's nearest nodes reads the records
-  from ``READ_BEAM`` nodes once per ``network_read_period`` (a progress period per ``READ_SHARE`` live
-  peers it saw at its last read).
+  from one node once per ``network_read_period`` (a progress period per ``READ_SHARE`` live peers it saw
+  at its last read), and from a second when the answer lacks a peer of its view.
 
 Time is virtual (an event loop whose clock jumps to the next timer), so the protocol's own timers
 (polls, backoffs, join grace, derived waits) decide the formation times, not this machine's CPU.
@@ -446,10 +446,12 @@ class Sim:
             if peer.pid not in self.nearest and now - last_read >= network_read_period(self.progress_period, live):
                 await asyncio.sleep(self.dht_rtts * self.rtt)
                 records, size = self.dht.read(progress_key(RUN))
+                # one node's answer; a second node's when it lacks a peer of the view (SwarmNode._read_nodes)
+                asked = 1 if set(peer.view or ()) <= set(records) else READ_BEAM
                 last_read, live = now, sum(1 for v in records.values() if not v.get("gone"))
                 peer.view, peer.view_at = peer.mm.live_of(records), self.clock.time()
-                peer.count("bg_msgs", READ_BEAM)
-                peer.count("bg_bytes", READ_BEAM * (size + REQUEST))
+                peer.count("bg_msgs", asked)
+                peer.count("bg_bytes", asked * (size + REQUEST))
                 peer.count("read:progress:background")
             await asyncio.sleep(self.progress_period)
 

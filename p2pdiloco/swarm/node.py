@@ -18,11 +18,12 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import random
 import threading
 import time
 from collections import Counter
 from functools import partial
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Set
+from typing import Any, Awaitable, Callable, Collection, Dict, FrozenSet, List, Optional, Set
 
 import msgpack
 
@@ -87,7 +88,8 @@ async def _serve_dht(initial_peers: List[str], _dht: Any, node: Any) -> int:
 # Measured on the emulated WAN (4 peers, records every 2 s): 15 KB/s sent per peer for publishing alone,
 # 24 KB/s with the reads. These three run in the DHT process and move only what has to move.
 
-#: how many of a key's nearest nodes a network read of the background reader asks
+#: among how many of a key's nearest nodes a network read of the background reader draws the node it
+#: asks, and how many it asks at most (SwarmNode._read_nodes)
 READ_BEAM = 2
 
 #: how many of a key's nearest nodes hold each record (hivemind's default), and how wide the other reads and
@@ -168,19 +170,26 @@ async def _read_near(key: str, _dht: Any, node: Any) -> Any:
     key's nearest nodes, so every writer stores to us and a read moves no byte; ``(False, None)`` when
     we are not (a DHT client, or far from the key): the caller reads over the network. ``value`` has
     the shape of ``DHT.get``'s answer (signatures stripped, expired entries left out), or None."""
-    from hivemind.dht.storage import DictionaryDHTValue
-    from hivemind.dht.validation import DHTRecord
-    from hivemind.utils import ValueWithExpiration, get_dht_time
-
     proto = node.protocol
     key_id = _key_id(key)
     if not any(peer_id is None for _, peer_id in _nearest(node, key_id)):
         return False, None
+    held = [h.value for h in (proto.storage.get(key_id), proto.cache.get(key_id)) if h is not None]
+    return True, _as_found(proto, key_id, held)
+
+
+def _as_found(proto: Any, key_id: Any, dictionaries: List[Any]) -> Any:
+    """The newest unexpired entry per subkey of ``dictionaries`` (hivemind's ``DictionaryDHTValue``s, as a
+    node stores them: signed), in the shape of ``DHT.get``'s answer (signatures stripped), or None."""
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
     now, entries = get_dht_time(), {}
-    for held in (proto.storage.get(key_id), proto.cache.get(key_id)):
-        if held is None or not isinstance(held.value, DictionaryDHTValue):
+    for held in dictionaries:
+        if not isinstance(held, DictionaryDHTValue):
             continue
-        for subkey, (value_bytes, expiration) in held.value.items():
+        for subkey, (value_bytes, expiration) in held.items():
             if expiration > now and expiration > entries.get(subkey, (b"", -1.0))[1]:
                 entries[subkey] = (value_bytes, expiration)
     out = {}
@@ -189,7 +198,26 @@ async def _read_near(key: str, _dht: Any, node: Any) -> Any:
             record = DHTRecord(key_id.to_bytes(), proto.serializer.dumps(subkey), value_bytes, expiration)
             value_bytes = proto.record_validator.strip_value(record)
         out[subkey] = ValueWithExpiration(proto.serializer.loads(value_bytes), expiration)
-    return True, (ValueWithExpiration(out, max(e for _, e in entries.values())) if out else None)
+    return ValueWithExpiration(out, max(e for _, e in entries.values())) if out else None
+
+
+async def _read_node(key: str, rank: int, _dht: Any, node: Any) -> Any:
+    """Runs in the DHT process: ``(asked, value)``: the records under ``key`` that the ``rank``-th nearest
+    other node we know holds (one find RPC; its answer is the whole dictionary, validated record by
+    record as hivemind's reads are), in the shape of :func:`_read_near`'s value. ``asked`` is False when
+    we know no such node, and ``value`` None when it did not answer or holds nothing."""
+    proto = node.protocol
+    key_id = _key_id(key)
+    others = [peer_id for _, peer_id in _nearest(node, key_id) if peer_id is not None]
+    if rank >= len(others):
+        return False, None
+    answer = await proto.call_find(others[rank], [key_id])
+    if answer is None:  # no answer: skipped for a while, as hivemind's lookups do
+        node.blacklist.register_failure(others[rank])
+        return True, None
+    node.blacklist.register_success(others[rank])
+    found, _ = answer.get(key_id, (None, {}))
+    return True, (None if found is None else _as_found(proto, key_id, [found.value]))
 
 
 async def _store_found(key: str, subkey: bytes, value: bytes, expiration: float, _dht: Any, node: Any) -> int:
@@ -575,17 +603,38 @@ class SwarmNode:
     def store_near(self, key: str, value: Dict[str, Any], ttl: float) -> int:
         return self.call(self.astore_near(key, value, ttl), timeout=30)
 
-    def read_near(self, key: str, network: bool = True) -> Optional[Dict[str, Dict[str, Any]]]:
+    def read_near(self, key: str, network: bool = True,
+                  expect: Collection[str] = ()) -> Optional[Dict[str, Dict[str, Any]]]:
         """Like :meth:`get_subkeys`, for the background reader: from our own DHT storage when we are one of
         the key's nearest nodes (every writer stores to us: no byte on the wire), else, if ``network``,
-        a network read from the READ_BEAM nearest nodes; else None."""
+        over the network (:meth:`_read_nodes`; ``expect``: the peers whose records the reader holds
+        already); else None."""
         ours, found = self.dht.run_coroutine(partial(_read_near, key))
-        if not ours:
-            if not network:
-                return None
-            self._note_read(key, "background")
-            found = self.dht.get(key, latest=True, beam_size=READ_BEAM)
-        return self.records.decode(key, found)
+        if ours:
+            return self.records.decode(key, found)
+        if not network:
+            return None
+        self._note_read(key, "background")
+        return self._read_nodes(key, frozenset(expect))
+
+    def _read_nodes(self, key: str, expect: FrozenSet[str]) -> Dict[str, Dict[str, Any]]:
+        """A network read of the records under ``key`` from one of the key's READ_BEAM nearest nodes (drawn
+        at random, so that no single node answers every read), and from the next when that one's answer
+        will not do: none came, it lacks a record of a peer in ``expect``, or it holds an older record
+        than we have seen (a node that missed stores, or withholds them). Every node near the key holds
+        every record, so one answer is the whole dictionary; asking two each time doubled the bytes."""
+        first = random.randrange(READ_BEAM)
+        out: Dict[str, Dict[str, Any]] = {}
+        for rank in [first, *(r for r in range(READ_BEAM) if r != first)]:
+            asked, found = self.dht.run_coroutine(partial(_read_node, key, rank))
+            if not asked:
+                continue
+            stale = self.records.stale
+            out = self.records.decode(key, found)
+            held = {self.records.owner_of(s) for s in (found.value if found is not None else ())}
+            if found is not None and expect <= held and self.records.stale == stale:
+                break
+        return out
 
     def lookup_near(self, key: str) -> concurrent.futures.Future:
         """Refresh the routing table around ``key`` in the background (:func:`_lookup_near`)."""

@@ -341,7 +341,7 @@ class RecordBook:
         kind = kind_of(key)
         items = found.value.items() if found is not None and isinstance(found.value, dict) else ()
         for subkey, item in items:
-            peer = self._owner(subkey)
+            peer = self.owner_of(subkey)
             if peer is None:
                 self._reject("subkey names no owner")
                 continue
@@ -376,7 +376,8 @@ class RecordBook:
         return out
 
     @staticmethod
-    def _owner(subkey: Any) -> Optional[str]:
+    def owner_of(subkey: Any) -> Optional[str]:
+        """The peer id a record's subkey names as its owner (None when it names none)."""
         if not isinstance(subkey, (bytes, bytearray)):
             return None
         m = _OWNER.match(bytes(subkey))

@@ -390,7 +390,8 @@ class Swarm:
     def read_view(self, last_network: float) -> float:
         """One pass of the background reader: refresh :meth:`peers_view` from our own DHT storage when we
         hold the progress key (free), else over the network once per :func:`network_read_period` (one
-        progress_period per READ_SHARE live peers). A network read of the records that matchmaking made
+        progress_period per READ_SHARE live peers; one node's copy, a second node's when the first lacks a
+        record of a peer in our view: :meth:`SwarmNode.read_near`). A network read of the records that matchmaking made
         counts as that period's read: its records become the view, and no second read follows within the
         period. Returns the monotonic time of the last network read."""
         formed, live = self.matchmaker.last_read
@@ -399,10 +400,10 @@ class Swarm:
             with self._progress_lock:
                 self._view, self._view_at = live, formed
         with self._progress_lock:
-            known = len(self._view or ())
+            known = set(self._view or ())
         start = time.monotonic()
-        due = start - last_network >= network_read_period(self.progress_period, known)
-        records = self.node.read_near(progress_key(self.run_id), network=due)
+        due = start - last_network >= network_read_period(self.progress_period, len(known))
+        records = self.node.read_near(progress_key(self.run_id), network=due, expect=known)
         if records is None:
             return last_network
         view, now = self.matchmaker.live_of(records), time.monotonic()
