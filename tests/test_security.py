@@ -493,6 +493,45 @@ def test_record_book_keeps_the_newer_record():
         assert book.decode(f"r:group:0:{round_}", found(g)) == ({me: {"members": members}} if counts else {}), members
 
 
+def test_a_progress_record_travels_under_short_names_and_reads_back_whole():
+    """Every field of a progress record travels under its wire name (records.WIRE_NAMES) and reads back
+    under its own, through the reader's book and the storing node's schema check; a record that names a
+    field both ways is refused by both, and a writer cannot name a field by another's wire name."""
+    import msgpack
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
+    from p2pdiloco.swarm.records import WIRE_NAMES, RecordBook, RecordSchema
+    from p2pdiloco.swarm.signing import SigningKey
+
+    book, key = RecordBook(SigningKey.generate()), "r:progress"
+    data = dict(step=120, round=3, next_sync=160, synced_step=120, samples=960, sent=123456, recv=654321, sps=2.5,
+                rate=20.0, share=0.25, loss=3.25, val_loss=3.5, last_sync=1.8e9, failed=80, t=1.8e9, gone=False,
+                digest="0123456789abcdef-0123456789abcdef", reach="public", lw=2, pos=121.5, pt=1.8e9, gid="ab12")
+    assert set(WIRE_NAMES["progress"]) <= set(data)  # every renamed field is in this record
+    blob = book.encode(key, data)
+    sent = msgpack.unpackb(blob)["d"]
+    assert not set(sent) & set(WIRE_NAMES["progress"]), sent  # no long name left on the wire
+    long = msgpack.packb({**msgpack.unpackb(blob), "d": data}, use_bin_type=True)
+    assert len(long) - len(blob) == sum(len(n) - len(w) for n, w in WIRE_NAMES["progress"].items())
+    exp = get_dht_time() + 60
+
+    def found(value):
+        return ValueWithExpiration({book.owner_subkey: ValueWithExpiration(value, exp)}, exp)
+
+    def stored(value) -> bool:  # what a DHT node's schema check says
+        return RecordSchema().validate(DHTRecord(b"k", MSGPackSerializer.dumps(book.owner_subkey),
+                                                 MSGPackSerializer.dumps(value), exp))
+
+    assert book.decode(key, found(blob)) == {book.peer_id: data} and stored(blob)
+    both = msgpack.packb({"k": "progress", "s": 2**40, "d": {**sent, "step": 7}}, use_bin_type=True)
+    assert not stored(both)
+    rejected = sum(book.rejected.values())
+    assert book.decode(key, found(both)) == {book.peer_id: data}  # refused: the first record stays
+    assert sum(book.rejected.values()) == rejected + 1
+    with pytest.raises(ValueError, match="wire name"):
+        book.encode(key, {"step": 1, "ns": 5})
+
+
 @pytest.mark.timeout(120)
 def test_bogus_fingerprint_cannot_lock_out_and_majority_wins(nodes):
     from p2pdiloco.swarm.swarm import Swarm

@@ -72,6 +72,7 @@ from ..swarm import formation, joining, leading, matchmaking, standing
 from ..swarm.keys import kind_of, progress_key, ready_key
 from ..swarm.matchmaking import Matchmaker
 from ..swarm.node import READ_BEAM, REPLICAS
+from ..swarm.records import wire_data
 from ..swarm.swarm import network_read_period, view_lifetime
 
 __all__ = ["main", "simulate", "VirtualLoop", "format_table"]
@@ -173,7 +174,8 @@ class SimDHT:
 
     def store(self, key: str, subkey: str, value: Dict[str, Any], ttl: float) -> int:
         self._seq += 1
-        size = len(msgpack.packb({"k": kind_of(key), "s": self._seq, "d": value}, use_bin_type=True)) + self.overhead
+        size = len(msgpack.packb({"k": kind_of(key), "s": self._seq, "d": wire_data(kind_of(key), value)},
+                                 use_bin_type=True)) + self.overhead
         sub = self.data.setdefault(key, {})
         old = sub.get(subkey)
         self.sizes[key] = self.sizes.get(key, 0) - (old[2] if old else 0) + size

@@ -112,7 +112,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: bumped whenever a message changes incompatibly
-PROTOCOL_VERSION = 9  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover;
+PROTOCOL_VERSION = 10  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover;
 #                      4: reachability: join requests say whether the joiner can be dialed, groups name their shard owners;
 #                      5: a closing group is proposed ('warm') and its members report unreachable owners ('warmed');
 #                      6: parts and results travel in chunks ('c' frames; 'again'; the 'avg' reply is a trailer)
@@ -122,6 +122,8 @@ PROTOCOL_VERSION = 9  # 2: group ids chain the base group (matchmaking.py); 3: '
 #                         peers would compute other digests for the same state
 #                      9: a peer holding a join request sends 'wait' frames; version 8 joiners would read the
 #                         first one as a refusal
+#                     10: progress records name their fields by short wire names (records.WIRE_NAMES); version 9
+#                         peers would read none of them
 #: largest accepted header (a group of thousands of peer ids fits easily)
 MAX_HEADER = 256 * 1024
 #: a handler waits this long for a request header before dropping the stream (seconds)

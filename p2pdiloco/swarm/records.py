@@ -13,7 +13,7 @@ Value (msgpack map, at most 64 KiB)::
 ``kind`` follows from the key (:func:`.keys.kind_of`: progress, fingerprint, ready, group, anything
 else generic); ``seq`` grows with every record a peer writes (microseconds since the epoch, kept
 strictly increasing); ``d`` must match the kind's pydantic.v1 schema below (strict types: no
-conversions). Progress records carry the claims other peers act on: step, synced step and state
+conversions); a progress record's fields travel under one- and two-letter names (:data:`WIRE_NAMES`). Progress records carry the claims other peers act on: step, synced step and state
 digest (the state *offer* a joining peer downloads against).
 
 Defences:
@@ -57,8 +57,8 @@ from .keys import kind_of
 from .signing import OwnerSignatures, SigningKey
 from .standing import established
 
-__all__ = ["RecordBook", "RecordSchema", "SCHEMAS", "MAX_RECORD", "run_fingerprint", "note_val_loss",
-           "note_failure"]
+__all__ = ["RecordBook", "RecordSchema", "SCHEMAS", "MAX_RECORD", "WIRE_NAMES", "wire_data", "run_fingerprint",
+           "note_val_loss", "note_failure"]
 
 #: largest record value accepted (bytes)
 MAX_RECORD = 1 << 16
@@ -217,6 +217,37 @@ SCHEMAS: Dict[str, Type[BaseModel]] = {
 }
 
 
+#: a progress record's field names on the wire (the code and the schema use the long ones): every peer
+#: reads every live peer's progress record at each of its reads, and the names were a third of the value
+WIRE_NAMES: Dict[str, Dict[str, str]] = {"progress": {
+    "step": "st", "round": "r", "next_sync": "ns", "synced_step": "ss", "samples": "sa", "sent": "tx",
+    "recv": "rx", "sps": "sp", "rate": "ra", "share": "sh", "loss": "lo", "val_loss": "vl", "last_sync": "ls",
+    "failed": "f", "digest": "dg", "gone": "g", "reach": "re"}}
+_LONG_NAMES = {kind: {w: n for n, w in names.items()} for kind, names in WIRE_NAMES.items()}
+assert all(not set(_LONG_NAMES[k]) & set(SCHEMAS[k].__fields__) for k in WIRE_NAMES), "a wire name is a field's name"
+
+
+def wire_data(kind: str, data: Dict[str, Any]) -> Dict[str, Any]:
+    """``data`` with the kind's fields under their wire names (:data:`WIRE_NAMES`)."""
+    names = WIRE_NAMES.get(kind)
+    return data if names is None else {names.get(k, k): v for k, v in data.items()}
+
+
+def _from_wire(kind: str, data: Any) -> Tuple[Any, Optional[str]]:
+    """(``data`` with the kind's long field names, None), or (None, why not): a field named both ways.
+    Long names are read as they are."""
+    names = _LONG_NAMES.get(kind)
+    if names is None or not isinstance(data, dict):
+        return data, None
+    out: Dict[Any, Any] = {}
+    for k, v in data.items():
+        name = names.get(k, k) if isinstance(k, str) else k
+        if name in out:
+            return None, f"field {name} given twice"
+        out[name] = v
+    return out, None
+
+
 def _check_data(kind: str, data: Any) -> Optional[str]:
     """None when ``data`` matches the kind's schema exactly (no conversions), else why not."""
     schema = SCHEMAS.get(kind)
@@ -264,7 +295,8 @@ def _decode_envelope(value: Any) -> Tuple[Optional[Dict[str, Any]], str]:
     if (not isinstance(env, dict) or set(env) != {"k", "s", "d"} or not isinstance(env["k"], str)
             or type(env["s"]) is not int or not 0 <= env["s"] < 2**63):
         return None, "not a p2pdiloco record envelope {k, s, d}"
-    return env, ""
+    env["d"], problem = _from_wire(env["k"], env["d"])
+    return (env, "") if problem is None else (None, problem)
 
 
 class RecordSchema(RecordValidatorBase):
@@ -318,12 +350,14 @@ class RecordBook:
         """The value to store under ``key`` (our subkey): raises ValueError if ``data`` breaks the schema."""
         kind = kind_of(key)
         problem = _check_data(kind, data)
+        if problem is None and set(data) & set(_LONG_NAMES.get(kind, ())):
+            problem = f"names a field {sorted(set(data) & set(_LONG_NAMES[kind]))[0]!r} that is another's wire name"
         if problem is not None:
             raise ValueError(f"record for {key} {problem}")
         with self._lock:
             self._seq = max(self._seq + 1, time.time_ns() // 1000)
             seq = self._seq
-        blob = msgpack.packb({"k": kind, "s": seq, "d": data}, use_bin_type=True)
+        blob = msgpack.packb({"k": kind, "s": seq, "d": wire_data(kind, data)}, use_bin_type=True)
         if len(blob) > MAX_RECORD:
             raise ValueError(f"record for {key} is {len(blob)} bytes (limit {MAX_RECORD})")
         return blob
