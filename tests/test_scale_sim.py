@@ -121,6 +121,22 @@ def test_identities_ground_to_lead_the_round_that_answer_no_join_request_cost_it
     assert r["formation_seconds"]["max"] < bound  # virtual time
 
 
+@pytest.mark.parametrize("n,stalling,seed", [(20, 1, 0), (20, 1, 2), (50, 1, 2), (20, 2, 0)])
+def test_a_stalling_identity_drawing_first_beside_one_claiming_to_be_due_never_splits_the_first_round(
+        n, stalling, seed):
+    """Round 0: a stalling identity ground to draw first holds every request saying 'wait', and one claiming
+    to be due (never ready, not yet overdue: nobody has seen it miss a round) keeps every peer due from
+    being ready, so no follower can drop the staller by that rule: each request runs to its timeout, at
+    each follower's own moment. Dropped as stalled then, with the fallback leader admitting for as long,
+    every honest peer ends in one group (before: 9 + 8 + 3 of 20, 21 + 17 + 10 of 50; or 11 of 20
+    with 9 missed)."""
+    run = scale_sim.simulate(n, 1, verbose=False, churn=0.0, stalling=stalling, claiming=1, seed=seed)
+    (r,) = run["rounds"]
+    assert r["held"] >= n - 1  # every honest peer's request was held (the attack fired)
+    assert r["group_sizes"] == [n] and r["missed"] == 0 and not r["split"], r["group_sizes"]
+    assert r["formation_seconds"]["max"] < 150  # virtual time: the requests' timeouts and the fallback grace
+
+
 def test_an_identity_claiming_to_be_due_and_slow_holds_up_fewer_and_fewer_rounds():
     """One identity claims in every round to be one step short of the sync at 0.001 steps/s and never
     gets ready. A round that waits for it waits to the matchmaking timeout (the fault: the honest

@@ -52,6 +52,9 @@ class JoinWatch:
     silent: bool = False  # the holder said nothing for SILENT_S: the request ended unanswered
     broken: bool = False  # the holder's stream broke before it answered (it left, crashed, or hung up on us)
     unreached: bool = False  # the dial failed for JOIN_DIAL_WAIT: the request never reached it
+    #: the holder kept the request for its whole timeout and answered nothing (when not silent: it said 'wait',
+    #: as a stalling identity does, or an honest leader that entered the round after us and still waits)
+    expired: bool = False
 
     @property
     def unanswered(self) -> bool:
@@ -68,8 +71,7 @@ class JoinRequests:
         waits for ready peers (``matchmaking_timeout``) and admits joiners (``join_grace``)."""
         return self.matchmaking_timeout + self.join_grace + 10
 
-    async def _join(self, leader: str, frag: int, round_: int, due: Optional[int] = None,
-                    timeout: Optional[float] = None,
+    async def _join(self, leader: str, frag: int, round_: int, due: Optional[int] = None, timeout: Optional[float] = None,
                     watch: Optional[JoinWatch] = None) -> Tuple[Optional[Group], Optional[str]]:
         """Ask ``leader`` to admit us. (group, None) when admitted, (None, hint) when refused; (None, None)
         when unreachable, silent for SILENT_S, or no answer within ``timeout`` (default: the request
@@ -109,6 +111,7 @@ class JoinRequests:
                                         f"proposing a group with us ({type(e).__name__}); the round may have "
                                         "closed with us in it, so it fails here") from None
             watch.broken = watch.taken.is_set() and isinstance(e, (asyncio.IncompleteReadError, ConnectionError))
+            watch.expired = timeout is None and watch.taken.is_set() and isinstance(e, asyncio.TimeoutError)
             if watch.silent:
                 logger.info(f"[{self.node.short_id}] {short_id(leader)} took our join request for fragment {frag} "
                             f"round {round_} and said nothing for {SILENT_S:.0f}s; trying the next")

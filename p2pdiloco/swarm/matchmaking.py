@@ -120,7 +120,10 @@
    due by its record is one we skip as overdue (item 12): strikes are each peer's own, and a holder that
    did not see that peer miss a round waits for it, up to its matchmaking timeout; it then gets as long
    as our request allows: followers that drop an honest leader lead groups of their own, and a round
-   that outlasts a group record's lifetime can then close twice. Every honest peer
+   that outlasts a group record's lifetime can then close twice. A holder that says 'wait' for the
+   request's whole timeout (longer than an honest leader waits and admits; its drop cannot depend on
+   every peer due being ready: one that claims to be due and never comes holds that off in the rounds
+   before it is overdue) is dropped as stalled too, with the same exception. Every honest peer
    drops a silent or stalled identity, at different moments (a broken stream breaks for all at once):
    so a peer that leads in place of a better-ranked one admits joiners longer (``_fallback_grace``), a
    candidate that answers "I follow <such a peer>" is asked again (``HINT_RETRY_S``) for as long as it
@@ -533,6 +536,8 @@ class Matchmaker(Leading, JoinRequests):
         every peer due is ready, our wait is over, and the        dropped (stalled) after _patience; the
         presumable leader holding our request proposed nothing    next candidate (no drop while we skip a
                                                                   due peer as overdue: it may wait for it)
+        a candidate holds our request for the request's whole     dropped (stalled), the next candidate (no
+        timeout, saying 'wait', and answers nothing               drop while we skip a due peer as overdue)
         a candidate's hint names a peer we dropped as silent or   ask it again shortly, however often, for
         stalled                                                   as long as that peer takes to drop it too
         we lead in place of a better-ranked silent or stalled     admit for _fallback_grace, not the join
@@ -948,7 +953,8 @@ class Matchmaker(Leading, JoinRequests):
         closing after the join grace would leave them out, and they would form a second group. A silent
         one is dropped SILENT_S after the request reached it (they were ready before we led: within one
         early dial and SILENT_S, and then they ask us at once); a stalled one only after each peer's own
-        deadline and patience (never past its hard deadline: within matchmaking_timeout + patience)."""
+        deadline and patience (never past its hard deadline: within matchmaking_timeout + patience), or
+        when our request's whole timeout passed (:meth:`_note_unanswered`), within as long."""
         rank = self._ranking(a.key)
         better = {p for p in a.holding_out if rank(p) < rank(a.me)}
         if better & a.stalled:
@@ -966,11 +972,22 @@ class Matchmaker(Leading, JoinRequests):
             return time.monotonic() + self.matchmaking_timeout + self._patience
         return time.monotonic() + EARLY_DIAL_S + SILENT_S + self.join_grace
 
-    @staticmethod
-    def _note_unanswered(a: "_Attempt", peer: str, watch: JoinWatch) -> None:
-        """``peer`` took our request and will not answer it (``watch``): dropped for the round."""
+    def _note_unanswered(self, a: "_Attempt", peer: str, watch: JoinWatch) -> None:
+        """``peer`` took our request and will not answer it (``watch``): dropped for the round. One that held
+        it for the request's whole timeout, saying 'wait', is dropped as stalled (an honest leader closes
+        sooner), unless it may be waiting for a peer due by its records that we skip as overdue (item 12:
+        its strikes are its own, and an honest leader waits for such a peer to its own deadline): then it
+        stays a candidate."""
         if watch.silent:
             a.silent.add(peer)
+        elif watch.expired:
+            skipped = self._skipped_due(a)
+            if not skipped:
+                a.stalled.add(peer)
+            logger.info(f"[{self.node.short_id}] {short_id(peer)} held our join request for fragment {a.frag} round "
+                        f"{a.round} for its whole timeout and answered nothing: "
+                        + (f"it may wait for {short_ids(skipped)}, whom we skip as overdue" if skipped
+                           else "dropped as stalled"))
         elif watch.broken:
             a.gone.add(peer)
         elif watch.unreached:
@@ -1009,7 +1026,7 @@ class Matchmaker(Leading, JoinRequests):
                 a.hang_up()  # it must not admit us while we join another leader
                 watch = JoinWatch()
                 group, hint = await self._join(leader, a.frag, a.round, a.expected, timeout=bound, watch=watch)
-                if watch.unanswered:  # (unreachable: the next candidate, as before)
+                if watch.unanswered or watch.expired:  # (unreachable: the next candidate, as before)
                     self._note_unanswered(a, leader, watch)
             a.early = None
         except MatchmakingFailed:
