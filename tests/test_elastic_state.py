@@ -71,10 +71,15 @@ def claims(donors, step=10, seed=1):
 @pytest.mark.timeout(60)
 def test_fragments_come_from_several_donors_and_are_verified(donors):
     joiner, ds = donors
+    before = [n.state_traffic.snapshot() for n in (joiner, ds[0].node, ds[1].node)]
     got = download_state(joiner, "t", claims(ds[:2]), NUMELS, timeout=5)
     meta, payload = make_state(10, 1)
     assert got.payload == payload and got.meta["outer_steps"] == meta["outer_steps"] and got.step == 10
     assert sorted(map(tuple, got.donors.values())) == [(0,), (1,)] and not got.rejected
+    # the download's bytes are counted as state traffic on both ends (a sync's own bytes leave them out)
+    after = [n.state_traffic.snapshot() for n in (joiner, ds[0].node, ds[1].node)]
+    assert after[0][1] - before[0][1] >= len(payload)
+    assert sum(a[0] - b[0] for a, b in zip(after[1:], before[1:])) >= len(payload)
 
 
 @pytest.mark.timeout(60)

@@ -71,7 +71,8 @@ class FakeSwarm:
 
     def __init__(self, hub: Hub, idx: int, hold: Optional[Callable] = None):
         self.hub, self.idx, self.hold = hub, idx, hold
-        self.node = SimpleNamespace(traffic=Traffic())
+        traffic = Traffic()
+        self.node = SimpleNamespace(traffic=traffic, state_traffic=Traffic(parent=traffic))
         self.diloco: Optional[DiLoCo] = None
         self.threads = set()
         self.finishing = False  # set when the peer's loop ended and it drains its syncs
@@ -391,6 +392,27 @@ def test_schedule_matches_the_formula():
     assert [s.round_of(1, t) for t in got[1]] == [0, 1, 2]
     assert s.next_send(8) == 10 and s.next_send(0) == 8
     assert Schedule(10, 1).due(10) == [0] and Schedule(10, 1).due(5) == []
+
+
+def test_a_sync_counts_its_own_bytes_not_a_state_download_served_meanwhile():
+    """A sync's bytes (its report's ``bytes_sent``/``bytes_received``: the sync events and the demo's
+    bytes sent) are the node's stream bytes over the sync less those of state downloads it served or
+    fetched meanwhile (they share the node's counter)."""
+    cfg = make_cfg()
+    served = 1_000_000
+
+    def serve_state(swarm, group, phase):  # a joiner downloads our state while this all-reduce runs
+        swarm.node.state_traffic.add(sent=served, received=100)
+
+    plain, _ = run_peers(cfg, 2, outer_steps=2)
+    busy, _ = run_peers(cfg, 2, outer_steps=2, hold=serve_state)
+    for i in range(2):
+        want = [(r.fragment, r.round, r.bytes_sent, r.bytes_received) for r in plain[i]["reports"]]
+        got = [(r.fragment, r.round, r.bytes_sent, r.bytes_received) for r in busy[i]["reports"]]
+        assert got == want and all(r.bytes_sent > 0 for r in busy[i]["reports"])
+        node = busy[i]["swarm"].node
+        assert node.state_traffic.sent >= served * len(got)  # the downloads happened, inside the syncs
+        assert node.traffic.sent - node.state_traffic.sent == plain[i]["swarm"].node.traffic.sent
 
 
 def test_schedule_in_a_run_matches_the_formula():

@@ -52,6 +52,17 @@ def fp32_allreduce_bytes(numel: int, group_size: int) -> int:
     return int(2 * (n - 1) * 4 * numel // n)
 
 
+def _minus(traffic, part) -> Tuple[int, int]:
+    """(sent, received) of ``traffic`` less its ``part`` (None: nothing), or (0, 0) without ``traffic``."""
+    if traffic is None:
+        return 0, 0
+    sent, recv = traffic.snapshot()
+    if part is None:
+        return sent, recv
+    part_sent, part_recv = part.snapshot()
+    return sent - part_sent, recv - part_recv
+
+
 def group_allreduce(swarm, job: SyncJob, group, codec: Codec) -> Callable[..., torch.Tensor]:
     """The reducer's all-reduce for one sync. Every phase must average the same members: after a
     phase that covered fewer than the group (a dropped part), later phases run on the group
@@ -352,7 +363,9 @@ class DiLoCo:
         """Worker thread: group, all-reduce through the fragment's reducer, apply to the global copy."""
         frag = self.fragments[job.fragment]
         traffic = self.swarm.node.traffic if self.swarm is not None else None
-        sent0, recv0 = traffic.snapshot() if traffic else (0, 0)
+        # a state download served (or fetched) while the sync runs shares the node's counter: not the sync's
+        state = getattr(self.swarm.node, "state_traffic", None) if self.swarm is not None else None
+        sent0, recv0 = _minus(traffic, state)
         try:
             t0 = time.perf_counter()
             group = job.group.result()
@@ -386,7 +399,7 @@ class DiLoCo:
                     job.error = "dropped: the state was replaced by a download while this sync ran"
         finally:
             if traffic:
-                sent1, recv1 = traffic.snapshot()
+                sent1, recv1 = _minus(traffic, state)
                 job.bytes_sent, job.bytes_received = sent1 - sent0, recv1 - recv0
             job.seconds = time.perf_counter() - job.launched
 

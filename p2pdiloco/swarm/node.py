@@ -417,6 +417,8 @@ class SwarmNode:
         #: offences, bans and request limits of the peers that talk to us (protocol.PeerGate)
         self.gate = PeerGate()
         self.traffic = Traffic()
+        #: the part of ``traffic`` that state downloads moved (served or fetched): not a sync's bytes
+        self.state_traffic = Traffic(parent=self.traffic)
         self.loop = asyncio.new_event_loop()
         #: the tasks started by :meth:`submit`, held until done (see :func:`held`)
         self._tasks: Set[asyncio.Task] = set()

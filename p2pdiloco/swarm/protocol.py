@@ -145,16 +145,20 @@ _LEN = 4
 
 @dataclass
 class Traffic:
-    """Bytes that crossed the wire through our streams (payload and framing), thread-safe."""
+    """Bytes that crossed the wire through our streams (payload and framing), thread-safe. A counter with
+    a ``parent`` (one kind of stream: state downloads) counts into the parent too."""
 
     sent: int = 0
     received: int = 0
+    parent: Optional["Traffic"] = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, sent: int = 0, received: int = 0) -> None:
         with self._lock:
             self.sent += sent
             self.received += received
+        if self.parent is not None:
+            self.parent.add(sent, received)
 
     def snapshot(self) -> Tuple[int, int]:
         with self._lock:

@@ -90,7 +90,7 @@ class StateServer:
 
     async def _handle(self, info, reader, writer) -> None:
         sender = info.peer_id.to_base58()
-        traffic = self.node.traffic
+        traffic = self.node.state_traffic
         try:
             header = await read_header(reader, traffic, sender)
             refusal = check_version(header) or (None if header.get("t") == "state" else "expected a state request")
@@ -149,8 +149,8 @@ async def _fetch(node, run_id: str, donor: str, frags: List[int], max_bytes: int
         _, reader, writer = await open_stream(node, donor, handler_name(run_id, "state"),
                                               asyncio.get_running_loop().time() + timeout)
         try:
-            await write_frame(writer, {"t": "state", "v": PROTOCOL_VERSION, "frags": frags}, traffic=node.traffic)
-            return await read_frame(reader, max_bytes, node.traffic, donor)
+            await write_frame(writer, {"t": "state", "v": PROTOCOL_VERSION, "frags": frags}, traffic=node.state_traffic)
+            return await read_frame(reader, max_bytes, node.state_traffic, donor)
         finally:
             writer.close()
 
