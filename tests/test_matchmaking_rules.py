@@ -162,6 +162,60 @@ def test_a_leader_that_vanishes_after_proposing_our_group_fails_our_round(monkey
     assert asyncio.run(mm._join("a", 0, 5)) == (None, None)
 
 
+def test_a_group_as_proposed_is_answered_by_its_id_and_one_that_changed_by_its_lists(monkeypatch):
+    """After the link check the leader names the group by its id alone when it is the one it proposed (the
+    member and owner lists were most of a leader's bytes at hundreds of members: they came twice); the
+    joiner takes the lists from the proposal and checks the id against them. A group that changed (a
+    member left out) comes with its lists, as does every group without a proposal."""
+    import msgpack
+
+    from p2pdiloco.swarm import joining
+    from p2pdiloco.swarm.group import make_group_id
+    from p2pdiloco.swarm.joining import JoinRequests
+    from p2pdiloco.swarm.leading import Proposal, RoundSlot
+
+    mm = _fake_matchmaker({})
+    members = ("a", "me", "z")
+
+    async def no_links(members, owners):
+        return set()
+
+    mm._warm_links = no_links
+
+    class Writer:
+        def write(self, data): pass
+        async def drain(self): pass
+        def close(self): pass
+
+    def opener(*frames):
+        async def open_stream(node, peer, handler, deadline, stats=None):
+            reader = asyncio.StreamReader()
+            for f in frames:
+                body = msgpack.packb(f)
+                reader.feed_data(len(body).to_bytes(4, "big") + body)
+            reader.feed_eof()
+            return None, reader, Writer()
+        return open_stream
+
+    warm = {"t": "warm", "members": list(members)}
+    gid = make_group_id(mm.run_id, 0, 5, members, "", None)
+    monkeypatch.setattr(joining, "open_stream", opener(warm, {"t": "group", "gid": gid, "base": "", "as": "proposed"}))
+    group, hint = asyncio.run(mm._join("a", 0, 5))
+    assert group is not None and group.members == members and group.gid == gid and hint is None
+    other = make_group_id(mm.run_id, 0, 5, ("a", "me"), "", None)  # an id that is not the proposal's
+    monkeypatch.setattr(joining, "open_stream", opener(warm, {"t": "group", "gid": other, "base": "", "as": "proposed"}))
+    assert asyncio.run(mm._join("a", 0, 5)) == (None, None)
+
+    # the leader's side: the id alone for the group proposed, the lists for one that changed
+    slot = RoundSlot()
+    proposal = Proposal(members=members, owners=None, reports={}, final=None)
+    same = Group(gid=gid, members=members, my_index=0, frag=0, round=5)
+    assert JoinRequests._final_reply(same, slot, proposal) == {"t": "group", "gid": gid, "base": "", "as": "proposed"}
+    fewer = Group(gid=other, members=("a", "me"), my_index=0, frag=0, round=5)
+    assert JoinRequests._final_reply(fewer, slot, proposal)["members"] == ["a", "me"]
+    assert JoinRequests._final_reply(same, slot)["members"] == list(members)
+
+
 def _counting(mm) -> List[str]:
     """The keys ``mm`` reads from the DHT, in order."""
     reads: List[str] = []

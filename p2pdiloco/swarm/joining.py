@@ -5,8 +5,8 @@ answers once this peer's slot for the round decided: the group, or a refusal nam
 
 Messages (msgpack headers, :mod:`.protocol`): ``join`` {frag, round, reach[, via]} → ``wait`` {} ←
 every ``WAIT_S`` while the request is held → zero or one ``warm`` {members[, owners]} ← answered by
-``warmed`` {unreachable} → then ``group`` {gid, members, base[, owners]} or ``refuse`` {reason[, hint |
-size, base | why]} ←.
+``warmed`` {unreachable} → then ``group`` {gid, members, base[, owners]} (after a ``warm``, when the
+group is the one proposed: {gid, base, as: proposed}) or ``refuse`` {reason[, hint | size, base | why]} ←.
 
 A peer that takes a request and then says nothing for ``SILENT_S`` is gone or hostile: an identity with
 the best rank that takes every request and answers none would otherwise hold every honest peer of the
@@ -248,10 +248,10 @@ class JoinRequests:
             logger.info(f"[{self.node.short_id}] {short_id(sender)} stopped waiting to join fragment {frag} "
                         f"round {round_} before the group closed; not admitted")
             return None
-        answer = fut.result()
-        if isinstance(answer, Proposal):  # closing: the link check first (matchmaking item 10)
-            answer = await self._warm_exchange(reader, writer, sender, answer)
-        return self._final_reply(answer, slot)
+        answer = proposal = fut.result()
+        if isinstance(proposal, Proposal):  # closing: the link check first (matchmaking item 10)
+            answer = await self._warm_exchange(reader, writer, sender, proposal)
+        return self._final_reply(answer, slot, proposal if isinstance(proposal, Proposal) else None)
 
     async def _say_wait(self, writer: asyncio.StreamWriter) -> None:
         """Tell a joiner every WAIT_S that we still hold its request (it takes silence for a peer gone)."""
@@ -275,8 +275,12 @@ class JoinRequests:
         return None
 
     @staticmethod
-    def _final_reply(answer: Union[Group, LeftOut, RoundMissed, str, None], slot: RoundSlot) -> Dict[str, Any]:
-        """The leader's last word to an admitted joiner: the group, or why there is none for it."""
+    def _final_reply(answer: Union[Group, LeftOut, RoundMissed, str, None], slot: RoundSlot,
+                     proposal: Optional[Proposal] = None) -> Dict[str, Any]:
+        """The leader's last word to an admitted joiner: the group, or why there is none for it. A group
+        as ``proposal`` proposed it is named by its id alone (``as``: proposed): the joiner has its member
+        and owner lists from the proposal, and at hundreds of members the lists were most of the bytes a
+        round's leader sent."""
         if isinstance(answer, RoundMissed):  # the round went on without us: the joiner tries the next candidate
             return {"t": "refuse", "reason": "round missed"}
         if isinstance(answer, LeftOut):
@@ -285,6 +289,8 @@ class JoinRequests:
             return {"t": "refuse", "reason": "not leader", "hint": answer}
         if answer is None:
             return {"t": "refuse", "reason": "group too small"}
+        if proposal is not None and (answer.members, answer.owners) == (proposal.members, proposal.owners):
+            return {"t": "group", "gid": answer.gid, "base": slot.base, "as": "proposed"}
         reply = {"t": "group", "gid": answer.gid, "members": list(answer.members), "base": slot.base}
         if answer.owners is not None:
             reply["owners"] = list(answer.owners)
@@ -349,6 +355,9 @@ class JoinRequests:
         unreachable = await self._warm_links(*parsed)
         await write_frame(writer, {"t": "warmed", "unreachable": sorted(unreachable)}, traffic=self.node.traffic)
         final, _ = await asyncio.wait_for(read_frame(reader, 0, self.node.traffic, leader), self.warm_timeout + 12)
+        if final.get("t") == "group" and final.get("as") == "proposed" and "members" not in final:
+            members, owners = parsed  # the group as proposed: the caller checks its id against these lists
+            final = dict(final, members=list(members), **({"owners": list(owners)} if owners is not None else {}))
         return final
 
     def _parse_members(self, reply: Dict[str, Any], leader: str) -> Optional[Tuple[Tuple[str, ...], Optional[Tuple[str, ...]]]]:

@@ -123,7 +123,7 @@ PROTOCOL_VERSION = 10  # 2: group ids chain the base group (matchmaking.py); 3: 
 #                      9: a peer holding a join request sends 'wait' frames; version 8 joiners would read the
 #                         first one as a refusal
 #                     10: progress records name their fields by short wire names (records.WIRE_NAMES); version 9
-#                         peers would read none of them
+#                         peers would read none of them; a group as proposed is answered by its id alone
 #: largest accepted header (a group of thousands of peer ids fits easily)
 MAX_HEADER = 256 * 1024
 #: a handler waits this long for a request header before dropping the stream (seconds)
