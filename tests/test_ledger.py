@@ -313,16 +313,30 @@ def test_a_background_read_asks_a_second_node_only_when_the_first_answer_will_no
         asked, got = read(0, expect=writers | {"QmSomeoneElse"})  # a peer no node holds: both nodes asked
         assert asked == 2 and set(got) == writers
 
-        # the nearest node gets a newer record of one writer that the second node missed
+        # the nearest node gets a newer record of one writer (not that node itself) that the second node missed
         near = reader.dht.run_coroutine(partial(_nearest_others, key))
-        newer = nodes[1]._record(key, {"step": 100}, ttl=60, subkey=None)
-        assert nodes[1].dht.run_coroutine(partial(_store_on, key, newer["subkey"], newer["value"],
-                                                  newer["expiration_time"], near[0]))
-        assert read(0, expect=writers) == (1, {**got, nodes[1].peer_id_str: 100})
+        writer = next(n for n in nodes[1:4] if n.dht.peer_id.to_base58() != near[0])
+        newer = writer._record(key, {"step": 100}, ttl=60, subkey=None)
+        assert writer.dht.run_coroutine(partial(_store_on, key, newer["subkey"], newer["value"],
+                                                newer["expiration_time"], near[0]))
+        assert read(0, expect=writers) == (1, {**got, writer.peer_id_str: 100})
         stale = reader.records.stale
         asked, got = read(1, expect=writers)  # the second node answers with the older record
         assert reader.records.stale > stale, "the second node's answer held no older record"
-        assert asked == 2 and got[nodes[1].peer_id_str] == 100
+        assert asked == 2 and got[writer.peer_id_str] == 100
+
+        # no node near the key known (a client whose routing table lost them): the verified records stay
+        run_coroutine = reader.dht.run_coroutine
+
+        def no_nodes(fn, *a, **k):
+            if getattr(fn, "func", None) is node_mod._read_node:
+                return False, None
+            return run_coroutine(fn, *a, **k)
+
+        monkeypatch.setattr(reader.dht, "run_coroutine", no_nodes)
+        order[:] = [0]
+        assert reader.read_near(key, expect=writers) == reader.records.decode(key, None) != {}
+        monkeypatch.setattr(reader.dht, "run_coroutine", run_coroutine)
 
         # the first node drawn is down: the next one answers
         down = next(n for n in nodes[:4] if n.dht.peer_id.to_base58() == near[0])

@@ -626,7 +626,7 @@ class SwarmNode:
         than we have seen (a node that missed stores, or withholds them). Every node near the key holds
         every record, so one answer is the whole dictionary; asking two each time doubled the bytes."""
         first = random.randrange(READ_BEAM)
-        out: Dict[str, Dict[str, Any]] = {}
+        out: Optional[Dict[str, Dict[str, Any]]] = None
         for rank in [first, *(r for r in range(READ_BEAM) if r != first)]:
             asked, found = self.dht.run_coroutine(partial(_read_node, key, rank))
             if not asked:
@@ -636,7 +636,8 @@ class SwarmNode:
             held = {self.records.owner_of(s) for s in (found.value if found is not None else ())}
             if found is not None and expect <= held and self.records.stale == stale:
                 break
-        return out
+        # no node near the key known (or none answered): the records we verified stay until they expire
+        return out if out is not None else self.records.decode(key, None)
 
     def lookup_near(self, key: str) -> concurrent.futures.Future:
         """Refresh the routing table around ``key`` in the background (:func:`_lookup_near`)."""
