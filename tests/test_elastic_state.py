@@ -616,7 +616,8 @@ def test_a_join_request_counts_as_the_joiners_ready_record_and_the_leader_closes
     group, proposal, answer = asyncio.run(scenario())
     assert group.members == ("me", "z")
     assert proposal == {"t": "warm", "members": ["me", "z"]}
-    assert answer["t"] == "group" and answer["members"] == ["me", "z"] and answer["gid"] == group.gid
+    # the group as proposed: named by its id (z has the members from the proposal)
+    assert answer == {"t": "group", "gid": group.gid, "base": "", "as": "proposed"}, answer
     assert reads.count("t:mm:0:5") <= 4, reads  # z's ready record was never needed
 
 
