@@ -13,7 +13,8 @@ Value (msgpack map, at most 64 KiB)::
 ``kind`` follows from the key (:func:`.keys.kind_of`: progress, fingerprint, ready, group, anything
 else generic); ``seq`` grows with every record a peer writes (microseconds since the epoch, kept
 strictly increasing); ``d`` must match the kind's pydantic.v1 schema below (strict types: no
-conversions); a progress record's fields travel under one- and two-letter names (:data:`WIRE_NAMES`). Progress records carry the claims other peers act on: step, synced step and state
+conversions); a progress record's fields travel under one- and two-letter names (:data:`WIRE_NAMES`).
+Progress records carry the claims other peers act on: step, synced step and state
 digest (the state *offer* a joining peer downloads against).
 
 Defences:
