@@ -112,7 +112,7 @@ def join_swarm(cfg: RunConfig, model: Optional[nn.Module] = None) -> Swarm:
     try:
         swarm = Swarm(node, s.run_id, matchmaking_timeout=s.matchmaking_timeout, allreduce_timeout=s.allreduce_timeout,
                       min_group_size=s.min_group_size, progress_period=s.progress_period, robust=cfg.robust,
-                      group_cap=s.group_cap)
+                      group_cap=s.group_cap, gather=s.gather)
         fields = fingerprint_fields(cfg)
         if model is not None:
             fields["model.signature"] = model_signature(model)

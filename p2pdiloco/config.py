@@ -373,8 +373,14 @@ class SwarmConfig:
     #: member connects to its subgroup's owners and, as an owner, to one peer per subgroup; see
     #: swarm/allreduce.py, "Capped groups"). 0: one butterfly of all members, however many
     group_cap: int = 0
+    #: with a cap, rounds of at least twice as many peers due form through bucket heads that carry their
+    #: bucket's join requests to the round's leader (swarm/matchmaking.py, item 13): its requests about N/G +
+    #: 2G instead of N. Off by default: identities that stall join requests can still split such rounds
+    gather: bool = False
 
     def validate(self) -> None:
+        if not isinstance(self.gather, bool):
+            raise ConfigError(f"swarm.gather ({self.gather!r}) must be true or false")
         if self.reachability not in ("auto", "public", "private"):
             raise ConfigError(f"swarm.reachability ({self.reachability!r}) must be auto, public or private")
         if not self.run_id or any(c in self.run_id for c in " /:\t\n"):

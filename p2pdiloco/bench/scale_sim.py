@@ -39,11 +39,15 @@ to be one step short of the sync at 0.001 steps/s, and which never get ready (th
 holds requests as a silent one's does): each round that waits for them waits to the matchmaking
 timeout. The figures are the honest peers'. With ``--cap G`` (``swarm.group_cap``) each member's
 warm step connects to the owners its capped all-reduce will talk to (its subgroup's, and its column
-when it owns a shard), so the peers talked to are the formation's plus the all-reduce's.
+when it owns a shard), so the peers talked to are the formation's plus the all-reduce's; and from 2G
+peers due, with ``--gather`` (``swarm.gather``), the round's join requests are gathered by bucket heads
+(matchmaking item 13). ``--silent-heads K`` adds K identities ground to head a bucket in round 0 (second
+in rank, outside the leader's bucket) that take requests and answer none.
 
 Reported per N and round, per peer: DHT messages and bytes of the formation (reads by purpose,
 stores), of the background over the round, join-protocol frames sent and bytes (sent and received),
-distinct peers talked to (connections), formation time, and how long the group took to close after its
+distinct peers talked to (connections), join requests taken (streams opened to its join handler in the
+round: the leader's, and the most any peer took), formation time, and how long the group took to close after its
 last member was ready (seconds and round trips); the leader's load beside the median peer's;
 and the outcome: groups formed, peers that missed the round, split rounds. Not simulated: the
 all-reduce itself (its bytes per peer do not grow with N: ``bench.scale``), state downloads, NAT.
@@ -300,6 +304,7 @@ class SimPeer:
         self.mm._draw = sim.draw
         self.mm.record_lifetime = sim.record_lifetime
         self.mm.group_cap = sim.cap  # the warm step connects to the owners the capped all-reduce will use
+        self.mm.gathering = sim.gathering
         self.gone = False
         self.left = asyncio.Event()  # set with gone: a formation in progress stops at once
         self.stats: Counter = Counter()
@@ -342,9 +347,12 @@ class Sim:
     def __init__(self, n: int, *, seed: int = 0, rtt: float = 0.05, dht_rtts: float = 2.0, replicas: int = REPLICAS,
                  train_s: float = 60.0, sync_s: float = 5.0, spread: float = 0.2, churn: float = 0.0,
                  progress_period: float = 10.0, matchmaking_timeout: float = 30.0, silent: int = 0,
-                 stalling: int = 0, claiming: int = 0, rank_by_id: bool = False, cap: int = 0) -> None:
+                 stalling: int = 0, claiming: int = 0, rank_by_id: bool = False, cap: int = 0,
+                 silent_heads: int = 0, gathering: bool = False) -> None:
         self.loop = VirtualLoop()
         self.cap = cap
+        self.gathering = gathering
+        self.requests: Counter = Counter()  # join requests (streams to the join handler) each peer took this round
         self.clock = _Clock(self.loop)
         self.rng = random.Random(seed)
         self.rtt, self.dht_rtts, self.replicas = rtt, dht_rtts, replicas
@@ -366,11 +374,29 @@ class Sim:
             while self._rank(0, pid) >= best:
                 pid = self._new_id()
             self.peers[pid] = SimPeer(self, pid, speed=1.0, hostile="silent" if i < silent else "stalling")
+        self._grind_heads(silent_heads, n + silent + stalling + claiming + silent_heads)
         for _ in range(claiming):  # due and slow by their records, never ready
             pid = self._new_id()
             self.peers[pid] = SimPeer(self, pid, speed=1.0, hostile="claiming")
         # the progress key's nearest nodes read it from their own storage; the others over the network
         self.nearest = set(self.rng.sample(sorted(self.peers), min(replicas, n)))
+
+    def _grind_heads(self, k: int, total: int) -> None:
+        """K silent identities ground to head a gathering bucket in round 0 (``--silent-heads``, matchmaking item
+        13): each ranks second among the honest peers, outside the leader's bucket."""
+        honest = sorted((pid for pid, peer in self.peers.items() if not peer.hostile),
+                        key=lambda pid: self._rank(0, pid))
+        if k <= 0 or len(honest) < 2:
+            return
+        key, buckets = ready_key(RUN, 0, 0), formation.gather_buckets(total, self.cap)
+        first, second = self._rank(0, honest[0]), self._rank(0, honest[1])
+        leaders = formation.gather_bucket(key, honest[0], buckets)
+        for _ in range(k):
+            pid = self._new_id()
+            while not first < self._rank(0, pid) < second or (
+                    buckets > 1 and formation.gather_bucket(key, pid, buckets) == leaders):
+                pid = self._new_id()
+            self.peers[pid] = SimPeer(self, pid, speed=1.0, hostile="silent")
 
     def _rank(self, round_: int, pid: str) -> Tuple[bytes, str]:
         """Leadership order in ``round_`` among public peers, as the matchmakers rank (the draw, then the id)."""
@@ -398,6 +424,8 @@ class Sim:
         w_me, w_target = _Pipe(self, to_target, me, target), _Pipe(self, to_me, target, me)
         me.pipes.append(w_me)
         target.pipes.append(w_target)
+        if handler.endswith("join"):
+            self.requests[target.pid] += 1  # join requests this peer took in the round (its formation load)
         info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda pid=me.pid: pid))
         if target.hostile:
             target.count("held")
@@ -507,7 +535,7 @@ class Sim:
             group = task.result()
             slot = peer.mm._slots.get((0, round_))
             row.update(gid=group.gid, size=group.size, members=group.members,
-                       led=slot is not None and slot.final is group)
+                       led=slot is not None and slot.leading and slot.final is group)
         except (RoundMissed, MatchmakingFailed) as e:
             row.update(error=type(e).__name__, why=str(e)[:200])
         out[peer.pid] = row
@@ -543,6 +571,7 @@ class Sim:
                 leavers = set(self.rng.sample(live, int(round(self.churn * len(live)))))
                 bg_before = {p.pid: (p.stats["bg_msgs"], p.stats["bg_bytes"]) for p in live}
                 out: Dict[str, Any] = {}
+                self.requests.clear()
                 t0 = self.loop.time()
                 window = self.train_s * (1 + self.spread) + 10.0
                 await asyncio.gather(*(self._peer_round(
@@ -552,6 +581,7 @@ class Sim:
                     peer = self.peers[pid]
                     row["bg_msgs"] = peer.stats["bg_msgs"] - bg_before[pid][0]
                     row["bg_bytes"] = peer.stats["bg_bytes"] - bg_before[pid][1]
+                    row["requests"] = self.requests[pid]
                 held = sum(p.stats["held"] for p in everyone if p.hostile)
                 # did a hostile identity draw first among every identity live at the round's start
                 first = min(everyone, key=lambda p: self._rank(r, p.pid))
@@ -610,6 +640,7 @@ def summarize_round(res: Dict[str, Any], rtt: float) -> Dict[str, Any]:
         "formation_msgs": per_peer(form_msgs), "formation_bytes": per_peer(form_bytes),
         "background_bytes": per_peer(lambda r: r.get("bg_bytes", 0)),
         "peers_talked": per_peer(lambda r: r["talked"]),
+        "requests_taken": per_peer(lambda r: r.get("requests", 0)),
         "formation_seconds": {"median": statistics.median(seconds) if seconds else None,
                               "max": seconds[-1] if seconds else None},
         "closing_seconds": {"median": statistics.median(closing) if closing else None,
@@ -662,8 +693,9 @@ def _kb(v: Optional[float]) -> str:
 def format_table(runs: Sequence[Dict[str, Any]]) -> str:
     lines = ["| N | round | in one group / live (left, missed) | formation s (median / max) | closing after the last "
              "member, round trips (median / max) | formation KB per peer (median / leader) | msgs per peer "
-             "(median / leader) | background KB per peer | peers talked to (median / leader) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(median / leader) | background KB per peer | peers talked to (median / leader) | join requests "
+             "taken (leader / most) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         for s in run["rounds"]:
             fs = s["formation_seconds"]
@@ -674,7 +706,8 @@ def format_table(runs: Sequence[Dict[str, Any]]) -> str:
                 f"{_kb(s['formation_bytes']['median'])} / {_kb(s['formation_bytes']['leader'])} | "
                 f"{s['formation_msgs']['median']:.0f} / {s['formation_msgs']['leader'] or 0:.0f} | "
                 f"{_kb(s['background_bytes']['median'])} | "
-                f"{s['peers_talked']['median']:.0f} / {s['peers_talked']['leader'] or 0:.0f} |")
+                f"{s['peers_talked']['median']:.0f} / {s['peers_talked']['leader'] or 0:.0f} | "
+                f"{s['requests_taken']['leader'] or 0:.0f} / {s['requests_taken']['max']:.0f} |")
     return "\n".join(lines)
 
 
@@ -724,6 +757,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="identities whose records claim to be due and slow every round, never ready")
     ap.add_argument("--rank-by-id", action="store_true",
                     help="for comparison: leaders ranked by their id alone (no per-round draw)")
+    ap.add_argument("--gather", action="store_true",
+                    help="with --cap: bucket heads carry their bucket's join requests (swarm.gather)")
+    ap.add_argument("--silent-heads", type=int, default=0,
+                    help="K silent identities ground to head a gathering bucket in round 0 (with --cap)")
     ap.add_argument("--cap", type=int, default=0,
                     help="swarm.group_cap: each member's warm step connects to its subgroup's owners and its column")
     ap.add_argument("--seed", type=int, default=0)
@@ -743,7 +780,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         runs.append(simulate(n, args.rounds, seed=args.seed, rtt=args.rtt, dht_rtts=args.dht_rtts,
                              replicas=args.replicas, train_s=args.train_s, sync_s=args.sync_s, spread=args.spread,
                              churn=args.churn, silent=args.silent, stalling=args.stalling, claiming=args.claiming,
-                             rank_by_id=args.rank_by_id, cap=args.cap,
+                             rank_by_id=args.rank_by_id, cap=args.cap, silent_heads=args.silent_heads,
+                             gathering=args.gather,
                              progress_period=args.progress_period,
                              matchmaking_timeout=args.matchmaking_timeout))
         with open(os.path.join(args.out, "results.json"), "w") as f:

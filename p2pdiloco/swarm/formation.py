@@ -13,8 +13,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 from ..ids import short_id
 from .group import TIER_PRIVATE, Group
 
-__all__ = ["draw", "expected_peers", "derived_deadline", "candidates", "shard_owners", "left_out", "authoritative",
-           "latest_partners"]
+__all__ = ["draw", "expected_peers", "derived_deadline", "candidates", "gather_buckets", "gather_bucket", "gather_heads",
+           "gather_head", "shard_owners", "left_out", "authoritative", "latest_partners"]
 
 Peers = Dict[str, Dict[str, Any]]
 #: a peer's rank in one round: (tier, draw, peer id); the smallest leads
@@ -66,6 +66,48 @@ def candidates(ready: Set[str], unseen: Set[str], me: str, rank: Callable[[str],
     if tier(me) == TIER_PRIVATE:
         found = [c for c in found if c == me or tier(c) != TIER_PRIVATE]
     return found
+
+
+def gather_buckets(peers: int, cap: int) -> int:
+    """How many gathering buckets a round of ``peers`` peers due (us included) has under ``swarm.group_cap`` =
+    ``cap``: 2^floor(log2(peers / cap)), so each bucket holds about cap to 2 cap peers; 1 (no gathering)
+    without a cap or below 2 cap peers. A power of two moves only when the count doubles, so peers whose
+    views differ by a few peers agree on it."""
+    if cap <= 0 or peers < 2 * cap:
+        return 1
+    return 1 << ((peers // cap).bit_length() - 1)
+
+
+def gather_bucket(round_key: str, peer: str, buckets: int) -> int:
+    """``peer``'s gathering bucket in the round under ``round_key`` (of ``buckets``)."""
+    digest = hashlib.blake2b(f"{round_key}\ngather\n{peer}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % buckets
+
+
+def gather_heads(due: Set[str], round_key: str, cap: int, rank: Callable[[str], Rank], tier: Callable[[str], int],
+                exclude: Set[str] = frozenset()) -> Tuple[int, Dict[int, str]]:
+    """The gathering buckets of a round (matchmaking item 13): (how many, bucket -> its head). The peers due
+    (``due``) fall into :func:`gather_buckets` buckets by a hash of the round's key and their id
+    (:func:`gather_bucket`); a bucket's head is its best-ranked peer that others can dial, ``exclude`` left
+    out (peers that left our request unanswered this round). The round's leader (the best rank of all)
+    heads its own bucket. One bucket (no gathering) without a cap or below 2 caps of peers."""
+    buckets = gather_buckets(len(due), cap)
+    heads: Dict[int, str] = {}
+    if buckets == 1:
+        return 1, heads
+    for peer in sorted(set(due) - set(exclude), key=rank):
+        if tier(peer) != TIER_PRIVATE:
+            heads.setdefault(gather_bucket(round_key, peer, buckets), peer)
+    return buckets, heads
+
+
+def gather_head(due: Set[str], me: str, round_key: str, cap: int, rank: Callable[[str], Rank],
+               tier: Callable[[str], int], exclude: Set[str] = frozenset()) -> Optional[str]:
+    """The peer that carries our join request to the round's leader (:func:`gather_heads`, ``due`` with us),
+    or None: we ask the leader ourselves (no gathering, we head our bucket, or it has no dialable peer)."""
+    buckets, heads = gather_heads(set(due) | {me}, round_key, cap, rank, tier, exclude)
+    head = heads.get(gather_bucket(round_key, me, buckets)) if buckets > 1 else None
+    return None if head == me else head
 
 
 def shard_owners(members: Tuple[str, ...], tier: Callable[[str], int]) -> Optional[Tuple[str, ...]]:

@@ -7,6 +7,11 @@ Messages (msgpack headers, :mod:`.protocol`): ``join`` {frag, round, reach[, via
 every ``WAIT_S`` while the request is held → zero or one ``warm`` {members[, owners]} ← answered by
 ``warmed`` {unreachable} → then ``group`` {gid, members, base[, owners]} (after a ``warm``, when the
 group is the one proposed: {gid, base, as: proposed}) or ``refuse`` {reason[, hint | size, base | why]} ←.
+A bucket's head carrying others' requests (matchmaking item 13) sends ``join`` with ``riders`` [{id, reach[,
+via]}], then ``ride`` {riders} / ``unride`` {ids} → as riders come and hang up, answers a ``warm`` with
+``warmed`` {unreachable, riders: {id: unreachable | None}} →, and gets ``batch`` {replies: {id: reply}, size}
+← (a refusal or hint before any proposal is one reply for all). To its riders it is a leader: the same
+frames as above.
 
 A peer that takes a request and then says nothing for ``SILENT_S`` is gone or hostile: an identity with
 the best rank that takes every request and answers none would otherwise hold every honest peer of the
@@ -24,12 +29,12 @@ from ..errors import MatchmakingFailed, RoundMissed, WireError
 from ..ids import short_id
 from .dialing import dial_reason, ensure_connected, open_stream
 from .group import Group, capped_plan, make_group_id
-from .leading import LeftOut, Proposal, RoundSlot
+from .leading import AS_JOINER, LeftOut, Proposal, Rider, RoundSlot
 from .signing import plain_text
 from .protocol import (PROTOCOL_VERSION, check_version, close_after_reply, read_frame, read_header,
                        refuse_bad_request, write_frame)
 
-__all__ = ["JoinRequests", "JoinWatch", "JOIN_DIAL_WAIT", "WAIT_S", "SILENT_S"]
+__all__ = ["JoinRequests", "JoinWatch", "JOIN_DIAL_WAIT", "WAIT_S", "SILENT_S", "MAX_RIDERS"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,13 @@ WAIT_S = 2.0
 #: how long a joiner waits for the next frame from a peer that took its request (seconds): three missed
 #: ``wait`` frames; then the request ends unanswered and the holder counts as silent
 SILENT_S = 3 * WAIT_S
+#: how many request timeouts a rider gives the head carrying its request (matchmaking item 13): the head may
+#: hold it past stalling leaders it drops (a request timeout each) before one answers; a head that stalls
+#: its riders holds them this long (they miss the round)
+HEAD_LIMITS = 4
+#: the most join requests one carrier may bring (matchmaking item 13): a bucket holds up to twice the
+#: group cap, and views differ; past this the carrier's request is malformed
+MAX_RIDERS = 1024
 
 
 @dataclass
@@ -62,6 +74,19 @@ class JoinWatch:
         return self.silent or self.broken
 
 
+def _pending(slot: RoundSlot) -> list:
+    """The riders we carry that have no answer yet, in joiner order."""
+    return [slot.riders[r] for r in sorted(slot.riders) if not slot.riders[r].final.done()]
+
+
+async def _stopped(task: Optional[asyncio.Future]) -> None:
+    """Cancel ``task`` and let it unwind (None: nothing to stop); returns None."""
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
 class JoinRequests:
     """The join protocol of :class:`~p2pdiloco.swarm.matchmaking.Matchmaker` (a base class of it)."""
 
@@ -71,6 +96,15 @@ class JoinRequests:
         waits for ready peers (``matchmaking_timeout``) and admits joiners (``join_grace``)."""
         return self.matchmaking_timeout + self.join_grace + 10
 
+    def _request_limit(self, slot: Optional[RoundSlot], via_head: bool) -> float:
+        """How long a join request with no timeout of its own waits for its first answer. With gathering on
+        (matchmaking item 13) a leader admits the peers behind a silent head longer than the join grace,
+        and a request a head carries waits HEAD_LIMITS times as long."""
+        limit = self._request_timeout
+        if slot is not None and slot.carry:
+            limit += self._gather_grace - self.join_grace
+        return HEAD_LIMITS * limit if via_head else limit
+
     async def _join(self, leader: str, frag: int, round_: int, due: Optional[int] = None, timeout: Optional[float] = None,
                     watch: Optional[JoinWatch] = None) -> Tuple[Optional[Group], Optional[str]]:
         """Ask ``leader`` to admit us. (group, None) when admitted, (None, hint) when refused; (None, None)
@@ -79,7 +113,6 @@ class JoinRequests:
         (the link check runs: from then on hanging up leaves us out of it, and its own timeouts bound
         the wait), the holder silent."""
         watch = watch if watch is not None else JoinWatch()
-        me = self.node.peer_id_str
         traffic = self.node.traffic
         try:
             # a first dial can fail while the leader is alive (its addresses not yet known to us, a dial
@@ -93,15 +126,25 @@ class JoinRequests:
                         f"{dial_reason(e)[:200]}); trying the next")
             return None, None
         proposed = False  # the leader proposed a group with us in it (a 'warm')
+        slot = self._current_slot(frag, round_)
+        via_head = slot is not None and slot.via == leader  # it carries our request (matchmaking item 13)
+        carried: Optional[Set[str]] = set() if slot is not None and slot.carry and not via_head else None
+        syncing: Optional[asyncio.Future] = None
         try:
-            await write_frame(writer, {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_,
-                                       **self._my_reach_fields()}, traffic=traffic)
+            request = {"t": "join", "v": PROTOCOL_VERSION, "frag": frag, "round": round_, **self._my_reach_fields()}
+            if carried is not None:  # we carry the requests of our bucket (matchmaking item 13)
+                request["riders"] = [r.entry for r in _pending(slot)]
+                carried |= {e["id"] for e in request["riders"]}
+            await write_frame(writer, request, traffic=traffic)
             watch.taken.set()
-            reply = await self._first_reply(reader, leader, timeout or self._request_timeout, watch)
+            if carried is not None:
+                syncing = asyncio.ensure_future(self._sync_riders(writer, slot, carried))
+            reply = await self._first_reply(reader, leader, timeout or self._request_limit(slot, via_head), watch)
+            syncing = await _stopped(syncing)  # from here on only the link check writes to the leader
             if reply.get("t") == "warm":  # the group is closing: warm our links first (matchmaking item 10)
                 proposed = True
                 watch.proposed.set()
-                reply = await self._answer_warm(reader, writer, reply, leader)
+                reply = await self._answer_warm(reader, writer, reply, leader, via_head, carried, slot)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, WireError) as e:
             if proposed:
                 # The leader may have closed the group with us in it before it vanished (its other
@@ -120,9 +163,17 @@ class JoinRequests:
                             "trying the next")
             return None, None
         finally:
+            await _stopped(syncing)
             writer.close()
+        return self._answer_of(reply, leader, via_head, frag, round_, due)
+
+    def _answer_of(self, reply: Dict[str, Any], leader: str, via_head: bool, frag: int, round_: int,
+                   due: Optional[int]) -> Tuple[Optional[Group], Optional[str]]:
+        """What the last word of ``leader`` (``via_head``: the head that carried our request) means for
+        :meth:`_join`: (group, None), (None, hint), (None, None); RoundMissed when we missed the round."""
+        me = self.node.peer_id_str
         if reply.get("t") == "group":
-            parsed = self._parse_members(reply, leader)
+            parsed = self._parse_members(reply, leader, via_head)
             base = reply.get("base", "")
             if parsed is None or not isinstance(base, str) or len(base) > 64:
                 return None, None
@@ -151,6 +202,22 @@ class JoinRequests:
                         f"round {round_} ({plain_text(reason, 40)}); trying the next")
             return None, None
         return None, hint
+
+    async def _sync_riders(self, writer: asyncio.StreamWriter, slot: RoundSlot, carried: Set[str]) -> None:
+        """While our request waits for the leader's first answer, tell it of the requests we carry as they
+        come and go (``ride`` / ``unride``): a joiner that hung up on us must not be admitted."""
+        while True:
+            await slot.riders_changed.wait()
+            slot.riders_changed.clear()
+            now = {r.entry["id"]: r for r in _pending(slot)}
+            added, gone = sorted(set(now) - carried), sorted(carried - set(now))
+            if added:
+                carried |= set(added)
+                await write_frame(writer, {"t": "ride", "riders": [now[r].entry for r in added]},
+                                  traffic=self.node.traffic)
+            if gone:
+                carried -= set(gone)
+                await write_frame(writer, {"t": "unride", "ids": gone}, traffic=self.node.traffic)
 
     async def _first_reply(self, reader: asyncio.StreamReader, leader: str, timeout: float,
                            watch: JoinWatch) -> Dict[str, Any]:
@@ -185,7 +252,11 @@ class JoinRequests:
                 return
             # its own word: whether we may dial it, and through which relay (matchmaking item 8)
             self._learn_reach(sender, header.get("reach"), header.get("via"))
-            reply = await self._admission(sender, frag, round_, reader, writer)
+            self.join_stats["carriers" if "riders" in header else "requests"] += 1
+            if "riders" in header:  # a carrier (matchmaking item 13)
+                reply = await self._carrier_admission(sender, frag, round_, reader, writer, header["riders"])
+            else:
+                reply = await self._admission(sender, frag, round_, reader, writer)
             if reply is not None:
                 await write_frame(writer, reply, traffic=traffic)
         except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
@@ -226,13 +297,20 @@ class JoinRequests:
             if hung_up.done():
                 slot.arrivals.discard(sender)
                 return None
-            refusal = self._refusal(slot)
-            if refusal is not None:
-                return refusal
-            fut = slot.joiners.get(sender) or asyncio.get_running_loop().create_future()
-            slot.joiners[sender] = fut
-            slot.joined_event.set()
-            await asyncio.wait({fut, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+            refusal, rider = self._refusal(slot), None
+            if refusal is not None and self._may_carry(slot):
+                rider = await self._ride(slot, sender, hung_up)
+                if rider is None:
+                    return None  # it hung up before the leader proposed anything
+                if rider.final.done() and rider.final.result() == AS_JOINER:
+                    rider, refusal = None, self._refusal(slot)  # we lead after all: it joins us
+            if rider is None:
+                if refusal is not None:
+                    return refusal
+                fut = slot.joiners.get(sender) or asyncio.get_running_loop().create_future()
+                slot.joiners[sender] = fut
+                slot.joined_event.set()
+                await asyncio.wait({fut, hung_up}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             hung_up.cancel()
             # The cancelled read must unwind before this stream is read again (the link check below): a
@@ -241,6 +319,8 @@ class JoinRequests:
             await asyncio.gather(hung_up, return_exceptions=True)
             keepalive.cancel()  # every frame from here on is an answer, written by one task
             await asyncio.gather(keepalive, return_exceptions=True)
+        if rider is not None:
+            return await self._carried_reply(reader, writer, sender, rider)
         if not fut.done():
             if slot.joiners.get(sender) is fut:
                 del slot.joiners[sender]
@@ -252,6 +332,116 @@ class JoinRequests:
         if isinstance(proposal, Proposal):  # closing: the link check first (matchmaking item 10)
             answer = await self._warm_exchange(reader, writer, sender, proposal)
         return self._final_reply(answer, slot, proposal if isinstance(proposal, Proposal) else None)
+
+    async def _carrier_admission(self, sender: str, frag: int, round_: int, reader: asyncio.StreamReader,
+                                 writer: asyncio.StreamWriter, entries: Any) -> Optional[Dict[str, Any]]:
+        """Our answer to a carrier's request (matchmaking item 13): it and the joiners it carries are
+        admitted, refused or hinted together; a group closing gets one proposal and one link report for
+        all of them, and its last word names each one's reply (``batch``). The carrier may add riders
+        (``ride``) or withdraw those that hung up on it (``unride``) until we propose."""
+        carrier = _Carrier(self, sender)
+        carrier.take(entries)
+        listener = asyncio.ensure_future(carrier.listen(reader))  # the carrier's frames; done: it hung up
+        try:
+            fut = await self._hold_carrier(carrier, frag, round_, listener, writer)
+            if not isinstance(fut, asyncio.Future):
+                return fut  # a refusal, or None: it hung up
+            if not fut.done():
+                carrier.leave(hung_up=True)
+                logger.info(f"[{self.node.short_id}] carrier {short_id(sender)} stopped waiting for fragment {frag} "
+                            f"round {round_} before the group closed; not admitted with its riders")
+                return None
+            proposal = fut.result()
+            if not isinstance(proposal, Proposal):
+                return self._final_reply(proposal, carrier.slot)  # the same for the carrier and its riders
+            return await carrier.link_check(writer, proposal)
+        finally:
+            await _stopped(listener)
+
+    async def _hold_carrier(self, carrier: "_Carrier", frag: int, round_: int, listener: asyncio.Future,
+                            writer: asyncio.StreamWriter) -> Union[asyncio.Future, Dict[str, Any], None]:
+        """Hold a carrier's request as :meth:`_admission` holds a joiner's: until our slot for the round
+        decided; then its refusal, or, admitted, its future once the group's answer came or it hung up."""
+        keepalive = asyncio.ensure_future(self._say_wait(writer))
+        try:
+            slot = self._current_slot(frag, round_)
+            deadline = time.monotonic() + self.matchmaking_timeout
+            while slot is None and not listener.done() and time.monotonic() < deadline:
+                await asyncio.wait({listener}, timeout=0.05)
+                slot = self._current_slot(frag, round_)
+            if listener.done():
+                return None
+            if slot is None:
+                return {"t": "refuse", "reason": "not ready"}
+            carrier.slot = slot
+            carrier.arrive()
+            decided = asyncio.ensure_future(slot.decided.wait())
+            try:
+                await asyncio.wait({decided, listener}, timeout=self.matchmaking_timeout + 5,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                decided.cancel()
+            if listener.done():
+                carrier.leave(hung_up=True)
+                return None
+            refusal = self._refusal(slot)
+            return refusal if refusal is not None else await carrier.admitted(listener)
+        finally:
+            keepalive.cancel()  # every frame from here on is an answer, written by one task
+            await asyncio.gather(keepalive, return_exceptions=True)
+
+    @staticmethod
+    def _may_carry(slot: RoundSlot) -> bool:
+        """Do we carry a join request instead of refusing it with a hint (matchmaking item 13): gathering
+        is on, and we follow a leader we asked directly, still open."""
+        return (slot.carry and slot.via is None and slot.decided.is_set() and not slot.leading
+                and not slot.closed and slot.final is None)
+
+    async def _ride(self, slot: RoundSlot, sender: str, hung_up: asyncio.Future) -> Optional[Rider]:
+        """Carry ``sender``'s request with ours until the leader proposes a group, answers, or we lead
+        (:data:`AS_JOINER`); None: it hung up first (the leader is told, it must not admit it)."""
+        routes = getattr(self.node, "relay_routes", None) or {}
+        entry = {"id": sender, "reach": self._reach.get(sender, "public")}
+        if isinstance(routes.get(sender), str):
+            entry["via"] = routes[sender]
+        rider = slot.riders[sender] = Rider(entry)
+        slot.riders_changed.set()
+        self.join_stats["carried"] += 1
+        await asyncio.wait({rider.warm, rider.final, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+        if hung_up.done() and not rider.warm.done() and not rider.final.done():
+            if slot.riders.get(sender) is rider:
+                del slot.riders[sender]
+                slot.riders_changed.set()
+            rider.settle(None)
+            slot.arrivals.discard(sender)
+            return None
+        return rider
+
+    async def _carried_reply(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sender: str,
+                             rider: Rider) -> Optional[Dict[str, Any]]:
+        """A carried joiner's answer: the leader's proposal passed on and its link report brought back,
+        then the leader's last word for it (None: break the stream unanswered)."""
+        traffic = self.node.traffic
+        if rider.warm.done():
+            try:
+                await write_frame(writer, rider.warm.result(), traffic=traffic)
+                answer, _ = await asyncio.wait_for(read_frame(reader, 0, traffic, sender), self.warm_timeout + 1)
+                bad = answer.get("unreachable")
+                if (answer.get("t") != "warmed" or not isinstance(bad, list) or len(bad) > MAX_RIDERS * 4
+                        or not all(isinstance(p, str) for p in bad)):
+                    raise WireError("malformed link report", sender)
+                if not rider.report.done():
+                    rider.report.set_result({p for p in bad if p != sender})
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+                logger.info(f"[{self.node.short_id}] {short_id(sender)} sent no link report ({type(e).__name__})")
+            finally:
+                if not rider.report.done():
+                    rider.report.set_result(None)
+        try:
+            final = await asyncio.wait_for(asyncio.shield(rider.final), timeout=self.warm_timeout + 14)
+        except asyncio.TimeoutError:
+            return None
+        return final if isinstance(final, dict) else None
 
     async def _say_wait(self, writer: asyncio.StreamWriter) -> None:
         """Tell a joiner every WAIT_S that we still hold its request (it takes silence for a peer gone)."""
@@ -346,22 +536,60 @@ class JoinRequests:
         return group
 
     async def _answer_warm(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: Dict[str, Any],
-                           leader: str) -> Dict[str, Any]:
+                           leader: str, via_head: bool = False, carried: Optional[Set[str]] = None,
+                           slot: Optional[RoundSlot] = None) -> Dict[str, Any]:
         """Joiner side of the link check: warm our links to the proposed owners, report the ones we
-        could not reach, and return the leader's final reply ({} when the proposal is malformed)."""
-        parsed = self._parse_members(reply, leader)
+        could not reach, and return the leader's final reply ({} when the proposal is malformed). A
+        carrier (``carried``: the requests it brought) passes the proposal on to those riders, reports
+        for them too, and hands each its part of the leader's answer (matchmaking item 13)."""
+        parsed = self._parse_members(reply, leader, via_head)
         if parsed is None:
             return {}
-        unreachable = await self._warm_links(*parsed)
-        await write_frame(writer, {"t": "warmed", "unreachable": sorted(unreachable)}, traffic=self.node.traffic)
+        riders = {r: slot.riders[r] for r in sorted(carried or ()) if r in slot.riders and r in parsed[0]
+                  and not slot.riders[r].final.done() and not slot.riders[r].warm.done()}
+        for rider in riders.values():
+            rider.warm.set_result({k: reply[k] for k in ("t", "members", "owners") if k in reply})
+        own = asyncio.ensure_future(self._warm_links(*parsed))
+        if riders:
+            await asyncio.wait([r.report for r in riders.values()], timeout=self.warm_timeout + 1)
+        unreachable = await own
+        warmed: Dict[str, Any] = {"t": "warmed", "unreachable": sorted(unreachable)}
+        if carried is not None:
+            warmed["riders"] = {r: (sorted(x.report.result()) if x.report.done() and x.report.result() is not None
+                                    else None) for r, x in riders.items()}
+        await write_frame(writer, warmed, traffic=self.node.traffic)
         final, _ = await asyncio.wait_for(read_frame(reader, 0, self.node.traffic, leader), self.warm_timeout + 12)
+        if final.get("t") == "batch" and carried is not None:
+            final = self._hand_out(final, slot, riders)
         if final.get("t") == "group" and final.get("as") == "proposed" and "members" not in final:
             members, owners = parsed  # the group as proposed: the caller checks its id against these lists
             final = dict(final, members=list(members), **({"owners": list(owners)} if owners is not None else {}))
         return final
 
-    def _parse_members(self, reply: Dict[str, Any], leader: str) -> Optional[Tuple[Tuple[str, ...], Optional[Tuple[str, ...]]]]:
-        """(members, owners) of a ``warm`` or ``group`` reply, checked; None when malformed or unacceptable."""
+    def _hand_out(self, batch: Dict[str, Any], slot: RoundSlot, proposed: Dict[str, Rider]) -> Dict[str, Any]:
+        """A carrier's share of the leader's ``batch`` answer: each rider gets its reply (one proposed the
+        group and not answered: its stream breaks, as the leader's would; one not proposed: the group
+        closed without it); returns ours ({} when there is none)."""
+        replies = batch.get("replies")
+        replies = replies if isinstance(replies, dict) else {}
+        mine = replies.get(self.node.peer_id_str)
+        mine = mine if isinstance(mine, dict) else {}
+        for pid, rider in list(slot.riders.items()):
+            reply = replies.get(pid)
+            if isinstance(reply, dict) and pid in proposed:
+                rider.settle(reply)
+            elif pid in proposed:
+                rider.settle(None)
+            else:
+                rider.settle({"t": "refuse", "reason": "closed", "size": batch.get("size"),
+                              "base": mine.get("base", "")})
+        return mine
+
+    def _parse_members(self, reply: Dict[str, Any], leader: str,
+                       via_head: bool = False) -> Optional[Tuple[Tuple[str, ...], Optional[Tuple[str, ...]]]]:
+        """(members, owners) of a ``warm`` or ``group`` reply, checked; None when malformed or unacceptable.
+        ``via_head``: ``leader`` is the head that carried our request (matchmaking item 13), a member that
+        need not own a shard."""
         me = self.node.peer_id_str
         members = reply.get("members")
         if (not isinstance(members, list) or me not in members or leader not in members
@@ -370,7 +598,7 @@ class JoinRequests:
         owners = reply.get("owners")
         if owners is not None:  # a subset of the members, in member order, with the leader, without us if private
             if (not isinstance(owners, list) or not owners or not set(owners) <= set(members)
-                    or owners != sorted(set(owners)) or leader not in owners):
+                    or owners != sorted(set(owners)) or (leader not in owners and not via_head)):
                 return None
             owners = tuple(owners)
         if self._private(me) and me in (owners if owners is not None else members) and len(members) > 1:
@@ -378,3 +606,149 @@ class JoinRequests:
                            "not joining that group")
             return None
         return tuple(members), owners
+
+
+class _Carrier:
+    """The leader's side of one carrier's request (:meth:`JoinRequests._carrier_admission`): the riders it
+    brings, kept in step with its ``ride`` / ``unride`` frames, registered as joiners while we admit."""
+
+    def __init__(self, mm: JoinRequests, sender: str) -> None:
+        self.mm, self.sender = mm, sender
+        self.riders: Dict[str, None] = {}           # joiners it carries, in arrival order
+        self.slot: Optional[RoundSlot] = None
+        self.mine: Dict[str, asyncio.Future] = {}   # joiners registered by this request -> their future
+        self.changed = asyncio.Event()
+        self.warmed: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def take(self, entries: Any) -> None:
+        """Riders named by the carrier, checked (:class:`~p2pdiloco.errors.WireError` when malformed)."""
+        if not isinstance(entries, list) or len(self.riders) + len(entries) > MAX_RIDERS:
+            raise WireError("malformed riders", self.sender)
+        for entry in entries:
+            pid = entry.get("id") if isinstance(entry, dict) else None
+            if not isinstance(pid, str) or not 20 <= len(pid) <= 128:
+                raise WireError("malformed rider", self.sender)
+            if pid in (self.sender, self.mm.node.peer_id_str) or self.mm.node.gate.banned(pid):
+                continue
+            self.mm._learn_reach(pid, entry.get("reach"), entry.get("via"))
+            self.riders[pid] = None
+        self.changed.set()
+        if self.slot is not None:
+            self.arrive()
+
+    async def listen(self, reader: asyncio.StreamReader) -> None:
+        """Read the carrier's frames until it hangs up: riders coming and going, then its link report."""
+        traffic = self.mm.node.traffic
+        try:
+            while True:
+                frame, _ = await read_frame(reader, 0, traffic, self.sender)
+                kind = frame.get("t")
+                if kind == "ride" and not self.warmed.done():
+                    self.take(frame.get("riders"))
+                elif kind == "unride" and isinstance(frame.get("ids"), list):
+                    for pid in frame["ids"]:
+                        self.riders.pop(pid, None) if isinstance(pid, str) else None
+                    self.changed.set()
+                elif kind == "warmed" and not self.warmed.done():
+                    self.warmed.set_result(frame)
+                else:
+                    raise WireError(f"unexpected {str(kind)[:20]!r} frame from a carrier", self.sender)
+        except (WireError, asyncio.IncompleteReadError, ConnectionError) as e:
+            if not isinstance(e, asyncio.IncompleteReadError):
+                logger.info(f"[{self.mm.node.short_id}] carrier {short_id(self.sender)}: {e}")
+
+    def arrive(self) -> None:
+        """The carrier and its riders are ready for the round, whoever leads it (item 9)."""
+        self.slot.arrivals.update({self.sender, *self.riders})
+        self.slot.arrived.set()
+
+    def _register(self) -> None:
+        """Our joiners from this request are the carrier and its current riders."""
+        slot, loop = self.slot, asyncio.get_running_loop()
+        for pid in (self.sender, *self.riders):
+            if pid not in self.mine:
+                fut = slot.joiners.get(pid)
+                if fut is None:
+                    fut = slot.joiners[pid] = loop.create_future()
+                    self.mine[pid] = fut
+                else:
+                    self.mine[pid] = None  # another request of its own holds it: not ours to withdraw
+        for pid in [p for p in self.mine if p != self.sender and p not in self.riders]:
+            fut = self.mine.pop(pid)
+            if fut is not None and not fut.done() and slot.joiners.get(pid) is fut:
+                del slot.joiners[pid]
+                slot.arrivals.discard(pid)
+        slot.arrivals.update({self.sender, *self.riders})
+        slot.joined_event.set()
+        slot.arrived.set()
+
+    async def admitted(self, listener: asyncio.Future) -> asyncio.Future:
+        """Keep our joiners in step with the carrier until the group's answer (the carrier's future done)
+        or the carrier hangs up; returns the carrier's future."""
+        self._register()
+        fut = self.slot.joiners[self.sender]
+        while not fut.done() and not listener.done():
+            self.changed.clear()
+            changed = asyncio.ensure_future(self.changed.wait())
+            try:
+                await asyncio.wait({fut, listener, changed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+            if not fut.done():
+                self._register()
+        return fut
+
+    def leave(self, hung_up: bool) -> None:
+        """The carrier went away before our answer: none of its joiners is admitted through it, and
+        (``hung_up``) none counts as ready by this request any more."""
+        slot = self.slot
+        if slot is None:
+            return
+        for pid, fut in self.mine.items():
+            if fut is not None and not fut.done() and slot.joiners.get(pid) is fut:
+                del slot.joiners[pid]
+        if hung_up:
+            slot.arrivals.difference_update({self.sender, *self.riders} - set(slot.joiners))
+
+    async def link_check(self, writer: asyncio.StreamWriter, proposal: Proposal) -> Optional[Dict[str, Any]]:
+        """Send the proposal once, read the carrier's report for itself and its riders, wait for the final
+        group and answer each of them (``batch``)."""
+        mm, traffic = self.mm, self.mm.node.traffic
+        ours = [p for p in (self.sender, *self.riders) if p in proposal.reports]
+        try:
+            msg: Dict[str, Any] = {"t": "warm", "members": list(proposal.members)}
+            if proposal.owners is not None:
+                msg["owners"] = list(proposal.owners)
+            await write_frame(writer, msg, traffic=traffic)
+            report = await asyncio.wait_for(asyncio.shield(self.warmed), mm.warm_timeout + 2)
+            self._reports(report, proposal, ours)
+        except (asyncio.TimeoutError, ConnectionError, WireError) as e:
+            logger.info(f"[{mm.node.short_id}] carrier {short_id(self.sender)} sent no link report "
+                        f"({type(e).__name__})")
+        finally:
+            for pid in ours:
+                if not proposal.reports[pid].done():
+                    proposal.reports[pid].set_result(None)
+        try:
+            group = await asyncio.wait_for(asyncio.shield(proposal.final), timeout=mm.warm_timeout + 10)
+        except asyncio.TimeoutError:
+            return None
+        replies = {}
+        for pid in (self.sender, *self.riders):
+            answer: Any = group
+            if pid not in proposal.members:
+                answer = RoundMissed("closed")  # registered after we proposed: the group closed without it
+            elif pid in proposal.left:
+                answer = LeftOut(proposal.left[pid])
+            replies[pid] = mm._final_reply(answer, self.slot, proposal)
+        return {"t": "batch", "replies": replies, "size": len(group.members) if group is not None else 0}
+
+    def _reports(self, report: Dict[str, Any], proposal: Proposal, ours: list) -> None:
+        """The carrier's ``warmed`` frame: its own unreachable owners and each rider's (None: no report)."""
+        members = set(proposal.members)
+        riders = report.get("riders")
+        riders = riders if isinstance(riders, dict) else {}
+        for pid in ours:
+            bad = report.get("unreachable") if pid == self.sender else riders.get(pid)
+            if isinstance(bad, list) and len(bad) <= len(members) and all(isinstance(p, str) for p in bad):
+                proposal.reports[pid].set_result({p for p in bad if p in members and p != pid})

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
 
 from ..errors import MatchmakingFailed, RoundMissed
 from ..ids import short_id, short_ids
@@ -37,6 +37,34 @@ class RoundSlot:
     arrivals: Set[str] = field(default_factory=set)  # peers that asked us to admit them: ready, they say
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     history: int = 0                       # the Matchmaker's history count when this slot was opened
+    #: gathering (matchmaking item 13) is on for this round: we carry the join requests of peers
+    #: that ask us while we follow a leader directly, instead of refusing them with a hint
+    carry: bool = False
+    via: Optional[str] = None              # the head our own request went to (None: to a leader directly)
+    riders: Dict[str, "Rider"] = field(default_factory=dict)  # requests we carry, by joiner
+    riders_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    heads: Tuple[int, Dict[int, str]] = (1, {})  # the round's gathering buckets and their heads, by our view
+
+
+#: a carried request's outcome when we lead after all: it joins our group like any joiner
+AS_JOINER = "joiner"
+
+
+@dataclass
+class Rider:
+    """A join request we carry to the leader (matchmaking item 13): what the joiner said of its
+    reachability, and what the leader answers for it."""
+
+    entry: Dict[str, str]                  # {id, reach[, via]}: what our join frames say of it
+    warm: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    report: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    #: the leader's last word for it (a reply frame), AS_JOINER, or None: break its stream unanswered
+    final: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def settle(self, outcome: Any) -> None:
+        """Give the joiner ``outcome`` unless it has one."""
+        if not self.final.done():
+            self.final.set_result(outcome)
 
 
 @dataclass
@@ -80,6 +108,9 @@ class Leading:
         ready peer we stepped down for (our joiners are sent there)."""
         slot.leading = True
         slot.decided.set()
+        for rider in slot.riders.values():  # the requests we carried join us (matchmaking item 13)
+            rider.settle(AS_JOINER)
+        slot.riders.clear()
         better = await self._admit(slot, frag, round_, expected_joiners, unseen, skip,
                                    self.join_grace if grace is None else grace)
         if better is not None:
@@ -102,11 +133,24 @@ class Leading:
         me = self.node.peer_id_str
         grace_end = time.monotonic() + grace
         reads_end = time.monotonic() + self.join_grace
+        # with gathering (item 13) a peer we saw ready can be held by a silent head for SILENT_S before it asks
+        # its bucket's next head: one whose head did not join us is waited for that much longer
+        ready_end = time.monotonic() + max(grace, self._gather_grace if slot.carry else 0.0)
         key = self._key(frag, round_)
-        while not (expected_joiners | unseen) <= set(slot.joiners) and time.monotonic() < grace_end:
+        buckets, heads = slot.heads
+
+        def waiting() -> bool:
+            joined, now = set(slot.joiners), time.monotonic()
+            late = expected_joiners - joined
+            held = {p for p in late if buckets > 1 and heads.get(formation.gather_bucket(key, p, buckets), p)
+                    not in joined | {p, me}}
+            return bool((held and now < ready_end) or ((late or not unseen <= joined) and now < grace_end))
+
+        while waiting():
             slot.joined_event.clear()
             try:
-                await asyncio.wait_for(slot.joined_event.wait(), timeout=max(0.01, min(0.3, grace_end - time.monotonic())))
+                await asyncio.wait_for(slot.joined_event.wait(),
+                                       timeout=max(0.01, min(0.3, ready_end - time.monotonic())))
             except asyncio.TimeoutError:
                 pass
             if (expected_joiners | unseen) <= set(slot.joiners):
@@ -121,6 +165,11 @@ class Leading:
             expected_joiners |= seen - skip if grace > self.join_grace else seen
             if better:
                 return better[0]
+        if logger.isEnabledFor(logging.DEBUG):
+            joined = set(slot.joiners)
+            logger.debug(f"[{self.node.short_id}] frag {frag} round {round_}: admitted; late "
+                         f"{short_ids(expected_joiners - joined)}, unseen {short_ids(unseen - joined)}, heads "
+                         f"{short_ids(heads.values())}")
         return None
 
     async def _close(self, slot: RoundSlot, frag: int, round_: int, expected_joiners: Set[str], unseen: Set[str],

@@ -140,12 +140,39 @@
    does. So an identity whose claims never come true is waited for in about log2 of the rounds,
    and an honest peer that missed a round (a pause, a catch-up) and is slower than the others is
    waited for again one round later. ``OVERDUE_S`` without news forgets it.
+13. Gathering: the leader's work bounded by the group cap. With ``swarm.group_cap`` = G and at least 2G peers
+   due (by our view), the peers fall into 2^floor(log2(N/G)) *buckets* by a hash of the round's key and
+   their id (:func:`.formation.gather_buckets`, a power of two so that views a few peers apart agree); a
+   bucket's *head* is its best-ranked dialable peer (:func:`.formation.gather_head`), and the round's
+   leader heads its own bucket. A peer that does not head its bucket sends its early request to its
+   head instead of the presumable leader; the head asks the leader itself and *carries* the requests it
+   holds in its own (``riders``, then ``ride`` / ``unride`` frames as joiners come and hang up): the
+   leader admits, refuses or hints them with the head, proposes the group once to the head, which passes
+   the proposal on and brings back one link report for all, and answers with one ``batch`` naming each
+   one's reply. So the leader holds about N/G + 2G requests instead of N, each head up to 2G. A peer
+   carries only while it follows a leader it asked directly (one whose request a head carries refuses
+   with the usual hint), and a peer carrying requests never sends its own through a head. Gathering
+   changes nothing else: a rider's request is held, answered, refused or dropped by item 11's rules as any
+   request (a silent head, or one whose stream breaks, is dropped for the round and the bucket's next
+   head, or the leader, asked); but a rider whose wait is over while its head still holds its request
+   waits for the head's answer as long as the request allows, whoever it would ask itself: the head
+   applies item 11's rules to the leader as any direct follower does, and carries its riders on to
+   whom it asks next, so a bucket follows its head rather than each rider's own timing (riders that
+   dropped a leader at their own moments, while their heads still waited on it, split rounds). A head
+   that stalls its riders therefore holds them to the request's timeout: they miss that round.
+   A rider whose head fails it (silent, broken, expired) asks the leader directly. A head that leads after all admits its riders as joiners; one that ends its formation otherwise
+   answers the riders it still holds (closed, or round missed: they look again), and breaks the stream
+   of one it passed a proposal to and could not answer (the proposal's leader vanished: it fails the
+   round, as its head does). A hostile head can hold or drop its bucket's requests (item 11 bounds
+   that) or name riders that never asked: they are left out by the link check when they do not
+   answer it, or, when it answers for them, fail the round as a member that stalls does.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Set, Tuple, Union
 
@@ -232,6 +259,7 @@ class _Attempt:
     unreached: Set[str] = field(default_factory=set)  # presumable leaders our early request could not reach
     ready_stored: bool = False              # our ready record went out (Matchmaker._store_ready)
     hints: int = 0                          # early requests sent to a refusing leader's hint
+    group: Optional[Group] = None           # the group we end in
 
     @property
     def dropped(self) -> Set[str]:
@@ -276,8 +304,12 @@ class Matchmaker(Leading, JoinRequests):
                  reevaluate_period: float = 0.5, warm_timeout: float = 8.0):
         self.node = node
         self.warm_timeout = warm_timeout
-        #: the all-reduce's cap (swarm.group_cap): which owners a member warms its links to
+        #: the all-reduce's cap (swarm.group_cap): which owners a member warms its links to; with ``gathering``
+        #: (swarm.gather), a round of at least twice as many peers due is gathered by bucket heads (item 13)
         self.group_cap = 0
+        self.gathering = False
+        #: join requests taken ("requests", "carriers": those carrying others) and carried ("carried", item 13)
+        self.join_stats: Counter = Counter()
         #: (monotonic time, live peers) of our last network read of the progress records: the background
         #: reader takes it as its own read of that period (Swarm.start_publishing)
         self.last_read: Tuple[float, Dict[str, Dict[str, Any]]] = (-float("inf"), {})
@@ -547,9 +579,23 @@ class Matchmaker(Leading, JoinRequests):
         a peer we waited for, not ready when k rounds we          overdue: the next 2^(k-1) rounds do not
         completed closed (in a row), not a member since           wait for it or presume it; counted when
                                                                   seen ready
+        a group cap G, 2G peers due, and another peer heads our   our early request goes to that head (item
+        gathering bucket (we carry no requests ourselves)         13); its answer is the leader's
+        a peer asks us to admit it while we follow a leader we    carry its request in ours (item 13) and
+        asked directly, gathering on                              pass it the leader's answer; lead: admit
+        our wait is over while our head holds our request         its answer, as long as the request allows
+                                                                  (silent, broken, expired: ask directly)
         ========================================================  ===========================================
         """
         a = await self._enter(frag, round_, expected, sync_step)
+        try:
+            a.group = await self._form(a)
+            return a.group
+        finally:
+            self._release_riders(a.slot, a.group)
+
+    async def _form(self, a: "_Attempt") -> Group:
+        """:meth:`form_group` after :meth:`_enter`: poll, look once more, choose a leader."""
         try:
             group = await self._poll(a)
             if group is None:
@@ -561,6 +607,20 @@ class Matchmaker(Leading, JoinRequests):
             group = await self._choose_leader(a)
         self._note_overdue(a, group)
         return group
+
+    def _release_riders(self, slot: RoundSlot, group: Optional[Group]) -> None:
+        """Our formation is over: the requests we carried and nobody answered get theirs (item 13). One
+        that was proposed a group breaks unanswered (the leader's answer was lost with ours); the others
+        were not in the group we joined (closed), or there was none (round missed: they look again)."""
+        for rider in slot.riders.values():
+            if rider.warm.done():
+                rider.settle(None)
+            elif group is not None:
+                rider.settle({"t": "refuse", "reason": "closed", "size": group.size, "base": self.base})
+            else:
+                rider.settle({"t": "refuse", "reason": "round missed"})
+        slot.riders.clear()
+        slot.carry = False
 
     def _note_overdue(self, a: "_Attempt", group: Group) -> None:
         """Item 12, after a round we completed: the peers we waited for that were not ready when it closed
@@ -674,13 +734,34 @@ class Matchmaker(Leading, JoinRequests):
         now (the last read), not counting peers that fell silent on our request this round. Nothing is
         decided by this early request: when the poll picks another leader, we hang up and the presumable
         one does not admit us. ``delay``: seconds before the request goes out."""
-        a.presumed = self._presumable(a.peers, a.key, a.sync_step, a.dropped | a.unreached | self._not_waited(a))
+        exclude = a.dropped | a.unreached | self._not_waited(a)
+        a.presumed = self._presumable(a.peers, a.key, a.sync_step, exclude)
+        head = self._head_of(a, exclude)
         if a.presumed != a.me:
-            self._send_early(a, a.presumed, delay)
+            leader = a.presumed
+            if head is not None and head != leader:
+                self._send_early(a, head, delay, via_head=True)  # it carries our request to the leader (item 13)
+            else:
+                self._send_early(a, leader, delay)
 
-    def _send_early(self, a: "_Attempt", leader: str, delay: float = 0.0) -> None:
-        """Our early request to ``leader`` (item 9), ``delay`` seconds from now, watched afresh."""
+    def _head_of(self, a: "_Attempt", exclude: Set[str]) -> Optional[str]:
+        """Our bucket's head (:func:`.formation.gather_head`, item 13), or None (ask the leader ourselves);
+        turns the round's carrying on when gathering applies (``swarm.group_cap``, 2 caps of peers due)."""
+        due = self._unbanned(expected_peers(a.peers, a.me, a.sync_step)) - self._not_waited(a)
+        cap = self.group_cap if self.gathering else 0
+        buckets, heads = a.slot.heads = formation.gather_heads(due | {a.me}, a.key, cap, self._ranking(a.key),
+                                                               self._tier, exclude)
+        a.slot.carry = buckets > 1
+        if not a.slot.carry or a.slot.riders:  # a peer carrying requests asks the leader itself
+            return None
+        head = heads.get(formation.gather_bucket(a.key, a.me, buckets))
+        return None if head == a.me else head
+
+    def _send_early(self, a: "_Attempt", leader: str, delay: float = 0.0, via_head: bool = False) -> None:
+        """Our early request to ``leader`` (item 9), ``delay`` seconds from now, watched afresh; ``via_head``:
+        ``leader`` is our bucket's head, which carries it (item 13)."""
         a.presumed, a.watch, a.dial_waited = leader, JoinWatch(), False
+        a.slot.via = leader if via_head else None
         a.early = asyncio.ensure_future(self._join_after(delay, leader, a.frag, a.round, a.expected, a.watch))
 
     async def _join_after(self, delay: float, leader: str, frag: int, round_: int, due: Optional[int],
@@ -1005,25 +1086,35 @@ class Matchmaker(Leading, JoinRequests):
         # peer: the one we ask then may lead in its place, admitting for longer (_fallback_grace). Any
         # other ready candidate gets as long as the request allows: it may wait for peers we gave up on
         # (its view of their progress is its own)
-        early = a.early is not None and leader == a.presumed
-        if leader not in a.ready:
-            bound: Optional[float] = 2 * self.join_grace
+        # A head carrying our request (item 13) takes it to whichever leader it follows by its own rules: we
+        # wait for its answer as long as the request allows (its silence or broken stream ends it sooner),
+        # whoever we would ask, so that a bucket follows its head and not each rider's own timing
+        via_head = a.early is not None and a.slot.via is not None and a.slot.via == a.presumed
+        early = a.early is not None and (leader == a.presumed or via_head)
+        if via_head:
+            bound: Optional[float] = None
+        elif leader not in a.ready:
+            bound = 2 * self.join_grace
         else:
             bound = self._patience if early and len(a.ready) >= a.expected and not a.dropped else None
             if bound is not None and self._skipped_due(a):
                 bound = None  # it may still wait for a peer we skip as overdue: its strikes are its own
         try:
-            if early:  # we asked it already: wait for that answer
+            group, hint, direct = None, None, not early
+            if early:  # we asked it already (or our head carries that request to it): wait for that answer
+                holder = a.presumed
                 answer = await self._answer(a.early, bound, a.watch.proposed)
                 if answer is None:
-                    a.stalled.add(leader)
-                    logger.info(f"[{self.node.short_id}] {short_id(leader)} holds our request for fragment "
+                    a.stalled.add(holder)
+                    logger.info(f"[{self.node.short_id}] {short_id(holder)} holds our request for fragment "
                                 f"{a.frag} round {a.round} and proposed no group {bound:.1f}s after our wait ended; "
                                 "trying the next candidate")
                 group, hint = answer or (None, None)
-                self._note_unanswered(a, leader, a.watch)
-            else:
+                self._note_unanswered(a, holder, a.watch)
+                direct = holder != leader and group is None and hint is None  # our head failed us: ask it ourselves
+            if direct:
                 a.hang_up()  # it must not admit us while we join another leader
+                slot.via = None
                 watch = JoinWatch()
                 group, hint = await self._join(leader, a.frag, a.round, a.expected, timeout=bound, watch=watch)
                 if watch.unanswered or watch.expired:  # (unreachable: the next candidate, as before)
@@ -1047,6 +1138,12 @@ class Matchmaker(Leading, JoinRequests):
                                return_when=asyncio.FIRST_COMPLETED)
         finally:
             arrived.cancel()
+
+    @property
+    def _gather_grace(self) -> float:
+        """How long a leader admits the joiners it saw ready when gathering is on (item 13): the join grace,
+        plus the time a silent head can hold a request before its rider asks the bucket's next head."""
+        return self.join_grace + EARLY_DIAL_S + SILENT_S
 
     @property
     def _patience(self) -> float:

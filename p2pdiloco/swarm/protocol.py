@@ -26,6 +26,14 @@ Handlers (the name is prefixed with the run id, so several runs can share one DH
                                                                        admitted; the group is final.
                                                                         owners: the members that own a
                                                                         shard (absent: all of them)
+                    {t: "group", gid, base, as: "proposed"}            the group as proposed ('warm')
+           request  {t: "join", ..., riders: [{id, reach, via?}, ...]} a bucket head carrying the requests
+                                                                        it holds (matchmaking item 13)
+           request  {t: "ride", riders: [...]} | {t: "unride", ids}    requests it took or lost since,
+                                                                        until the leader's first answer
+           request  {t: "warmed", unreachable, riders: {id: [...]}}    its riders' link reports too
+           reply    {t: "batch", replies: {id: reply}, size}           each one's last word (a 'group'
+                                                                        or 'refuse' as above)
                     {t: "refuse", reason, hint?, why?}                 not admitted (hint: the leader
                                                                         this peer follows, if any; reason
                                                                         "left out", why: the members it
@@ -112,7 +120,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: bumped whenever a message changes incompatibly
-PROTOCOL_VERSION = 10  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover;
+PROTOCOL_VERSION = 11  # 2: group ids chain the base group (matchmaking.py); 3: 'avg' replies name the members they cover;
 #                      4: reachability: join requests say whether the joiner can be dialed, groups name their shard owners;
 #                      5: a closing group is proposed ('warm') and its members report unreachable owners ('warmed');
 #                      6: parts and results travel in chunks ('c' frames; 'again'; the 'avg' reply is a trailer)
@@ -124,6 +132,8 @@ PROTOCOL_VERSION = 10  # 2: group ids chain the base group (matchmaking.py); 3: 
 #                         first one as a refusal
 #                     10: progress records name their fields by short wire names (records.WIRE_NAMES); version 9
 #                         peers would read none of them; a group as proposed is answered by its id alone
+#                     11: a bucket's head carries its bucket's join requests ('riders', 'ride', 'unride', 'batch':
+#                         matchmaking item 13); a version 10 leader would read a carrier's frames as a hang-up
 #: largest accepted header (a group of thousands of peer ids fits easily)
 MAX_HEADER = 256 * 1024
 #: a handler waits this long for a request header before dropping the stream (seconds)

@@ -81,7 +81,7 @@ def view_lifetime(progress_period: float, live: int, read_s: float = 0.0) -> flo
 class Swarm:
     def __init__(self, node: SwarmNode, run_id: str, *, matchmaking_timeout: float, allreduce_timeout: float,
                  min_group_size: int = 1, progress_period: float = 10.0, robust: Optional[RobustConfig] = None,
-                 group_cap: int = 0):
+                 group_cap: int = 0, gather: bool = False):
         self.node = node
         robust = robust or RobustConfig()
         node.gate.configure(ban_after=robust.ban_after, ban_seconds=robust.ban_seconds)
@@ -93,6 +93,7 @@ class Swarm:
         # node (hivemind's wait_timeout, 3 s) before the next publish gets through
         self.matchmaker.record_lifetime = 3 * progress_period + 5
         self.matchmaker.group_cap = group_cap
+        self.matchmaker.gathering = gather  # matchmaking item 13 (with a cap)
         self.allreducer = AllReducer(node, run_id, timeout=allreduce_timeout, robust=robust, cap=group_cap)
         #: derives the all-reduce / state-download timeouts from measured speed (swarm/timeouts.py)
         self.timeouts = Timeouts(allreduce_timeout)
