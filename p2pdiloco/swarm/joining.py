@@ -274,11 +274,7 @@ class JoinRequests:
         hung_up = asyncio.ensure_future(reader.read(1))
         keepalive = asyncio.ensure_future(self._say_wait(writer))  # until we answer: we hold the request
         try:
-            slot = self._current_slot(frag, round_)
-            deadline = time.monotonic() + self.matchmaking_timeout
-            while slot is None and not hung_up.done() and time.monotonic() < deadline:
-                await asyncio.wait({hung_up}, timeout=0.05)  # we may be about to enter this round
-                slot = self._current_slot(frag, round_)
+            slot = await self._entered_slot(frag, round_, hung_up)
             if hung_up.done():
                 if slot is not None:
                     slot.arrivals.discard(sender)
@@ -288,12 +284,7 @@ class JoinRequests:
             # it is ready for this round, whoever leads it: our poll counts the request as its ready record
             slot.arrivals.add(sender)
             slot.arrived.set()
-            decided = asyncio.ensure_future(slot.decided.wait())
-            try:
-                await asyncio.wait({decided, hung_up}, timeout=self.matchmaking_timeout + 5,
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                decided.cancel()
+            await self._until_decided(slot, hung_up)
             if hung_up.done():
                 slot.arrivals.discard(sender)
                 return None
@@ -364,23 +355,14 @@ class JoinRequests:
         decided; then its refusal, or, admitted, its future once the group's answer came or it hung up."""
         keepalive = asyncio.ensure_future(self._say_wait(writer))
         try:
-            slot = self._current_slot(frag, round_)
-            deadline = time.monotonic() + self.matchmaking_timeout
-            while slot is None and not listener.done() and time.monotonic() < deadline:
-                await asyncio.wait({listener}, timeout=0.05)
-                slot = self._current_slot(frag, round_)
+            slot = await self._entered_slot(frag, round_, listener)
             if listener.done():
                 return None
             if slot is None:
                 return {"t": "refuse", "reason": "not ready"}
             carrier.slot = slot
             carrier.arrive()
-            decided = asyncio.ensure_future(slot.decided.wait())
-            try:
-                await asyncio.wait({decided, listener}, timeout=self.matchmaking_timeout + 5,
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                decided.cancel()
+            await self._until_decided(slot, listener)
             if listener.done():
                 carrier.leave(hung_up=True)
                 return None
@@ -389,6 +371,26 @@ class JoinRequests:
         finally:
             keepalive.cancel()  # every frame from here on is an answer, written by one task
             await asyncio.gather(keepalive, return_exceptions=True)
+
+    async def _entered_slot(self, frag: int, round_: int, gone: asyncio.Future) -> Optional[RoundSlot]:
+        """Our slot for (frag, round_) once we enter that round (a request can come just before we do); None
+        when ``gone`` (the requester hung up) comes first or matchmaking_timeout passes."""
+        slot = self._current_slot(frag, round_)
+        deadline = time.monotonic() + self.matchmaking_timeout
+        while slot is None and not gone.done() and time.monotonic() < deadline:
+            await asyncio.wait({gone}, timeout=0.05)  # we may be about to enter this round
+            slot = self._current_slot(frag, round_)
+        return slot
+
+    async def _until_decided(self, slot: RoundSlot, gone: asyncio.Future) -> None:
+        """Wait until our slot decided (whom we follow, or that we lead) or ``gone`` (the requester hung up),
+        at most matchmaking_timeout + 5 s."""
+        decided = asyncio.ensure_future(slot.decided.wait())
+        try:
+            await asyncio.wait({decided, gone}, timeout=self.matchmaking_timeout + 5,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            decided.cancel()
 
     @staticmethod
     def _may_carry(slot: RoundSlot) -> bool:
