@@ -140,32 +140,36 @@
    does. So an identity whose claims never come true is waited for in about log2 of the rounds,
    and an honest peer that missed a round (a pause, a catch-up) and is slower than the others is
    waited for again one round later. ``OVERDUE_S`` without news forgets it.
-13. Gathering: the leader's work bounded by the group cap. With ``swarm.group_cap`` = G and at least 2G peers
-   due (by our view), the peers fall into 2^floor(log2(N/G)) *buckets* by a hash of the round's key and
-   their id (:func:`.formation.gather_buckets`, a power of two so that views a few peers apart agree); a
-   bucket's *head* is its best-ranked dialable peer (:func:`.formation.gather_head`), and the round's
-   leader heads its own bucket. A peer that does not head its bucket sends its early request to its
-   head instead of the presumable leader; the head asks the leader itself and *carries* the requests it
-   holds in its own (``riders``, then ``ride`` / ``unride`` frames as joiners come and hang up): the
-   leader admits, refuses or hints them with the head, proposes the group once to the head, which passes
-   the proposal on and brings back one link report for all, and answers with one ``batch`` naming each
-   one's reply. So the leader holds about N/G + 2G requests instead of N, each head up to 2G. A peer
-   carries only while it follows a leader it asked directly (one whose request a head carries refuses
-   with the usual hint), and a peer carrying requests never sends its own through a head. Gathering
-   changes nothing else: a rider's request is held, answered, refused or dropped by item 11's rules as any
-   request (a silent head, or one whose stream breaks, is dropped for the round and the bucket's next
-   head, or the leader, asked); but a rider whose wait is over while its head still holds its request
-   waits for the head's answer as long as the request allows, whoever it would ask itself: the head
-   applies item 11's rules to the leader as any direct follower does, and carries its riders on to
-   whom it asks next, so a bucket follows its head rather than each rider's own timing (riders that
-   dropped a leader at their own moments, while their heads still waited on it, split rounds). A head
-   that stalls its riders therefore holds them to the request's timeout: they miss that round.
-   A rider whose head fails it (silent, broken, expired) asks the leader directly. A head that leads after all admits its riders as joiners; one that ends its formation otherwise
-   answers the riders it still holds (closed, or round missed: they look again), and breaks the stream
-   of one it passed a proposal to and could not answer (the proposal's leader vanished: it fails the
-   round, as its head does). A hostile head can hold or drop its bucket's requests (item 11 bounds
-   that) or name riders that never asked: they are left out by the link check when they do not
-   answer it, or, when it answers for them, fail the round as a member that stalls does.
+13. Gathering: the leader's work bounded by the group cap (``swarm.gather``, off by default). With
+   ``swarm.group_cap`` = G and at least 2G peers due (by our view), the peers fall into 2^floor(log2(N/G))
+   *buckets* by a hash of the round's key and their id (:func:`.formation.gather_buckets`, a power of two
+   so that views a few peers apart agree); a bucket's *head* is its best-ranked dialable peer
+   (:func:`.formation.gather_head`), and the round's leader heads its own bucket. A peer that does not
+   head its bucket sends its early request to its head instead of the presumable leader; the head asks
+   the leader itself and *carries* the requests it holds in its own (``riders``, then ``ride`` /
+   ``unride`` frames as joiners come and hang up): the leader admits, refuses or hints them with the
+   head, proposes the group once to the head, which passes the proposal on and brings back one link
+   report for all, and answers with one ``batch`` naming each one's reply. So the leader holds about
+   N/G + 2G requests instead of N, each head up to 2G. A peer carries only while it follows a leader it
+   asked directly (one whose request a head carries refuses with the usual hint), and a peer carrying
+   requests never sends its own through a head. A head that leads after all admits its riders as
+   joiners; one whose formation ends otherwise answers the riders it still holds (closed, or round
+   missed: they look again), and breaks the stream of one it passed a proposal to and could not answer
+   (the proposal's leader vanished: the round fails for it as for its head).
+   Item 11's rules apply to a head as to a leader, with three changes. A rider drops a head that falls
+   silent or whose stream breaks and asks the bucket's next head (or the leader); but one whose wait is
+   over while its head still holds its request waits for the head's answer, whoever it would ask
+   itself, up to HEAD_LIMITS request timeouts (``joining.py``): the head applies item 11 to the leader
+   as any direct follower does and carries its riders on to whom it asks next, so a bucket follows its
+   head rather than each rider's own timing (riders that dropped a leader at their own moments, while
+   their heads still waited on it, split rounds). A head that stalls its riders therefore holds them
+   that long: they miss the round. A leader admits the ready peers whose head (by its view) did not
+   join it for SILENT_S longer than the join grace (a silent head's riders come late), and so join
+   requests wait that much longer for their first answer. A hostile head can also name riders that
+   never asked: they are left out by the link check when they do not answer it, or, when the head
+   answers for them, fail the round as a member that stalls does. Not yet safe: in simulation, stalling
+   identities that head buckets beside one that claims to be due and never comes still split gathered
+   rounds, which is why it is off by default.
 """
 from __future__ import annotations
 
