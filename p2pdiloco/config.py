@@ -375,7 +375,7 @@ class SwarmConfig:
     group_cap: int = 0
     #: with a cap, rounds of at least twice as many peers due form through bucket heads that carry their
     #: bucket's join requests to the round's leader (swarm/matchmaking.py, item 13): its requests about N/G +
-    #: 2G instead of N. Off by default: identities that stall join requests can still split such rounds
+    #: 2G instead of N. Off by default: identities that stall join requests make many more peers miss them
     gather: bool = False
 
     def validate(self) -> None:

@@ -46,10 +46,6 @@ WAIT_S = 2.0
 #: how long a joiner waits for the next frame from a peer that took its request (seconds): three missed
 #: ``wait`` frames; then the request ends unanswered and the holder counts as silent
 SILENT_S = 3 * WAIT_S
-#: how many request timeouts a rider gives the head carrying its request (matchmaking item 13): the head may
-#: hold it past stalling leaders it drops (a request timeout each) before one answers; a head that stalls
-#: its riders holds them this long (they miss the round)
-HEAD_LIMITS = 4
 #: the most join requests one carrier may bring (matchmaking item 13): a bucket holds up to twice the
 #: group cap, and views differ; past this the carrier's request is malformed
 MAX_RIDERS = 1024
@@ -96,14 +92,13 @@ class JoinRequests:
         waits for ready peers (``matchmaking_timeout``) and admits joiners (``join_grace``)."""
         return self.matchmaking_timeout + self.join_grace + 10
 
-    def _request_limit(self, slot: Optional[RoundSlot], via_head: bool) -> float:
+    def _request_limit(self, slot: Optional[RoundSlot]) -> float:
         """How long a join request with no timeout of its own waits for its first answer. With gathering on
-        (matchmaking item 13) a leader admits the peers behind a silent head longer than the join grace,
-        and a request a head carries waits HEAD_LIMITS times as long."""
+        (matchmaking item 13) a leader admits the peers behind a silent head longer than the join grace."""
         limit = self._request_timeout
         if slot is not None and slot.carry:
             limit += self._gather_grace - self.join_grace
-        return HEAD_LIMITS * limit if via_head else limit
+        return limit
 
     async def _join(self, leader: str, frag: int, round_: int, due: Optional[int] = None, timeout: Optional[float] = None,
                     watch: Optional[JoinWatch] = None) -> Tuple[Optional[Group], Optional[str]]:
@@ -139,7 +134,7 @@ class JoinRequests:
             watch.taken.set()
             if carried is not None:
                 syncing = asyncio.ensure_future(self._sync_riders(writer, slot, carried))
-            reply = await self._first_reply(reader, leader, timeout or self._request_limit(slot, via_head), watch)
+            reply = await self._first_reply(reader, leader, timeout or self._request_limit(slot), watch)
             syncing = await _stopped(syncing)  # from here on only the link check writes to the leader
             if reply.get("t") == "warm":  # the group is closing: warm our links first (matchmaking item 10)
                 proposed = True

@@ -159,17 +159,17 @@
    Item 11's rules apply to a head as to a leader, with three changes. A rider drops a head that falls
    silent or whose stream breaks and asks the bucket's next head (or the leader); but one whose wait is
    over while its head still holds its request waits for the head's answer, whoever it would ask
-   itself, up to HEAD_LIMITS request timeouts (``joining.py``): the head applies item 11 to the leader
-   as any direct follower does and carries its riders on to whom it asks next, so a bucket follows its
-   head rather than each rider's own timing (riders that dropped a leader at their own moments, while
-   their heads still waited on it, split rounds). A head that stalls its riders therefore holds them
-   that long: they miss the round. A leader admits the ready peers whose head (by its view) did not
+   itself, for the request's whole timeout: the head applies item 11 to the leader as any direct
+   follower does and carries its riders on to whom it asks next, so a bucket follows its head rather
+   than each rider's own timing (riders that dropped a leader at their own moments, while their heads
+   still waited on it, split rounds). A head that holds the request that long stalls, or waits on a
+   leader that does (and drops it about then): the rider drops both and asks the next candidate. A leader admits the ready peers whose head (by its view) did not
    join it for SILENT_S longer than the join grace (a silent head's riders come late), and so join
    requests wait that much longer for their first answer. A hostile head can also name riders that
    never asked: they are left out by the link check when they do not answer it, or, when the head
-   answers for them, fail the round as a member that stalls does. Not yet safe: in simulation, stalling
-   identities that head buckets beside one that claims to be due and never comes still split gathered
-   rounds, which is why it is off by default.
+   answers for them, fail the round as a member that stalls does. Not yet good enough: in simulation,
+   stalling identities beside one that claims to be due and never comes make many more peers miss
+   gathered rounds than ungathered ones, which is why it is off by default.
 """
 from __future__ import annotations
 
@@ -1116,6 +1116,11 @@ class Matchmaker(Leading, JoinRequests):
                 group, hint = answer or (None, None)
                 self._note_unanswered(a, holder, a.watch)
                 direct = holder != leader and group is None and hint is None  # our head failed us: ask it ourselves
+                if via_head and a.watch.expired and holder in a.stalled:
+                    # held for a whole request timeout: the head stalls, or the leader it waits on does (an
+                    # honest head drops that one about now): both dropped, the next candidate asked
+                    a.stalled.add(leader)
+                    direct = False
             if direct:
                 a.hang_up()  # it must not admit us while we join another leader
                 slot.via = None
