@@ -215,6 +215,9 @@ def test_reads_and_stores_ask_the_keys_nearest_nodes_only_and_leave_no_copies_be
             assert n.store_near("wide:progress", {"step": i, "pad": "x" * 300}, ttl=12) >= 3
         reader = SwarmNode(first.visible_maddrs(), host_maddrs=LOOP, client_mode=True)  # holds no copy itself
         nodes.append(reader)
+        # a node that just started knows few others: its nearest known nodes to the key may hold nothing (the
+        # full run at 883daba once read {} here); a lookup first, as every node above did, finds the holders
+        reader.lookup_near("wide:progress").result(timeout=30)
 
         def found(node: SwarmNode, rpc: str = "find:progress") -> list:
             return node.dht_ledger().get(rpc, [0, 0, 0])
